@@ -1,0 +1,422 @@
+"""The public API: load a checkpoint once, generate many times, as text or as a stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minidecode.models.llama import Transformer
+
+from .config import ModelConfig
+from .engine import Engine, GenerationStats, MemoryPlan, activation_bytes, check_context, free_memory
+from .errors import UserError
+from .loading import load_weights, resolve_model_dir
+from .sampling import SamplingParams
+from .tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "stdlib-tiny"
+SYNTHETIC = "synthetic:"
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # the new tokens only
+    prompt_token_ids: list[int]
+    finish_reason: str  # "eos", "stop" (a stop string) or "length"
+    stats: GenerationStats
+    logprobs: list[float] | None = None  # log p(token) of each new token, when asked for
+
+
+@dataclass
+class Stream:
+    """Iterate for text pieces as they are decoded; `.result` holds the full result afterwards."""
+
+    _pieces: Generator[str, None, GenerationResult]
+    result: GenerationResult | None = field(default=None, init=False)
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._pieces
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device 'cuda' was asked for but no CUDA GPU is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {device!r} (use cpu, cuda or cuda:N)")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:  # bf16 where it is fast, float32 on the CPU (where bf16 matmuls are slow)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise UserError(f"unsupported dtype {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class LLM:
+    """A loaded model. `LLM()` with no model uses the small model shipped with minidecode."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        prefill_chunk: int | None = None,
+        cuda_graph: bool = True,
+    ):
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.name = str(model) if model is not None else "stdlib-tiny (shipped with minidecode)"
+        self.synthetic = str(model).startswith(SYNTHETIC)
+        if self.synthetic:
+            self.model_dir = None
+            self.config = synthetic_config(str(model))
+            self.tokenizer = ByteTokenizer(self.config.vocab_size)
+            self.generation_defaults, self.eos_ids = SamplingParams(), set()
+        else:
+            self.model_dir = resolve_model_dir(DEFAULT_MODEL if model is None else model)
+            self.config = ModelConfig.from_file(self.model_dir / "config.json")
+            self.tokenizer = Tokenizer(self.model_dir)
+            self.generation_defaults, self.eos_ids = self._generation_config()
+        weights = self.config.num_parameters() * self.dtype.itemsize
+        free = free_memory(self.device)
+        if weights > free:
+            raise UserError(
+                f"the weights need {_gib(weights)} but only {_gib(free)} is free on {self.device}; "
+                "use a smaller dtype or another device"
+            )
+        with torch.device("meta"):
+            self.model = Transformer(self.config)
+        if self.synthetic:
+            init_random_weights(self.model, self.device, self.dtype)
+        else:
+            load_weights(self.model, self.model_dir, self.device, self.dtype)
+        self.model.setup_rope(self.device)
+        self.model.eval()
+        self.engine = Engine(self.model, self.device, self.dtype, prefill_chunk, use_cuda_graph=cuda_graph)
+
+    def _generation_config(self) -> tuple[SamplingParams, set[int]]:
+        eos = set(self.config.eos_token_ids)
+        defaults = SamplingParams()
+        path = self.model_dir / "generation_config.json"
+        if path.exists():
+            try:
+                gen = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path} is not valid JSON: {e}") from None
+            ids = gen.get("eos_token_id")
+            eos |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+            if gen.get("do_sample"):
+                defaults = SamplingParams(
+                    temperature=float(gen.get("temperature") or 1.0),
+                    top_k=int(gen.get("top_k") or 0),
+                    top_p=float(gen.get("top_p") or 1.0),
+                )
+        eos_text = self.tokenizer.token_id(self.tokenizer.eos_token)
+        if not eos and eos_text is not None:
+            eos.add(eos_text)
+        return defaults, {int(i) for i in eos}
+
+    # ---- inputs -------------------------------------------------------------------------
+    def encode_prompt(
+        self,
+        prompt: str | None = None,
+        token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+    ) -> list[int]:
+        given = [x is not None for x in (prompt, token_ids, messages)]
+        if sum(given) != 1:
+            raise UserError("give exactly one of prompt, token_ids or messages")
+        if messages is not None:
+            ids = self.tokenizer.encode_chat(messages)
+        elif token_ids is not None:
+            ids = [int(t) for t in token_ids]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise UserError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        else:
+            if not isinstance(prompt, str):
+                raise UserError("prompt must be a string")
+            ids = self.tokenizer.encode_long(prompt)
+        if not ids or (prompt is not None and not prompt):
+            raise UserError("the prompt is empty")
+        return ids
+
+    def sampling_params(
+        self, temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None
+    ) -> SamplingParams:
+        d = self.generation_defaults
+        params = SamplingParams(
+            temperature=d.temperature if temperature is None else float(temperature),
+            top_k=d.top_k if top_k is None else int(top_k),
+            top_p=d.top_p if top_p is None else float(top_p),
+            seed=seed,
+        )
+        params.validate()
+        return params
+
+    def memory_plan(self, max_context: int) -> MemoryPlan:
+        return self.engine.plan(max_context)
+
+    def random_prompt(self, num_tokens: int, seed: int = 0) -> list[int]:
+        """A prompt of exactly num_tokens random ids (benchmarks, synthetic models)."""
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(0, self.config.vocab_size, (num_tokens,), generator=generator).tolist()
+
+    # ---- generation ---------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        max_new_tokens: int = 256,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+        max_context: int | None = None,
+        allow_extrapolation: bool = False,
+        logprobs: bool = False,
+        on_prefill_progress: Callable[[int, int], None] | None = None,
+    ) -> Stream:
+        """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
+        character); after iteration, `.result` is the GenerationResult."""
+        t_request = time.perf_counter()
+        ids = self.encode_prompt(prompt, token_ids, messages)
+        params = self.sampling_params(temperature, top_k, top_p, seed)
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise UserError("stop strings must be non-empty")
+        needed = len(ids) + max_new_tokens
+        if max_context is None:
+            max_context = needed
+        elif max_context < needed:
+            raise UserError(
+                f"max_context {max_context:,} is less than prompt ({len(ids):,}) + "
+                f"max_new_tokens ({max_new_tokens:,}) = {needed:,}"
+            )
+        # Synthetic models are noise at any length: only their speed matters, so no position limit.
+        check_context(
+            max_context,
+            self.config.max_position_embeddings,
+            self.config.sliding_window,
+            allow_extrapolation or self.synthetic,
+        )
+        self.engine.ensure_cache(max_context)  # refuse here, before anything streams
+        pieces = self._pieces(
+            ids, max_new_tokens, params, stops, max_context, logprobs, on_prefill_progress, t_request
+        )
+        return Stream(pieces)
+
+    def _pieces(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        max_context: int,
+        want_logprobs: bool,
+        on_progress,
+        t_request: float,
+    ) -> Generator[str, None, GenerationResult]:
+        stats = GenerationStats()
+        decoder = StreamDecoder(self.tokenizer)
+        new_ids: list[int] = []
+        logprobs: list[float] = []
+        text, emitted = "", 0  # all text decoded so far; how much of it was handed out
+        hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
+        finish = "length"
+        tokens = self.engine.generate(
+            ids,
+            max_new_tokens,
+            params,
+            self.eos_ids,
+            max_context,
+            stats,
+            on_progress,
+            want_logprobs,
+            t_request,
+        )
+        with _closing(tokens):
+            for token, logprob in tokens:
+                if token in self.eos_ids:
+                    finish = "eos"
+                    break
+                new_ids.append(token)
+                if logprob is not None:
+                    logprobs.append(logprob)
+                text += decoder.push(token)
+                cut = _find_stop(text, stops, emitted - hold)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+                if len(text) - hold > emitted:
+                    yield text[emitted : len(text) - hold]
+                    emitted = len(text) - hold
+            if finish != "stop":
+                text += decoder.flush()
+        if len(text) > emitted:
+            yield text[emitted:]
+        return GenerationResult(
+            text=text,
+            token_ids=new_ids,
+            prompt_token_ids=ids,
+            finish_reason=finish,
+            stats=stats,
+            logprobs=logprobs if want_logprobs else None,
+        )
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Generate a continuation of `prompt` (or of `token_ids=`, or a chat reply to
+        `messages=`). Sampling defaults come from the checkpoint's generation_config.json
+        (greedy when it does not sample); temperature=0 is greedy."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""
+        tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        return self.model.logits(self.model.prefill(tokens)[0])
+
+
+class _closing:
+    """Close a generator on exit, so the engine's `finally` fills in the stats."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def __enter__(self):
+        return self.gen
+
+    def __exit__(self, *exc):
+        self.gen.close()
+
+
+def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
+    """Index where the earliest stop string begins in text, searching only new text."""
+    hits = [i for s in stops if (i := text.find(s, max(0, search_from))) >= 0]
+    return min(hits) if hits else None
+
+
+_default_llm: LLM | None = None
+
+
+def generate(
+    prompt: str | None = None,
+    *,
+    model: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    **kwargs,
+) -> GenerationResult:
+    """One-call convenience: load `model` (kept for the next call with the same arguments) and
+    generate. `minidecode.generate("def fib(n):")` uses the shipped model."""
+    global _default_llm
+    key = (str(model), device, dtype)
+    if _default_llm is None or getattr(_default_llm, "_key", None) != key:
+        _default_llm = LLM(model, device=device, dtype=dtype)
+        _default_llm._key = key
+    return _default_llm.generate(prompt, **kwargs)
+
+
+def synthetic_config(name: str) -> ModelConfig:
+    from minidecode.models.presets import PRESETS, preset_config
+
+    preset = name.removeprefix(SYNTHETIC)
+    if preset not in PRESETS:
+        raise UserError(f"unknown synthetic model {preset!r}; known: {', '.join(PRESETS)}")
+    return preset_config(preset)
+
+
+@torch.no_grad()
+def init_random_weights(model: Transformer, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+    """Materialise a meta-device model with random weights (std 0.02, norms at 1), one tensor at a
+    time on the device: a 70B shape never touches host memory."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data = torch.ones(p.shape, dtype=dtype, device=device)
+        else:
+            p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(0, 0.02, generator=generator)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def describe(
+    model: str | Path | None,
+    context: int | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    prefill_chunk: int | None = None,
+) -> str:
+    """What `minidecode info` prints: architecture, size, context and a memory plan (no weights loaded)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if model is not None and str(model).startswith(SYNTHETIC):
+        cfg, source = synthetic_config(str(model)), "random weights (synthetic)"
+    else:
+        model_dir = resolve_model_dir(DEFAULT_MODEL if model is None else model)
+        cfg, source = ModelConfig.from_file(model_dir / "config.json"), str(model_dir)
+    context = context or cfg.max_position_embeddings
+    if context < 1:
+        raise UserError(f"context must be >= 1, got {context}")
+    weights = cfg.num_parameters() * dt.itemsize
+    kv = cfg.kv_bytes_per_token(dt.itemsize) * context
+    chunk = prefill_chunk or (8192 if dev.type == "cuda" else 2048)
+    act = activation_bytes(cfg, chunk, dt, dev)
+    free = free_memory(dev)
+    rope = cfg.rope.rope_type + (f" x{cfg.rope.factor:g}" if cfg.rope.factor else "")
+    lines = [
+        f"model        {model or 'stdlib-tiny (shipped)'}  [{source}]",
+        f"architecture {cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"MLP {cfg.intermediate_size}, heads {cfg.num_heads} q / {cfg.num_kv_heads} kv x {cfg.head_dim}",
+        f"parameters   {cfg.num_parameters() / 1e9:.3f} B ({_gib(weights)} in {str(dt)[6:]})",
+        f"vocabulary   {cfg.vocab_size:,}; tied embeddings: {cfg.tie_word_embeddings}",
+        f"context      {cfg.max_position_embeddings:,} positions; RoPE {rope}, theta {cfg.rope.theta:g}"
+        + (f"; sliding window {cfg.sliding_window:,}" if cfg.sliding_window else ""),
+        f"memory plan  at {context:,} tokens on {dev}: weights {_gib(weights)} + KV cache {_gib(kv)} "
+        f"({cfg.kv_bytes_per_token(dt.itemsize) // 1024} KiB/token) + activations {_gib(act)} "
+        f"= {_gib(weights + kv + act)}; free now {_gib(free)} -> "
+        + ("fits" if weights + kv + act <= free else "DOES NOT FIT"),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Checkpoint files -> weights on the device: a local folder or a hub repo id, single or sharded
+safetensors, loaded tensor by tensor straight to the target device and dtype."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .errors import UserError
+
+# What generation needs from a hub repo; never the .bin / .pth duplicates of the weights.
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "*.safetensors",
+    "model.safetensors.index.json",
+]
+# Tensors some checkpoints carry that the model recomputes or shares: skipped quietly.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A local checkpoint folder, or a hub repo id resolved through huggingface_hub's cache
+    (which honours HF_HUB_OFFLINE and HF_HOME)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    text = str(model)
+    looks_like_repo_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.exists()
+    if not looks_like_repo_id:
+        raise UserError(f"model path {text!r} is not a directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_FILES))
+    except Exception as e:  # offline, unknown repo, gated, no network: all user-fixable
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"model {text!r} is not a local directory and could not be fetched from the hub "
+            f"(offline, or no such repo?): {reason}"
+        ) from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise UserError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise UserError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"no *.safetensors weights in {model_dir} (.bin/.pth checkpoints are not supported)")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Fill `model` (built on the meta device) with the checkpoint's tensors.
+
+    Each tensor is read from its file straight onto `device` and cast to `dtype`, so an 8B model
+    never has a full copy in host memory. Every expected tensor must be present with the right
+    shape, and no unexpected one may appear: a wrong checkpoint fails loudly, naming tensors.
+    """
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected, misshapen = [], []
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for file in weight_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                        continue
+                    if name not in expected:
+                        unexpected.append(name)
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tensor.shape != expected[name]:
+                        misshapen.append(f"{name} {tuple(tensor.shape)} (expected {tuple(expected[name])})")
+                        continue
+                    loaded[name] = tensor.to(dtype)
+        except UserError:
+            raise
+        except Exception as e:  # safetensors raises its own error type for bad headers / truncation
+            raise UserError(f"could not read {file.name}: {str(e).strip() or type(e).__name__}") from None
+    missing = [name for name in expected if name not in loaded]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_names(missing)}")
+    if misshapen:
+        problems.append(f"misshapen tensors: {_names(misshapen)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_names(unexpected)}")
+    if problems:
+        raise UserError(f"checkpoint in {model_dir} does not match its config.json: " + "; ".join(problems))
+    model.load_state_dict(loaded, strict=True, assign=True)
+
+
+def _names(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -1,0 +1,181 @@
+"""Tokenizer: tokenizer.json through `tokenizers`, chat templates, and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import UserError
+
+_NEWLINE_THEN_TEXT = re.compile(r"\n(?=\S)")
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise UserError(f"no tokenizer.json in {model_dir}")
+        try:
+            self.backend = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise UserError(f"could not read {path}: {e}") from None
+        config_path = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # a list of named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = model_dir / "chat_template.jinja"
+        if jinja_file.exists():
+            template = jinja_file.read_text()
+        self.chat_template: str | None = template
+        spec = json.loads(self.backend.to_str())
+        # Splitting a long text is exact only when pre-tokens never span a newline and nothing
+        # is prepended to each piece: byte-level pre-tokenization with no normalizer.
+        self._splittable = spec.get("normalizer") is None and "ByteLevel" in json.dumps(
+            spec.get("pre_tokenizer")
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, text: str | None) -> int | None:
+        return None if text is None else self.backend.token_to_id(text)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """BOS (and anything else) is added exactly as the tokenizer's post-processor says."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_long(
+        self, text: str, add_special_tokens: bool = True, piece_chars: int = 1 << 20
+    ) -> list[int]:
+        """Encode a long text (a 512k-token file) in pieces with the batch encoder, which runs in
+        parallel threads. Pieces end after a newline that is followed by a non-space character:
+        byte-level pre-tokenizers of the Llama family never join such a pair, so the pieces'
+        ids concatenate to the whole text's ids."""
+        if len(text) <= piece_chars or not self._splittable:
+            return self.encode(text, add_special_tokens)
+        pieces, begin = [], 0
+        while begin < len(text):
+            cut = _NEWLINE_THEN_TEXT.search(text, begin + piece_chars)
+            end = cut.end() if cut else len(text)
+            pieces.append(text[begin:end])
+            begin = end
+        ids = self.encode("", add_special_tokens) if add_special_tokens else []
+        for enc in self.backend.encode_batch(pieces, add_special_tokens=False):
+            ids.extend(enc.ids)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """Render messages with the checkpoint's chat template, ending with the assistant prompt."""
+        if not self.chat_template:
+            raise UserError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
+            raise UserError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise UserError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                add_generation_prompt=True,
+            )
+        except jinja2.TemplateError as e:
+            raise UserError(f"chat template failed to render: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template writes BOS itself: encoding it without special tokens avoids a double BOS
+        # (what transformers' apply_chat_template does too).
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns token ids into text pieces as they arrive, never emitting a broken UTF-8 character.
+
+    It decodes a short window of recent tokens twice (with and without the newest ones) and
+    emits the difference once that text no longer ends in U+FFFD (an incomplete byte sequence);
+    the window keeps tokenizers that strip a leading space from seeing a "first" token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = 0  # tokens up to here have been emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        emitted = decode(self.ids[self.prefix_offset : self.read_offset])
+        text = decode(self.ids[self.prefix_offset :])
+        if len(text) > len(emitted) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return text[len(emitted) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (e.g. an incomplete character)."""
+        emitted = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(emitted) :]
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):  # AddedToken serialised as a dict
+        return token.get("content")
+    return token
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer for synthetic (random-weight) models, which ship no tokenizer: text
+    maps to its UTF-8 bytes (ids 0-255), other ids decode as `<id>`. Honest, not pretty."""
+
+    bos_token = eos_token = chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def token_id(self, text: str | None) -> int | None:
+        return None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    encode_long = encode
+
+    def decode(self, ids: list[int]) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append(f"<{i}>")
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        raise UserError("synthetic models have no chat template")
