@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minidecode.kernels.prefill import choose_backend
 from minidecode.models.llama import Transformer
 
 from .cache import KVCache
@@ -69,18 +70,24 @@ def free_memory(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def activation_bytes(cfg: ModelConfig, prefill_chunk: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Peak temporaries of one prefill chunk plus a decode step's logits (an estimate with
-    margin: hidden states, q/k/v, attention output, the MLP's three intermediates)."""
+def activation_bytes(
+    cfg: ModelConfig, prompt_len: int, chunk: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Peak temporaries of the layer-major prefill (an estimate with margin): the residual stream
+    and the q / attention-output buffer over the whole prompt, one head group's attention output,
+    and one chunk's projections and MLP intermediates; plus a decode step's logits."""
+    T, c = prompt_len, min(chunk, prompt_len)
+    whole_prompt = T * (cfg.hidden_size + cfg.num_heads * cfg.head_dim + cfg.group_size * cfg.head_dim)
     per_row = (
-        6 * cfg.hidden_size
+        4 * cfg.hidden_size
         + 3 * cfg.intermediate_size
         + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     )
-    rope = prefill_chunk * cfg.head_dim * 8 * 2  # float64 angles
+    rope = c * cfg.head_dim * 8 * 2  # float64 angles
+    lse = T * cfg.group_size * 4  # SDPA's float32 log-sum-exp
     logits = 4 * cfg.vocab_size * 4
     margin = 512 * 2**20 if device.type == "cuda" else 64 * 2**20  # library workspaces
-    return prefill_chunk * per_row * dtype.itemsize + rope + logits + margin
+    return (whole_prompt + c * per_row) * dtype.itemsize + rope + lse + logits + margin
 
 
 def _gib(n: int) -> str:
@@ -104,25 +111,30 @@ class Engine:
         self.cache: KVCache | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
+        # One generator for the engine's life: a captured graph is bound to it; re-seeded per request.
+        self._generator = torch.Generator(device=device)
 
     # ---- memory -------------------------------------------------------------------------
-    def plan(self, max_context: int, batch: int = 1) -> MemoryPlan:
+    def plan(self, max_context: int, prompt_len: int, batch: int = 1) -> MemoryPlan:
         cfg = self.config
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv = KVCache.bytes_needed(
             cfg.num_layers, batch, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype
         )
         free = free_memory(self.device)
-        if self.cache is not None:  # the current cache will be freed first
-            free += self.cache.k.numel() * self.cache.k.element_size() * 2
-        activations = activation_bytes(cfg, self.prefill_chunk, self.dtype, self.device)
+        activations = activation_bytes(cfg, prompt_len, self.prefill_chunk, self.dtype, self.device)
         return MemoryPlan(weights, kv, activations, free, str(self.device))
 
-    def ensure_cache(self, max_context: int) -> KVCache:
+    def ensure_cache(self, max_context: int, prompt_len: int) -> KVCache:
+        """A cache of at least max_context positions, after checking that it and the prefill of a
+        prompt_len-token prompt fit in free memory (refusing with what to change if not)."""
         cfg = self.config
-        if self.cache is not None and self.cache.fits(1, max_context, self.dtype, self.device):
-            return self.cache
-        plan = self.plan(max_context)
+        reuse = self.cache is not None and self.cache.fits(1, max_context, self.dtype, self.device)
+        if not reuse:  # free a cache that is too small before measuring what is free
+            self.cache = self._graph = self._graph_key = None
+        plan = self.plan(max_context, prompt_len)
+        if reuse:
+            plan.kv_cache_bytes = 0  # already allocated
         if not plan.fits:
             per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
             fit_tokens = max(0, (plan.free_bytes - plan.activation_bytes) // per_token)
@@ -132,10 +144,14 @@ class Engine:
                 f"{plan.device}; lower the prompt length, max_new_tokens or --max-context "
                 f"(about {fit_tokens:,} tokens fit)"
             )
-        self.cache = self._graph = self._graph_key = None
-        self.cache = KVCache(
-            cfg.num_layers, 1, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype, self.device
-        )
+        if not reuse:
+            # The decode step's static buffers live as long as the cache: a captured graph uses them.
+            self._tokens = torch.zeros(1, dtype=torch.long, device=self.device)  # [B] last / next token
+            self._positions = torch.zeros(1, dtype=torch.long, device=self.device)  # [B] next position
+            self._logprob = torch.zeros(1, dtype=torch.float32, device=self.device)  # [B]
+            self.cache = KVCache(
+                cfg.num_layers, 1, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype, self.device
+            )
         return self.cache
 
     # ---- prefill ------------------------------------------------------------------------
@@ -144,13 +160,11 @@ class Engine:
         self, prompt: torch.Tensor, on_progress: Callable[[int, int], None] | None = None
     ) -> torch.Tensor:
         """prompt [1, T] -> float32 logits [1, V] of the last position; fills the cache."""
-        T = prompt.shape[1]
-        hidden = None
-        for start in range(0, T, self.prefill_chunk):
-            chunk = prompt[:, start : start + self.prefill_chunk]
-            hidden = self.model.prefill(chunk, start, self.cache, rope_len=T)[:, -1]
-            if on_progress is not None:
-                on_progress(start + chunk.shape[1], T)
+        T, layers = prompt.shape[1], self.config.num_layers
+        backend = choose_backend(self.device, self.config.head_dim, self.config.group_size, self.dtype)
+        # Layer-major prefill: progress is whole layers over the whole prompt.
+        report = None if on_progress is None else (lambda i: on_progress(T * (i + 1) // layers, T))
+        hidden = self.model.prefill(prompt, self.cache, self.prefill_chunk, backend=backend, on_layer=report)
         return self.model.logits(hidden)
 
     # ---- decode -------------------------------------------------------------------------
@@ -159,40 +173,38 @@ class Engine:
         tokens [B] (in: last token, out: next token), positions [B] (+= 1), logprob [B]."""
         hidden = self.model.decode(self._tokens, self._positions, self.cache)
         logits = self.model.logits(hidden)  # [B, V] float32
-        nxt = sample(logits, self._params, self._generator)
+        nxt = sample(logits, self._params, self._generator)  # [B]
         if self._want_logprobs:
             self._logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
         self._tokens.copy_(nxt)
         self._positions.add_(1)
 
-    def _step_fn(self) -> Callable[[], None]:
-        """The step to run: a CUDA graph replay on CUDA (captured once per cache and sampling
-        setting, valid for every later context length), the eager step elsewhere."""
+    def _prepare_decode(self, params: SamplingParams, want_logprobs: bool) -> Callable[[], None]:
+        """The decode step to run: a CUDA graph replay on CUDA, the eager step elsewhere.
+
+        The graph is captured once per cache and sampling setting, before prefill (so capture
+        stays out of the decode timing), and stays valid for every later context length: it
+        reads the position from a device buffer and the kernel derives its schedule from it.
+        Capture runs a real step at position 0, whose K/V the prefill then overwrites."""
+        self._params, self._want_logprobs = params, want_logprobs
         if not self.use_cuda_graph:
             return self._decode_step
-        key = (
-            id(self.cache),
-            self._params.temperature,
-            self._params.top_k,
-            self._params.top_p,
-            self._want_logprobs,
-            self._generator is not None,
-        )
+        key = (id(self.cache), params.temperature, params.top_k, params.top_p, want_logprobs)
         if self._graph_key != key:
             self._graph = None
-            saved = (self._tokens.clone(), self._positions.clone())
+            self._positions.zero_()
+            self._tokens.zero_()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: kernel workspaces, cuBLAS handles
+            with torch.cuda.stream(stream):  # warm-up: kernel workspaces, cuBLAS handles, compilation
                 self._decode_step()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            if self._generator is not None:
+            if not params.greedy:
                 graph.register_generator_state(self._generator)
+            self._positions.zero_()
             with torch.cuda.graph(graph):
                 self._decode_step()
-            self._tokens.copy_(saved[0])  # warm-up and capture advanced the buffers: restore
-            self._positions.copy_(saved[1])
             self._graph, self._graph_key = graph, key
         return self._graph.replay
 
@@ -216,31 +228,28 @@ class Engine:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.ensure_cache(max_context)
-        self._params, self._want_logprobs = params, want_logprobs
-        self._generator = None
-        if not params.greedy:
-            self._generator = torch.Generator(device=self.device)
-            if params.seed is None:
-                self._generator.seed()
-            else:
-                self._generator.manual_seed(params.seed)
+        self.ensure_cache(max_context, len(prompt_ids))
+        if params.seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(params.seed)
+        step = self._prepare_decode(params, want_logprobs)
         stats.prompt_tokens = len(prompt_ids)
 
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
         logits = self.prefill(prompt, on_progress)
         first = sample(logits, params, self._generator)  # [1]
-        first_logprob = logits.log_softmax(-1).gather(-1, first[:, None])[:, 0] if want_logprobs else None
-        token = int(first.item())  # waits for the prefill
+        self._tokens.copy_(first)
+        self._positions.fill_(len(prompt_ids))
+        if want_logprobs:
+            self._logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
+        token, logprob = int(first.item()), (float(self._logprob[0]) if want_logprobs else None)
         t_first = time.perf_counter()
         stats.prefill_seconds = t_first - t0
         stats.prefill_tokens_per_s = len(prompt_ids) / max(stats.prefill_seconds, 1e-9)
         stats.time_to_first_token = t_first - t_request
 
-        self._tokens = first.clone()
-        self._positions = torch.full((1,), len(prompt_ids), dtype=torch.long, device=self.device)
-        self._logprob = torch.zeros(1, dtype=torch.float32, device=self.device)
         # Each step's output token is copied to pinned host memory and the next step is launched
         # before the host waits for that copy: the GPU never idles while the host streams text.
         host_tokens = torch.empty(1, dtype=torch.long, pin_memory=cuda)
@@ -249,10 +258,9 @@ class Engine:
         produced = 0
         try:
             stats.new_tokens = produced = 1
-            yield token, (float(first_logprob.item()) if want_logprobs else None)
+            yield token, logprob
             if token in eos_ids or max_new_tokens <= 1:
                 return
-            step = self._step_fn()
             step()
             while True:
                 host_tokens.copy_(self._tokens, non_blocking=True)
@@ -261,13 +269,12 @@ class Engine:
                 if copied is not None:
                     copied.record()
                 if produced + 1 < max_new_tokens:
-                    step()  # speculatively run the next step while this token is handed out
+                    step()  # run the next step while this token is handed out
                 if copied is not None:
                     copied.synchronize()
                 token = int(host_tokens[0])
                 produced += 1
                 stats.new_tokens = produced
-                stats.decode_seconds = time.perf_counter() - t_first
                 yield token, (float(host_logprob[0]) if want_logprobs else None)
                 if token in eos_ids or produced >= max_new_tokens:
                     return

@@ -12,6 +12,7 @@ import torch
 
 from minidecode.models.llama import Transformer
 
+from .cache import KVCache
 from .config import ModelConfig
 from .engine import Engine, GenerationStats, MemoryPlan, activation_bytes, check_context, free_memory
 from .errors import UserError
@@ -185,8 +186,8 @@ class LLM:
         params.validate()
         return params
 
-    def memory_plan(self, max_context: int) -> MemoryPlan:
-        return self.engine.plan(max_context)
+    def memory_plan(self, max_context: int, prompt_len: int | None = None) -> MemoryPlan:
+        return self.engine.plan(max_context, prompt_len or max_context)
 
     def random_prompt(self, num_tokens: int, seed: int = 0) -> list[int]:
         """A prompt of exactly num_tokens random ids (benchmarks, synthetic models)."""
@@ -236,7 +237,7 @@ class LLM:
             self.config.sliding_window,
             allow_extrapolation or self.synthetic,
         )
-        self.engine.ensure_cache(max_context)  # refuse here, before anything streams
+        self.engine.ensure_cache(max_context, len(ids))  # refuse here, before anything streams
         pieces = self._pieces(
             ids, max_new_tokens, params, stops, max_context, logprobs, on_prefill_progress, t_request
         )
@@ -313,7 +314,12 @@ class LLM:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""
         tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        return self.model.logits(self.model.prefill(tokens)[0])
+        cfg = self.config
+        cache = KVCache(
+            cfg.num_layers, 1, cfg.num_kv_heads, len(token_ids), cfg.head_dim, self.dtype, self.device
+        )
+        hidden = self.model.prefill(tokens, cache, self.engine.prefill_chunk, last_only=False)
+        return self.model.logits(hidden[0])
 
 
 class _closing:
@@ -403,7 +409,7 @@ def describe(
     weights = cfg.num_parameters() * dt.itemsize
     kv = cfg.kv_bytes_per_token(dt.itemsize) * context
     chunk = prefill_chunk or (8192 if dev.type == "cuda" else 2048)
-    act = activation_bytes(cfg, chunk, dt, dev)
+    act = activation_bytes(cfg, context, chunk, dt, dev)
     free = free_memory(dev)
     rope = cfg.rope.rope_type + (f" x{cfg.rope.factor:g}" if cfg.rope.factor else "")
     lines = [

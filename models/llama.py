@@ -1,23 +1,24 @@
 """One decoder for Llama, Mistral, Qwen2 and Qwen3, switched by config flags.
 
 Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so checkpoint
-tensors load by name with no renaming. Two entry points:
-- `prefill`: T new tokens per sequence, attention through PyTorch SDPA (flash on GPU);
+tensors load by name with no renaming. Two entry points, both writing K/V into the runtime's
+contiguous cache:
+- `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA;
 - `decode`: one new token per sequence, attention through the lean decode kernel.
-Both write K/V into the runtime's contiguous cache; without a cache, `prefill` is plain causal
-self-attention (scoring and training).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from minidecode.kernels.decode import decode_attention
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
+from minidecode.kernels.decode import decode_attention
+from minidecode.kernels.prefill import causal_attention
 
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -58,40 +59,6 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-    def prefill(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        start: int,
-        kv: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """x [B, T, hidden] at positions start..start+T-1 -> [B, T, hidden]."""
-        B, T, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
-        q = q.transpose(1, 2)  # [B, Hq, T, D]
-        if kv is None:
-            assert start == 0, "without a cache, attention sees only this call's tokens"
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
-        else:
-            k_cache, v_cache = kv  # [B, Hkv, S, D]
-            k_cache[:, :, start : start + T] = k.transpose(1, 2)
-            v_cache[:, :, start : start + T] = v.transpose(1, 2)
-            keys, values = k_cache[:, :, : start + T], v_cache[:, :, : start + T]
-        # Causal with the query block aligned to the end of the keys (lower right): a chunk at
-        # `start` sees every earlier position. Never an L x L mask: flash handles both natively.
-        mask = None if start == 0 else causal_lower_right(T, start + T)
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=start == 0,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
     def decode(
         self,
@@ -162,23 +129,55 @@ class Transformer(nn.Module):
         return F.linear(hidden, weight).float()
 
     def prefill(
-        self, tokens: torch.Tensor, start: int = 0, cache: KVCache | None = None, rope_len: int | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        chunk: int = 8192,
+        rope_len: int | None = None,
+        backend: str | None = None,
+        last_only: bool = True,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """tokens [B, T] at positions start..start+T-1 -> final-normed hidden states [B, T, hidden].
+        """tokens [B, T] at positions 0..T-1 -> final-normed hidden [B, hidden] (last position) or
+        [B, T, hidden]; fills cache positions 0..T-1.
 
-        rope_len: the sequence length dynamic/long RoPE scale for (transformers: the longest
-        position of the forward pass + 1); a chunked prefill passes the whole prompt's length.
+        Layer-major: each layer runs over the whole prompt before the next starts. Projections
+        and the MLP go `chunk` rows at a time (bounded temporaries); attention is one square
+        causal SDPA call per KV head over the whole prompt, which is cuDNN's fastest case on
+        Hopper, and its output overwrites that head group's queries. Beyond the weights and
+        cache this holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out.
+        rope_len: the sequence length dynamic/long RoPE scales for (transformers: longest
+        position + 1), i.e. T unless the caller knows better.
         """
+        cfg = self.config
         B, T = tokens.shape
-        positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        seq_len = torch.tensor(rope_len or start + T, device=tokens.device)
-        cos, sin = self.rope.cos_sin(positions, seq_len)  # [B, T, D]
-        x = self.model.embed_tokens(tokens)
+        G, D = cfg.group_size, cfg.head_dim
+        seq_len = torch.tensor(rope_len or T, device=tokens.device)
+        x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
+        q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
         for i, layer in enumerate(self.model.layers):
-            kv = cache.layer(i) if cache is not None else None
-            x = x + layer.self_attn.prefill(layer.input_layernorm(x), cos, sin, start, kv)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x)
+            attn = layer.self_attn
+            k_cache, v_cache = cache.layer(i)  # [B, Hkv, S, D]
+            for s in range(0, T, chunk):
+                e = min(s + chunk, T)
+                positions = torch.arange(s, e, device=x.device).expand(B, e - s)
+                cos, sin = self.rope.cos_sin(positions, seq_len)  # [B, c, D]
+                q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)  # [B, c, H, D]
+                q_all[:, :, s:e] = q.transpose(1, 2)
+                k_cache[:, :, s:e] = k.transpose(1, 2)
+                v_cache[:, :, s:e] = v.transpose(1, 2)
+            for h in range(cfg.num_kv_heads):
+                group = q_all[:, h * G : (h + 1) * G]  # [B, G, T, D]
+                keys, values = k_cache[:, h : h + 1, :T], v_cache[:, h : h + 1, :T]  # [B, 1, T, D]
+                group.copy_(causal_attention(group, keys, values, attn.scale, backend))
+            for s in range(0, T, chunk):
+                e = min(s + chunk, T)
+                out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
+                x[:, s:e] += attn.o_proj(out)
+                x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
+            if on_layer is not None:
+                on_layer(i)
+        return self.model.norm(x[:, -1] if last_only else x)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [B], positions [B] int64 on the device -> final-normed hidden [B, hidden].
