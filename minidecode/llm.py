@@ -122,6 +122,7 @@ class LLM:
             init_random_weights(self.model, self.device, self.dtype)
         else:
             load_weights(self.model, self.model_dir, self.device, self.dtype)
+        self.model.fuse_projections()
         self.model.setup_rope(self.device)
         self.model.eval()
         self.engine = Engine(self.model, self.device, self.dtype, prefill_chunk, use_cuda_graph=cuda_graph)

@@ -18,6 +18,7 @@ from torch import nn
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
 from minidecode.kernels.decode import decode_attention
+from minidecode.kernels.fused import add_rms_norm, rope_and_cache, silu_mul
 from minidecode.kernels.prefill import causal_attention
 
 from .rope import RotaryEmbedding, apply_rotary
@@ -45,40 +46,44 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.norm_eps = cfg.qk_norm, cfg.rms_norm_eps
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """One [(Hq + 2 Hkv) * D, hidden] weight for q, k and v, so each step runs one GEMV; the
+        q/k/v parameters become views into it (checkpoint names and state_dict unchanged)."""
+        self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, hidden] -> rotated q [B, T, Hq, D], k [B, T, Hkv, D], and v [B, T, Hkv, D]."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, -1, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def decode(
         self,
-        x: torch.Tensor,
+        h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
+        lengths: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """x [B, 1, hidden]; positions [B] int64 (where the new token goes) -> [B, 1, hidden]."""
-        B = x.shape[0]
-        q, k, v = self.project(x, cos, sin)
+        """h [B, hidden] (normed); cos/sin [B, D]; positions [B] int64 where the new token goes;
+        lengths [B] int32 = positions + 1 -> attention output projected, [B, hidden]."""
+        B = h.shape[0]
         k_cache, v_cache = kv  # [B, Hkv, S, D]
-        batch = torch.arange(B, device=x.device)
-        # index_put with device-side positions: no host sync, safe inside a CUDA graph.
-        k_cache[batch, :, positions] = k[:, 0]
-        v_cache[batch, :, positions] = v[:, 0]
-        lengths = (positions + 1).to(torch.int32)
-        out = decode_attention(q[:, 0], k_cache, v_cache, lengths, self.scale)  # [B, Hq, D]
-        return self.o_proj(out.reshape(B, 1, -1))
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [B, (Hq + 2 Hkv) * D]
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        q = rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps)
+        out = decode_attention(q, k_cache, v_cache, lengths, self.scale)  # [B, Hq, D]
+        return self.o_proj(out.view(B, -1))
 
 
 class MLP(nn.Module):
@@ -88,8 +93,36 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+    def fuse(self) -> None:
+        """One [2 * intermediate, hidden] weight for gate and up (one GEMV per step)."""
+        self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up_bias = _fuse_biases(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+
+
+def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    fused = torch.cat([lin.weight.data for lin in linears])
+    begin = 0
+    for lin in linears:  # each parameter becomes a view of its rows of the fused weight
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[begin : begin + rows], requires_grad=False)
+        begin += rows
+    return fused
+
+
+def _fuse_biases(*linears: nn.Linear) -> torch.Tensor | None:
+    if linears[0].bias is None:
+        return None
+    fused = torch.cat([lin.bias.data for lin in linears])
+    begin = 0
+    for lin in linears:
+        rows = lin.bias.shape[0]
+        lin.bias = nn.Parameter(fused[begin : begin + rows], requires_grad=False)
+        begin += rows
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -182,10 +215,22 @@ class Transformer(nn.Module):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [B], positions [B] int64 on the device -> final-normed hidden [B, hidden].
 
-        Pure device work with fixed shapes: the engine captures it in a CUDA graph."""
-        cos, sin = self.rope.cos_sin(positions[:, None], positions.max() + 1)  # [B, 1, D]
-        x = self.model.embed_tokens(tokens[:, None])  # [B, 1, hidden]
+        Pure device work with fixed shapes (the engine captures it in a CUDA graph): the residual
+        stream x is updated in place by each add+norm, nine launches per layer on CUDA."""
+        cfg = self.config
+        cos, sin = self.rope.cos_sin(positions, positions.max() + 1)  # [B, D]
+        lengths = (positions + 1).to(torch.int32)  # [B] context after this token
+        x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
+        delta = None  # what the previous block adds to x
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, positions, cache.layer(i))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x[:, 0])
+            h = add_rms_norm(x, delta, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            delta = layer.self_attn.decode(h, cos, sin, positions, lengths, cache.layer(i))
+            h = add_rms_norm(x, delta, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            delta = layer.mlp(h)
+        return add_rms_norm(x, delta, self.model.norm.weight, cfg.rms_norm_eps)
+
+    def fuse_projections(self) -> None:
+        """After the weights are loaded: fuse q/k/v and gate/up into single GEMV weights."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()

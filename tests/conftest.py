@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through the interpreter; it must be chosen before any
+    # @triton.jit function is defined, i.e. before the kernel modules are imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/checkpoints.py
 
@@ -40,3 +46,77 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(checkpoint_factory) -> Path:
     return checkpoint_factory("llama", "default")
+
+
+# ---- transformers references (appended for the parity / API / CLI tests) -------------------------
+
+
+class HFReference:
+    """What transformers computes for a checkpoint: the ground truth of the parity tests.
+
+    Every call loads a fresh model: transformers' dynamic-NTK rotary embedding keeps the
+    longest sequence it has seen, so a reused model would not be a clean reference."""
+
+    def model(self, model_dir: Path):
+        from checkpoints import hf_model
+
+        return hf_model(model_dir)
+
+    def tokenizer(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+
+    @torch.no_grad()
+    def logits(self, model_dir: Path, ids: list[int]) -> torch.Tensor:
+        """float32 logits [T, V] of every position, in one forward pass."""
+        return self.model(model_dir)(torch.tensor([ids])).logits[0].float()
+
+    @torch.no_grad()
+    def greedy(self, model_dir: Path, ids: list[int], max_new_tokens: int, eos: bool = False) -> list[int]:
+        """transformers' greedy `generate`: the new tokens. eos=False runs to max_new_tokens;
+        eos=True stops at the checkpoint's eos ids (generation_config.json) and drops the eos token."""
+        model = self.model(model_dir)
+        eos_ids = model.generation_config.eos_token_id if eos else None
+        if not eos:
+            model.generation_config.eos_token_id = None
+        prompt = torch.tensor([ids])
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_ids,
+            pad_token_id=0,
+        )
+        new = out[0, len(ids) :].tolist()
+        if eos and eos_ids is not None:
+            stop = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+            cut = next((i for i, t in enumerate(new) if t in stop), len(new))
+            new = new[:cut]
+        return new
+
+
+@pytest.fixture(scope="session")
+def hf() -> HFReference:
+    return HFReference()
+
+
+def random_ids(n: int, seed: int = 0, vocab_size: int = 384) -> list[int]:
+    """A reproducible prompt of n token ids (specials included: they are ordinary rows here)."""
+    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="session")
+def prompt_ids():
+    return random_ids
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref|: a worst-element error, scaled by the logits' magnitude."""
+    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+@pytest.fixture(scope="session")
+def rel_err():
+    return relative_error

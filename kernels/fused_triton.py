@@ -1,0 +1,154 @@
+"""Triton implementations of kernels/fused.py (see there for the contracts)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, Delta, W, Out, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: x [N] += delta; out = w * (x / rms(x)).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * N + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        # The residual add rounds to the model dtype, as transformers' `x = x + delta` does.
+        x = (x.to(tl.float32) + tl.load(Delta + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(
+            X.dtype.element_ty
+        )
+        tl.store(X + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * inv_rms).to(Out.dtype.element_ty).to(tl.float32) * w
+    tl.store(Out + row * N + offs, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    B, N = x.shape
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(N)
+    _add_rms_norm_kernel[(B,)](
+        x,
+        x if delta is None else delta,
+        weight,
+        out,
+        N,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return out
+
+
+@triton.jit
+def _head(Row, head, offs, partner, W, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Load head `head` of a fused qkv row as float32, and the rotate-half partner of each lane,
+    RMS-normalised per head when HAS_NORM (rounded like the PyTorch twin)."""
+    x = tl.load(Row + head * D + offs)
+    xp = tl.load(Row + head * D + partner)
+    if HAS_NORM:
+        xf = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        x = ((xf * inv_rms).to(x.dtype).to(tl.float32) * tl.load(W + offs).to(tl.float32)).to(x.dtype)
+        xp = (
+            (xp.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * tl.load(W + partner).to(tl.float32)
+        ).to(x.dtype)
+    return x.to(tl.float32), xp.to(tl.float32)
+
+
+@triton.jit
+def _rope_cache_kernel(
+    QKV,
+    Cos,
+    Sin,
+    Pos,
+    Q,
+    KC,
+    VC,
+    QW,
+    KW,
+    eps,
+    HQ,
+    HKV,
+    cache_stride_b,
+    cache_stride_h,
+    D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    # Program (b, h): h < HQ rotates query head h into Q [B, HQ, D]; otherwise KV head h - HQ is
+    # rotated (k) and copied (v) into the caches [B, HKV, S, D] at position Pos[b].
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, D)
+    half = D // 2
+    partner = (offs + half) % D
+    sign = tl.where(offs < half, -1.0, 1.0)  # rotate_half: (-x2, x1)
+    cos = tl.load(Cos + b * D + offs)
+    sin = tl.load(Sin + b * D + offs)
+    row = QKV + b * (HQ + 2 * HKV) * D
+    if h < HQ:
+        x, xp = _head(row, h, offs, partner, QW, eps, D, HAS_NORM)
+        tl.store(Q + (b * HQ + h) * D + offs, (x * cos + sign * xp * sin).to(Q.dtype.element_ty))
+    else:
+        j = h - HQ
+        pos = tl.load(Pos + b).to(tl.int64)
+        dst = b * cache_stride_b + j * cache_stride_h + pos * D + offs
+        k, kp = _head(row, HQ + j, offs, partner, KW, eps, D, HAS_NORM)
+        tl.store(KC + dst, (k * cos + sign * kp * sin).to(KC.dtype.element_ty))
+        tl.store(VC + dst, tl.load(row + (HQ + HKV + j) * D + offs))
+
+
+def rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps):
+    B = qkv.shape[0]
+    Hkv, D = k_cache.shape[1], k_cache.shape[3]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.stride(2) == D
+    q = torch.empty(B, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None
+    _rope_cache_kernel[(B, num_heads + Hkv)](
+        qkv,
+        cos.contiguous(),
+        sin.contiguous(),
+        positions,
+        q,
+        k_cache,
+        v_cache,
+        q_norm if has_norm else qkv,
+        k_norm if has_norm else qkv,
+        eps,
+        num_heads,
+        Hkv,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        D=D,
+        HAS_NORM=has_norm,
+        num_warps=1,
+    )
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Out, INTER, BLOCK: tl.constexpr):
+    # gate_up row [2 * INTER] -> silu(gate) * up, rounding silu to the model dtype first.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < INTER
+    g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + row * INTER + offs, (act * u).to(Out.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    B, two_inter = gate_up.shape
+    inter = two_inter // 2
+    out = torch.empty(B, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(B, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out
