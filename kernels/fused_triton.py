@@ -146,9 +146,11 @@ def _silu_mul_kernel(GU, Out, INTER, BLOCK: tl.constexpr):
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    B, two_inter = gate_up.shape
+    *lead, two_inter = gate_up.shape  # [..., 2I]: one decode row or a prefill chunk
     inter = two_inter // 2
-    out = torch.empty(B, inter, dtype=gate_up.dtype, device=gate_up.device)
+    gate_up = gate_up.reshape(-1, two_inter)
+    B = gate_up.shape[0]
+    out = torch.empty(*lead, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(B, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
     return out

@@ -109,6 +109,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk or (8192 if device.type == "cuda" else 2048)
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
         self.cache: KVCache | None = None
+        self.busy = False  # a generation is in progress
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
         # One generator for the engine's life: a captured graph is bound to it; re-seeded per request.
@@ -225,15 +226,49 @@ class Engine:
         `stats` is filled in as it goes (complete once the iterator ends or is closed);
         t_request (a perf_counter reading) is when the request arrived, for time to first token."""
         t_request = time.perf_counter() if t_request is None else t_request
+        # One request at a time: two interleaved generations would share the cache and buffers.
+        self.check_idle()
+        self.busy = True
+        try:
+            yield from self._generate(
+                prompt_ids,
+                max_new_tokens,
+                params,
+                eos_ids,
+                max_context,
+                stats,
+                on_progress,
+                want_logprobs,
+                t_request,
+            )
+        finally:
+            self.busy = False
+
+    def check_idle(self) -> None:
+        if self.busy:
+            raise UserError("this model is still generating: finish or close the previous stream first")
+
+    def _generate(
+        self,
+        prompt_ids,
+        max_new_tokens,
+        params,
+        eos_ids,
+        max_context,
+        stats,
+        on_progress,
+        want_logprobs,
+        t_request,
+    ) -> Iterator[tuple[int, float | None]]:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.ensure_cache(max_context, len(prompt_ids))
+        step = self._prepare_decode(params, want_logprobs)  # may capture a graph: draws random numbers
         if params.seed is None:
             self._generator.seed()
         else:
             self._generator.manual_seed(params.seed)
-        step = self._prepare_decode(params, want_logprobs)
         stats.prompt_tokens = len(prompt_ids)
 
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)

@@ -216,6 +216,7 @@ class LLM:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
         character); after iteration, `.result` is the GenerationResult."""
         t_request = time.perf_counter()
+        self.engine.check_idle()
         ids = self.encode_prompt(prompt, token_ids, messages)
         params = self.sampling_params(temperature, top_k, top_p, seed)
         if max_new_tokens < 1:
@@ -404,7 +405,7 @@ def describe(
     else:
         model_dir = resolve_model_dir(DEFAULT_MODEL if model is None else model)
         cfg, source = ModelConfig.from_file(model_dir / "config.json"), str(model_dir)
-    context = context or cfg.max_position_embeddings
+    context = cfg.max_position_embeddings if context is None else context
     if context < 1:
         raise UserError(f"context must be >= 1, got {context}")
     weights = cfg.num_parameters() * dt.itemsize

@@ -76,7 +76,7 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype:
     """
     expected = {name: p.shape for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
-    unexpected, misshapen = [], []
+    unexpected, misshapen, misshapen_names = [], [], set()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for file in weight_files(model_dir):
         try:
@@ -90,13 +90,14 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype:
                     tensor = f.get_tensor(name)
                     if tensor.shape != expected[name]:
                         misshapen.append(f"{name} {tuple(tensor.shape)} (expected {tuple(expected[name])})")
+                        misshapen_names.add(name)
                         continue
                     loaded[name] = tensor.to(dtype)
         except UserError:
             raise
         except Exception as e:  # safetensors raises its own error type for bad headers / truncation
             raise UserError(f"could not read {file.name}: {str(e).strip() or type(e).__name__}") from None
-    missing = [name for name in expected if name not in loaded]
+    missing = [name for name in expected if name not in loaded and name not in misshapen_names]
     problems = []
     if missing:
         problems.append(f"missing tensors: {_names(missing)}")

@@ -7,11 +7,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import UserError
 
-_NEWLINE_THEN_TEXT = re.compile(r"\n(?=\S)")
+# A newline between two non-space characters: GPT-2's and Llama 3's byte-level regexes both end a
+# pre-token right after it (whitespace before it could join it into one pre-token, e.g. " \n").
+_NEWLINE_THEN_TEXT = re.compile(r"(?<=\S)\n(?=\S)")
 
 
 class Tokenizer:
@@ -36,9 +39,14 @@ class Tokenizer:
         self.chat_template: str | None = template
         spec = json.loads(self.backend.to_str())
         # Splitting a long text is exact only when pre-tokens never span a newline and nothing
-        # is prepended to each piece: byte-level pre-tokenization with no normalizer.
-        self._splittable = spec.get("normalizer") is None and "ByteLevel" in json.dumps(
-            spec.get("pre_tokenizer")
+        # is prepended to each piece: byte-level pre-tokenization with no normalizer, no prefix
+        # space, and no added token that swallows the whitespace before it (lstrip).
+        pre_tokenizer = json.dumps(spec.get("pre_tokenizer"))
+        self._splittable = (
+            spec.get("normalizer") is None
+            and "ByteLevel" in pre_tokenizer
+            and '"add_prefix_space": true' not in pre_tokenizer
+            and not any(t.get("lstrip") for t in spec.get("added_tokens") or [])
         )
 
     @property
@@ -56,9 +64,10 @@ class Tokenizer:
         self, text: str, add_special_tokens: bool = True, piece_chars: int = 1 << 20
     ) -> list[int]:
         """Encode a long text (a 512k-token file) in pieces with the batch encoder, which runs in
-        parallel threads. Pieces end after a newline that is followed by a non-space character:
-        byte-level pre-tokenizers of the Llama family never join such a pair, so the pieces'
-        ids concatenate to the whole text's ids."""
+        parallel threads. Pieces end after a newline between two non-space characters, where
+        byte-level pre-tokenizers always end a pre-token, so the pieces' ids concatenate to the
+        whole text's ids; special tokens (BOS, and EOS where a template appends it) are then
+        added once, by the tokenizer's post-processor."""
         if len(text) <= piece_chars or not self._splittable:
             return self.encode(text, add_special_tokens)
         pieces, begin = [], 0
@@ -67,10 +76,11 @@ class Tokenizer:
             end = cut.end() if cut else len(text)
             pieces.append(text[begin:end])
             begin = end
-        ids = self.encode("", add_special_tokens) if add_special_tokens else []
-        for enc in self.backend.encode_batch(pieces, add_special_tokens=False):
-            ids.extend(enc.ids)
-        return ids
+        encodings = self.backend.encode_batch(pieces, add_special_tokens=False)
+        if not add_special_tokens:
+            return [i for enc in encodings for i in enc.ids]
+        merged = Encoding.merge(encodings, growing_offsets=True)
+        return self.backend.post_process(merged, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,157 @@
+"""The `minidecode` command end to end, in process through typer's CliRunner and once as a real
+subprocess, with transformers' greedy generation as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from minidecode.cli import app
+
+PROMPT = "The quick brown fox 🙂"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_factory):
+    return checkpoint_factory("llama", "default", max_positions=512)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, hf):
+    """transformers' greedy continuation of PROMPT (stopping at eos, as the CLI does): ids, text."""
+    tok = hf.tokenizer(model_dir)
+    ids = hf.greedy(model_dir, tok(PROMPT).input_ids, NEW, eos=True)
+    return ids, tok.decode(ids, skip_special_tokens=True)
+
+
+def invoke(*args: str, input: str | None = None):
+    result = CliRunner().invoke(app, [str(a) for a in args], input=input)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def generate_args(model_dir, *extra):
+    return ["generate", model_dir, "--device", "cpu", "--max-new-tokens", NEW, "--temperature", 0, *extra]
+
+
+def test_generate_json(model_dir, reference):
+    result = invoke(*generate_args(model_dir, "--prompt", PROMPT, "--json"))
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["token_ids"] == reference[0]
+    assert out["text"] == reference[1]
+    assert out["finish_reason"] in ("length", "eos")
+    assert out["stats"]["new_tokens"] >= len(reference[0])
+
+
+def test_generate_text_to_stdout_stats_to_stderr(model_dir, reference):
+    result = invoke(*generate_args(model_dir, "--prompt", PROMPT))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == reference[1] + "\n"
+    assert "new tok" in result.stderr and "error" not in result.stderr
+
+
+def test_generate_prompt_file(model_dir, reference, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT, encoding="utf-8")
+    result = invoke(*generate_args(model_dir, "--prompt-file", prompt_file, "--json"))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == reference[0]
+
+
+def test_generate_stdin(model_dir, reference):
+    result = invoke(*generate_args(model_dir, "--json"), input=PROMPT)
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == reference[0]
+
+
+def test_generate_chat(model_dir, hf):
+    tok = hf.tokenizer(model_dir)
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ref = hf.greedy(model_dir, list(ids), NEW, eos=True)
+    result = invoke(*generate_args(model_dir, "--prompt", PROMPT, "--chat", "--json"))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == ref
+
+
+def test_generate_max_new_tokens_and_stop(model_dir, reference):
+    result = invoke(
+        "generate", model_dir, "--device", "cpu", "-n", 3, "--temperature", 0, "--prompt", PROMPT, "--json"
+    )
+    out = json.loads(result.stdout)
+    assert out["token_ids"] == reference[0][:3]
+    assert out["finish_reason"] == ("length" if len(reference[0]) >= 3 else "eos")
+
+    text = reference[1]
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 2) if text.find(text[i : i + 2]) == i)
+    cut = text.find(stop)
+    result = invoke(
+        *generate_args(model_dir, "--prompt", PROMPT, "--stop", "<never>", "--stop", stop, "--json")
+    )
+    out = json.loads(result.stdout)
+    assert out["text"] == text[:cut] and out["finish_reason"] == "stop"
+
+
+def test_generate_seeded_sampling_is_reproducible(model_dir):
+    args = ["generate", model_dir, "--device", "cpu", "-n", 16, "--prompt", PROMPT, "--json"]
+    sampled = [*args, "--temperature", 1.0, "--top-k", 50, "--top-p", 0.9, "--seed", 7]
+    a, b = (json.loads(invoke(*sampled).stdout) for _ in range(2))
+    assert a["token_ids"] == b["token_ids"]
+
+
+def test_info(model_dir):
+    result = invoke("info", model_dir, "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    config = json.loads((model_dir / "config.json").read_text())
+    text = result.stdout
+    assert (
+        f"{config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}"
+        in text
+    )
+    assert f"heads {config['num_attention_heads']} q / {config['num_key_value_heads']} kv x 16" in text
+    assert f"vocabulary   {config['vocab_size']}" in text
+    assert f"{config['max_position_embeddings']:,} positions" in text
+    assert "fits" in text and "DOES NOT FIT" not in text
+    huge = invoke("info", model_dir, "--device", "cpu", "--context", 10**12)
+    assert huge.exit_code == 0 and "DOES NOT FIT" in huge.stdout
+
+
+def test_real_subprocess(model_dir, reference, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
+    cmd = [sys.executable, "-m", "minidecode.cli", *map(str, generate_args(model_dir, "--json"))]
+    proc = subprocess.run(cmd, input=PROMPT, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == reference[0]
+
+    script = shutil.which("minidecode")
+    assert script, "the minidecode console script is not installed"
+    proc = subprocess.run(
+        [
+            script,
+            "generate",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "-n",
+            str(NEW),
+            "--temperature",
+            "0",
+            "-p",
+            PROMPT,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == reference[1] + "\n"
