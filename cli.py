@@ -191,6 +191,63 @@ def info(
         fail(str(e))
 
 
+@app.command()
+def bench(
+    model: Annotated[
+        str, typer.Argument(help="Checkpoint folder, hub repo id, or synthetic:NAME")
+    ] = "synthetic:llama-3-8b",
+    prompt_tokens: Annotated[list[int] | None, typer.Option(help="Prompt length (repeatable)")] = None,
+    new_tokens: Annotated[int, typer.Option(help="Tokens to decode per length")] = 64,
+    compare: Annotated[
+        str | None, typer.Option(help="Also run this peer in the same process: transformers")
+    ] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    json_output: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON here")] = None,
+    plot_file: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG plot here (needs matplotlib)")
+    ] = None,
+) -> None:
+    """Prefill and decode speed per prompt length, against the bandwidth roofline (and transformers)."""
+    from minidecode import LLM, UserError
+    from minidecode.bench import format_table, plot, run_bench
+
+    lengths = prompt_tokens or [1024, 131072]
+    try:
+        if any(n < 1 for n in lengths):
+            fail("--prompt-tokens must be >= 1")
+        llm = LLM(model, device=device, dtype=dtype)
+        if llm.synthetic:
+            typer.echo(f"note: {llm.name} has random weights (speed only)", err=True)
+        rows, bandwidth = run_bench(llm, lengths, new_tokens, compare, log=lambda m: typer.echo(m, err=True))
+    except UserError as e:
+        fail(str(e))
+    device_name = torch_device_name(llm.device)
+    typer.echo(f"{llm.name} on {device_name}, {str(llm.dtype)[6:]}, batch 1")
+    typer.echo(format_table(rows, bandwidth))
+    if json_output:
+        json_output.write_text(
+            json.dumps(
+                {
+                    "model": llm.name,
+                    "device": device_name,
+                    "dtype": str(llm.dtype),
+                    "bandwidth_bytes_per_s": bandwidth,
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
+    if plot_file:
+        plot(rows, str(plot_file), f"{llm.name} on {device_name}")
+
+
+def torch_device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything the GPU has to show, in one device call: install, GPU tests (each file in its own
+# process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
+# profile, and the end-to-end benchmark against transformers. Logs and results go to $OUT;
+# a short summary prints last.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/minidecode-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"tests profile bench"}
+LENGTHS=${LENGTHS:-"1024 131072 524288"}
+summary=()
+pip install --no-deps --no-build-isolation -e . -q >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+if [[ $STAGES == *tests* ]]; then
+  for f in tests/test_lean_attention_gpu.py tests/test_fused_kernels.py tests/test_parity_gpu.py; do
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tee -a "$OUT/gpu-tests.log" | tail -3
+    summary+=("$f: $(tail -1 "$OUT/gpu-tests.log")")
+  done
+fi
+if [[ $STAGES == *profile* ]]; then
+  timeout 240 python3 bench/decode_profile.py synthetic:llama-3-8b 1024 2>&1 | tee "$OUT/decode-profile.log" | tail -6
+fi
+if [[ $STAGES == *bench* ]]; then
+  args=()
+  for n in $LENGTHS; do args+=(--prompt-tokens "$n"); done
+  timeout 420 python3 -m minidecode.cli bench synthetic:llama-3-8b "${args[@]}" --new-tokens 64 \
+    --compare transformers --json "$OUT/e2e.json" --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.log"
+fi
+echo "==== summary"
+printf '%s\n' "${summary[@]}"
+tail -4 "$OUT/decode-profile.log" 2>/dev/null
+grep -A30 "^| prompt" "$OUT/e2e.log" 2>/dev/null | head -14

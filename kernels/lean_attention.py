@@ -1,0 +1,446 @@
+"""Lean attention: one-launch, stream-K decode attention in Triton.
+
+Decode attention for one (sequence b, KV head h) is a reduction over that sequence's context,
+and online softmax makes it associative: two KV ranges with unnormalised output `acc`, running
+max `m` and running sum `l` merge exactly. So the whole step is cut into equal work units and
+dealt evenly to an SM-sized grid, like stream-K GEMM:
+
+- a *tile* is one block of BLOCK_N positions of one (b, h); it computes all G = Hq / Hkv query
+  heads that share KV head h (the group is packed into the M axis of the dots), so each K/V
+  byte is read once per step;
+- tiles are numbered (b, h, block) and CTA c takes a contiguous range of them; ranges differ in
+  length by at most one tile and may cross head and sequence boundaries;
+- a (b, h) *segment* that one CTA covers wholly is finished in registers; a CTA that covers a
+  segment only in part writes a partial (o = acc / l and lse = m + log2 l, per query head),
+  then draws a ticket from the segment's atomic counter. The CTA that draws the last ticket
+  merges the segment's partials in CTA order (bitwise reproducible), writes the output and
+  resets the counter to zero. Nobody ever waits for another CTA, so the scheme cannot
+  deadlock however many CTAs are resident, and the counters are zero after every launch.
+
+The schedule is computed inside the kernel from the device tensor of lengths: a growing context
+needs no host sync and no recompilation, and a CUDA graph captured once replays for every later
+step. The workspace (partials, counters) is allocated on the first eager call and cached.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class LeanConfig:
+    """Launch parameters: positions per tile, warps, pipeline depth, CTAs per SM."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int
+
+
+# head_dim 128: the best of a sweep on an H200 (bench/NOTES-attention.md). One CTA per SM keeps
+# the splits per head, and so the merge, small; 2 x 64 KiB tiles in flight still stream K/V at
+# ~4.4 TB/s. head_dim 64 was not swept: same tile shape by analogy.
+DEFAULT_CONFIGS = {
+    64: LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1),
+    128: LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1),
+}
+
+
+@triton.jit
+def _range_start(cta, per, big):
+    """First tile of CTA `cta`: CTAs [0, big) take `per` tiles each, the others `per - 1`."""
+    return cta * (per - 1) + tl.minimum(cta, big)
+
+
+@triton.jit
+def _owner(tile, per, big):
+    """The CTA whose range holds `tile` (inverse of _range_start)."""
+    split = big * per
+    return tl.where(tile < split, tile // tl.maximum(per, 1), big + (tile - split) // tl.maximum(per - 1, 1))
+
+
+@triton.jit
+def _attend(
+    q,  # [G_PAD, HEAD_DIM] the query group of one KV head
+    k_head,  # pointer to K[b, h, 0, 0]
+    v_head,  # pointer to V[b, h, 0, 0]
+    stride_kn,
+    stride_vn,
+    length,  # valid positions of this sequence
+    blk_lo,  # first and one-past-last block of this CTA's piece of the segment
+    blk_hi,
+    qk_scale,  # softmax scale * log2(e): scores live in log2 space, so exp2 is exact softmax
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over blocks [blk_lo, blk_hi): returns unnormalised acc, row max m, row sum l."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Loop-invariant int32 offsets inside one block; only the scalar block offset moves.
+    offs_k = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    offs_v = offs_n[:, None] * stride_vn + offs_d[None, :]
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    for blk in range(blk_lo, blk_hi):
+        n0 = blk * BLOCK_N
+        valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
+        k = tl.load(k_head + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        # Every block holds a valid position, so m_new is finite and alpha is 0 on the first one.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _lean_decode_kernel(
+    Q,  # [B, Hq, D]
+    K,  # [B, Hkv, S, D], last dim contiguous
+    V,  # [B, Hkv, S, D]
+    Out,  # [B, Hq, D]
+    Lengths,  # [B] int32
+    PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
+    PartLse,  # [2 * grid, G_PAD] fp32: log2-sum-exp of each partial row
+    Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
+    qk_scale,
+    B,
+    Hkv,
+    G,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    BLOCK_B: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    G_MERGE: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    COUNTER_STRIDE: tl.constexpr,
+):
+    cta = tl.program_id(0)
+    n_ctas = tl.num_programs(0)
+
+    # ---- the schedule, from the lengths on the device -------------------------------------
+    offs_b = tl.arange(0, BLOCK_B)
+    seq_len = tl.load(Lengths + offs_b, mask=offs_b < B, other=0)  # [BLOCK_B]
+    seq_blocks = tl.cdiv(seq_len, BLOCK_N)  # [BLOCK_B] tiles per KV head of each sequence
+    seq_end = tl.cumsum(seq_blocks * Hkv, 0)  # [BLOCK_B] one past the last tile of sequence b
+    total = tl.max(seq_end, 0)
+    per = tl.cdiv(total, n_ctas)
+    big = total - (per - 1) * n_ctas
+    range_lo = _range_start(cta, per, big)
+    range_hi = _range_start(cta + 1, per, big)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_g < G  # [G_PAD] rows past the group are padding for the dot's M >= 16
+    offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
+
+    tile = range_lo
+    while tile < range_hi:
+        # Locate the segment (b, h) that holds `tile`.
+        b = tl.sum((seq_end <= tile).to(tl.int32), 0)
+        n_blk = tl.sum(tl.where(offs_b == b, seq_blocks, 0), 0)
+        length = tl.sum(tl.where(offs_b == b, seq_len, 0), 0)
+        seq_lo = tl.sum(tl.where(offs_b == b, seq_end, 0), 0) - n_blk * Hkv
+        h = (tile - seq_lo) // n_blk
+        seg_lo = seq_lo + h * n_blk
+        seg_hi = seg_lo + n_blk
+        stop = tl.minimum(range_hi, seg_hi)
+        blk_lo = tile - seg_lo
+
+        q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
+        q = tl.load(
+            Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+        )
+        # 64-bit (b, h) offsets: one layer's cache passes 2^31 elements (B * Hkv * S * D); the
+        # offsets inside one head stay below 2^31 (checked on the host).
+        k_head = K + (b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh)
+        v_head = V + (b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh)
+        acc, m_i, l_i = _attend(
+            q,
+            k_head,
+            v_head,
+            stride_kn,
+            stride_vn,
+            length,
+            blk_lo,
+            stop - seg_lo,
+            qk_scale,
+            G_PAD,
+            HEAD_DIM,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
+
+        out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
+        if (tile == seg_lo) & (stop == seg_hi):
+            # The whole segment is ours: no partials.
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            slot = 2 * cta + (tile != range_lo).to(tl.int32)  # 0: our first segment, 1: our last
+            tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, acc / l_i[:, None], mask=row_ok[:, None])
+            tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_i), mask=row_ok)
+            # Release: every thread's partial stores precede the ticket (barrier, then acq_rel).
+            tl.debug_barrier()
+            counter = Counters + (b * Hkv + h) * COUNTER_STRIDE  # one cache line per counter
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            first = _owner(seg_lo, per, big)
+            last = _owner(seg_hi - 1, per, big)
+            if ticket == last - first:
+                # Last to finish: merge every contributor's partial in CTA order. The group's
+                # rows are flattened with head_dim into G_MERGE * HEAD_DIM columns, so a chunk
+                # of contributors is one [MERGE_CHUNK, G_MERGE * HEAD_DIM] tile whose loads are
+                # all in flight together, and the merge is a reduction over its rows.
+                offs_c = tl.arange(0, MERGE_CHUNK)
+                cols = tl.arange(0, G_MERGE * HEAD_DIM)
+                col_g = cols // HEAD_DIM  # query head (row of the partial) of each column
+                col_ok = col_g < G
+                m = tl.full([G_MERGE * HEAD_DIM], float("-inf"), tl.float32)
+                l_sum = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
+                o = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
+                for c0 in range(first, last + 1, MERGE_CHUNK):
+                    cs = c0 + offs_c  # [MERGE_CHUNK] contributing CTAs
+                    c_slot = 2 * cs + (_range_start(cs, per, big) < seg_lo).to(tl.int32)
+                    ok = (cs <= last)[:, None] & col_ok[None, :]  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
+                    # .cg: read from L2, where the other CTAs' stores landed, never a stale L1 line.
+                    # Each row's lse is read once per column: a broadcast within a warp.
+                    lse_c = tl.load(
+                        PartLse + c_slot[:, None] * G_PAD + col_g[None, :],
+                        mask=ok,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
+                    o_c = tl.load(
+                        PartO + c_slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :],
+                        mask=ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    m_new = tl.maximum(m, tl.max(lse_c, 0))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # -inf - -inf would be NaN
+                    alpha = tl.exp2(m - m_ref)
+                    w = tl.exp2(lse_c - m_ref[None, :])  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
+                    o = o * alpha + tl.sum(o_c * w, 0)
+                    l_sum = l_sum * alpha + tl.sum(w, 0)
+                    m = m_new
+                l_sum = tl.where(col_ok, l_sum, 1.0)  # padding rows merged nothing
+                o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
+                tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
+                tl.store(counter, 0)  # every contributor has drawn its ticket: ready for the next launch
+        tile = stop
+
+
+# ---- host side ------------------------------------------------------------------------------
+
+
+class _Workspace(NamedTuple):
+    part_o: torch.Tensor  # [2 * grid, G_PAD, D] fp32
+    part_lse: torch.Tensor  # [2 * grid, G_PAD] fp32
+    counters: torch.Tensor  # [B * Hkv * _COUNTER_STRIDE] int32, zero between launches
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+_SM_COUNTS: dict[torch.device, int] = {}
+_CPU_GRID = 4  # TRITON_INTERPRET runs on the CPU: a few CTAs exercise the same schedule
+_COUNTER_STRIDE = 32  # int32s: each (b, h) ticket counter on its own 128-byte line
+
+
+def _group_pad(group: int) -> int:
+    return max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
+
+
+def _grid_size(device: torch.device, config: LeanConfig, num_ctas: int | None) -> int:
+    if num_ctas is not None:
+        if num_ctas < 1:
+            raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
+        return num_ctas
+    if device.type != "cuda":
+        return _CPU_GRID
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device] * config.ctas_per_sm
+
+
+def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segments: int) -> _Workspace:
+    """Cached per (device, shape): a CUDA graph captured after one eager call allocates nothing."""
+    key = (device, grid, g_pad, head_dim, segments)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _Workspace(
+            torch.empty(2 * grid, g_pad, head_dim, dtype=torch.float32, device=device),
+            torch.empty(2 * grid, g_pad, dtype=torch.float32, device=device),
+            torch.zeros(segments * _COUNTER_STRIDE, dtype=torch.int32, device=device),
+        )
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def lean_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D], last dim contiguous
+    v_cache: torch.Tensor,  # [B, Hkv, S, D]
+    lengths: torch.Tensor,  # [B] int32 on q's device, 1 <= lengths[b] <= S
+    scale: float,
+    *,
+    num_ctas: int | None = None,
+    config: LeanConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [B, Hq, D] in q.dtype
+    """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
+
+    One kernel launch, no host sync: safe to capture in a CUDA graph (after one eager call, which
+    allocates the cached workspace) and replay as `lengths` grows in place. Calls that share a
+    workspace must be ordered on one stream. `num_ctas` overrides the SM-derived grid (tests),
+    `config` the tuned launch parameters; `out` ([B, Hq, D], q's dtype) receives the result.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)} does not match K/V {tuple(k_cache.shape)}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {D}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    ):
+        raise ValueError(f"q, K and V must share one of fp16/bf16/fp32, got {q.dtype}, {k_cache.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis of q, K and V must be contiguous")
+    if max(k_cache.shape[2] * k_cache.stride(2), v_cache.shape[2] * v_cache.stride(2)) >= 2**31:
+        raise ValueError("one KV head's positions must span fewer than 2^31 elements")
+    if lengths.dtype != torch.int32:
+        lengths = lengths.to(torch.int32)
+
+    config = config or DEFAULT_CONFIGS[D]
+    grid = _grid_size(q.device, config, num_ctas)
+    G = Hq // Hkv
+    g_pad = _group_pad(G)
+    ws = _workspace(q.device, grid, g_pad, D, B * Hkv)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    _lean_decode_kernel[(grid,)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lengths,
+        ws.part_o,
+        ws.part_lse,
+        ws.counters,
+        scale * LOG2E,
+        B,
+        Hkv,
+        G,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_B=triton.next_power_of_2(B),
+        G_PAD=g_pad,
+        HEAD_DIM=D,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        G_MERGE=triton.next_power_of_2(G),
+        MERGE_CHUNK=max(1, 4096 // (triton.next_power_of_2(G) * D)),  # 32 fp32 registers a thread
+        COUNTER_STRIDE=_COUNTER_STRIDE,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+# ---- the schedule, on the host, for reports and tests ---------------------------------------
+
+
+@dataclass(frozen=True)
+class LeanSchedule:
+    grid: int  # CTAs launched
+    block_n: int  # positions per tile
+    total_tiles: int  # sum over (b, h) of ceil(lengths[b] / block_n)
+    tiles_per_cta: int  # the most tiles a CTA takes; the others take one fewer
+    max_splits_per_head: int  # the most CTAs that share one (b, h) segment
+    partial_segments: int  # segments merged through partials (the rest finish in registers)
+
+
+def lean_schedule(
+    lengths: Sequence[int] | torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int = 128,
+    *,
+    device: torch.device | str | None = None,
+    num_ctas: int | None = None,
+    config: LeanConfig | None = None,
+) -> LeanSchedule:
+    """The schedule the kernel computes on the device, recomputed on the host (it mirrors the
+    kernel's arithmetic). `device` defaults to the current CUDA device, else the CPU grid."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    config = config or DEFAULT_CONFIGS[head_dim]
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    grid = _grid_size(torch.device(device), config, num_ctas)
+    seg_tiles = [math.ceil(n / config.block_n) for n in lengths for _ in range(num_kv_heads)]
+    total = sum(seg_tiles)
+    per = -(-total // grid)
+    big = total - (per - 1) * grid
+
+    def owner(tile: int) -> int:
+        split = big * per
+        return tile // per if tile < split else big + (tile - split) // max(per - 1, 1)
+
+    splits, lo = [], 0
+    for n in seg_tiles:
+        if n:
+            splits.append(owner(lo + n - 1) - owner(lo) + 1)
+        lo += n
+    return LeanSchedule(
+        grid=grid,
+        block_n=config.block_n,
+        total_tiles=total,
+        tiles_per_cta=per,
+        max_splits_per_head=max(splits, default=0),
+        partial_segments=sum(s > 1 for s in splits),
+    )
