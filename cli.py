@@ -223,7 +223,10 @@ def bench(
     except UserError as e:
         fail(str(e))
     device_name = torch_device_name(llm.device)
-    typer.echo(f"{llm.name} on {device_name}, {str(llm.dtype)[6:]}, batch 1")
+    typer.echo(
+        f"{llm.name} on {device_name}, {str(llm.dtype)[6:]}, batch 1, "
+        f"prefill attention: SDPA {llm.engine.prefill_backend}"
+    )
     typer.echo(format_table(rows, bandwidth))
     if json_output:
         json_output.write_text(
@@ -233,6 +236,7 @@ def bench(
                     "device": device_name,
                     "dtype": str(llm.dtype),
                     "bandwidth_bytes_per_s": bandwidth,
+                    "prefill_backend": llm.engine.prefill_backend,
                     "rows": [asdict(r) for r in rows],
                 },
                 indent=2,

@@ -29,6 +29,7 @@ def step_ms(llm: LLM, steps: int = 64) -> float:
     return start.elapsed_time(end) / steps
 
 
+@torch.inference_mode()
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "synthetic:llama-3-8b"
     context = int(sys.argv[2]) if len(sys.argv) > 2 else 1024

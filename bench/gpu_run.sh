@@ -10,7 +10,9 @@ mkdir -p "$OUT"
 STAGES=${STAGES:-"tests profile bench"}
 LENGTHS=${LENGTHS:-"1024 131072 524288"}
 summary=()
-pip install --no-deps --no-build-isolation -e . -q >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout, whatever the install did
+python3 -c "import minidecode.kernels.lean_attention, minidecode.models.llama" || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
@@ -28,6 +30,14 @@ if [[ $STAGES == *bench* ]]; then
   for n in $LENGTHS; do args+=(--prompt-tokens "$n"); done
   timeout 420 python3 -m minidecode.cli bench synthetic:llama-3-8b "${args[@]}" --new-tokens 64 \
     --compare transformers --json "$OUT/e2e.json" --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.log"
+fi
+if [[ $STAGES == *demo* ]]; then
+  # The CLI on a 512k-token prompt file (synthetic models read text as bytes: 1 byte = 1 token).
+  cat $(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")/*.py | head -c 524288 >"$OUT/prompt-512k.txt"
+  timeout 300 python3 -m minidecode.cli generate synthetic:llama-3-8b --prompt-file "$OUT/prompt-512k.txt" \
+    --max-new-tokens 64 --temperature 0 >"$OUT/demo-stdout.txt" 2>"$OUT/demo-stderr.txt"
+  echo "demo exit $?"; tr '\r' '\n' <"$OUT/demo-stderr.txt" | tail -4
+  rm -f "$OUT/prompt-512k.txt"
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

@@ -124,7 +124,7 @@ class LLM:
             load_weights(self.model, self.model_dir, self.device, self.dtype)
         self.model.fuse_projections()
         self.model.setup_rope(self.device)
-        self.model.eval()
+        self.model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
         self.engine = Engine(self.model, self.device, self.dtype, prefill_chunk, use_cuda_graph=cuda_graph)
 
     def _generation_config(self) -> tuple[SamplingParams, set[int]]:
