@@ -24,6 +24,7 @@ step. The workspace (partials, counters) is allocated on the first eager call an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class LeanConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int
+    min_tiles: int = 1  # fewest tiles a working CTA takes (short contexts split heads fewer ways)
 
 
 # head_dim 128: the best of a sweep on an H200 (bench/NOTES-attention.md). One CTA per SM keeps
@@ -61,12 +63,7 @@ def default_config(head_dim: int, dtype: torch.dtype) -> LeanConfig:
     two stages keep them within shared memory (fp32 is for tests, not speed)."""
     config = DEFAULT_CONFIGS[head_dim]
     if dtype == torch.float32:
-        return LeanConfig(
-            block_n=config.block_n // 2,
-            num_warps=config.num_warps,
-            num_stages=2,
-            ctas_per_sm=config.ctas_per_sm,
-        )
+        return dataclasses.replace(config, block_n=config.block_n // 2, num_stages=2)
     return config
 
 
@@ -157,6 +154,7 @@ def _lean_decode_kernel(
     G_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -167,10 +165,14 @@ def _lean_decode_kernel(
     seq_blocks = tl.cdiv(seq_len, BLOCK_N)  # [BLOCK_B] tiles per KV head of each sequence
     seq_end = tl.cumsum(seq_blocks * Hkv, 0)  # [BLOCK_B] one past the last tile of sequence b
     total = tl.max(seq_end, 0)
-    per = tl.cdiv(total, n_ctas)
-    big = total - (per - 1) * n_ctas
-    range_lo = _range_start(cta, per, big)
-    range_hi = _range_start(cta + 1, per, big)
+    # Deal the tiles to `used` CTAs, each taking at least MIN_TILES when there are that many: at
+    # short context fewer, longer ranges split each head fewer ways (a shorter merge). The
+    # ranges of the used CTAs differ by at most one tile; the other CTAs exit at once.
+    used = tl.maximum(tl.minimum(n_ctas, total // MIN_TILES), 1)
+    per = tl.cdiv(total, used)
+    big = total - (per - 1) * used
+    range_lo = tl.minimum(_range_start(cta, per, big), total)
+    range_hi = tl.minimum(_range_start(cta + 1, per, big), total)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -400,6 +402,7 @@ def lean_attention(
         G_MERGE=triton.next_power_of_2(G),
         MERGE_CHUNK=max(1, 4096 // (triton.next_power_of_2(G) * D)),  # 32 fp32 registers a thread
         COUNTER_STRIDE=_COUNTER_STRIDE,
+        MIN_TILES=config.min_tiles,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -438,8 +441,9 @@ def lean_schedule(
     grid = _grid_size(torch.device(device), config, num_ctas)
     seg_tiles = [math.ceil(n / config.block_n) for n in lengths for _ in range(num_kv_heads)]
     total = sum(seg_tiles)
-    per = -(-total // grid)
-    big = total - (per - 1) * grid
+    used = max(min(grid, total // config.min_tiles), 1)
+    per = -(-total // used)
+    big = total - (per - 1) * used
 
     def owner(tile: int) -> int:
         split = big * per

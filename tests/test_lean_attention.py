@@ -9,6 +9,7 @@ import os
 # Before triton is imported: the kernel must be built for the interpreter.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -165,3 +166,18 @@ def test_schedule_is_even():
         per, big = sched.tiles_per_cta, sched.total_tiles - (sched.tiles_per_cta - 1) * grid
         sizes = [per if c < big else per - 1 for c in range(grid)]
         assert sum(sizes) == sched.total_tiles and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("min_tiles", [2, 3, 5])
+@pytest.mark.parametrize("lengths", [[1], [4 * BLOCK_64 + 7], [3 * BLOCK_64, 1, 9 * BLOCK_64 + 2]], ids=str)
+def test_min_tiles_per_cta(min_tiles, lengths):
+    """Fewer, longer ranges at short context: same result, counters left at zero."""
+    q, k, v, lens = make_inputs(lengths, 8, 2)
+    config = dataclasses.replace(la.default_config(64, q.dtype), min_tiles=min_tiles)
+    out = la.lean_attention(q, k, v, lens, 64**-0.5, num_ctas=6, config=config)
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, lens, 64**-0.5), atol=TOL[q.dtype], rtol=TOL[q.dtype]
+    )
+    assert all(int(ws.counters.abs().sum()) == 0 for ws in la._WORKSPACES.values())
+    schedule = la.lean_schedule(lens, 2, 64, num_ctas=6, config=config)
+    assert schedule.total_tiles < min_tiles or schedule.tiles_per_cta >= min_tiles
