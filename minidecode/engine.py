@@ -230,69 +230,19 @@ class Engine:
         # One request at a time: two interleaved generations would share the cache and buffers.
         self.check_idle()
         self.busy = True
-        try:
-            yield from self._generate(
-                prompt_ids,
-                max_new_tokens,
-                params,
-                eos_ids,
-                max_context,
-                stats,
-                on_progress,
-                want_logprobs,
-                t_request,
-            )
-        finally:
-            self.busy = False
-
-    def check_idle(self) -> None:
-        if self.busy:
-            raise UserError("this model is still generating: finish or close the previous stream first")
-
-    def _generate(
-        self,
-        prompt_ids,
-        max_new_tokens,
-        params,
-        eos_ids,
-        max_context,
-        stats,
-        on_progress,
-        want_logprobs,
-        t_request,
-    ) -> Iterator[tuple[int, float | None]]:
         cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.ensure_cache(max_context, len(prompt_ids))
-        step = self._prepare_decode(params, want_logprobs)  # may capture a graph: draws random numbers
-        if params.seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(params.seed)
-        stats.prompt_tokens = len(prompt_ids)
-
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        t0 = time.perf_counter()
-        logits = self.prefill(prompt, on_progress)
-        first = sample(logits, params, self._generator)  # [1]
-        self._tokens.copy_(first)
-        self._positions.fill_(len(prompt_ids))
-        if want_logprobs:
-            self._logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
-        token, logprob = int(first.item()), (float(self._logprob[0]) if want_logprobs else None)
-        t_first = time.perf_counter()
-        stats.prefill_seconds = t_first - t0
-        stats.prefill_tokens_per_s = len(prompt_ids) / max(stats.prefill_seconds, 1e-9)
-        stats.time_to_first_token = t_first - t_request
-
-        # Each step's output token is copied to pinned host memory and the next step is launched
-        # before the host waits for that copy: the GPU never idles while the host streams text.
-        host_tokens = torch.empty(1, dtype=torch.long, pin_memory=cuda)
-        host_logprob = torch.empty(1, dtype=torch.float32, pin_memory=cuda)
-        copied = torch.cuda.Event() if cuda else None
-        produced = 0
+        produced, t_first = 0, None
         try:
+            token, logprob, step = self._start(
+                prompt_ids, params, max_context, stats, on_progress, want_logprobs
+            )
+            t_first = time.perf_counter()
+            stats.time_to_first_token = t_first - t_request
+            # Each step's token is copied to pinned host memory and the next step is launched
+            # before the host waits for that copy: the GPU never idles while the host streams text.
+            host_tokens = torch.empty(1, dtype=torch.long, pin_memory=cuda)
+            host_logprob = torch.empty(1, dtype=torch.float32, pin_memory=cuda)
+            copied = torch.cuda.Event() if cuda else None
             stats.new_tokens = produced = 1
             yield token, logprob
             if token in eos_ids or max_new_tokens <= 1:
@@ -309,21 +259,55 @@ class Engine:
                 if copied is not None:
                     copied.synchronize()
                 token = int(host_tokens[0])
-                produced += 1
-                stats.new_tokens = produced
+                stats.new_tokens = produced = produced + 1
                 yield token, (float(host_logprob[0]) if want_logprobs else None)
                 if token in eos_ids or produced >= max_new_tokens:
                     return
         finally:
-            stats.new_tokens = produced
-            stats.decode_seconds = time.perf_counter() - t_first
-            steps = produced - 1
-            stats.decode_tokens_per_s = (
-                steps / stats.decode_seconds if steps and stats.decode_seconds else 0.0
-            )
-            stats.peak_memory_bytes = (
-                torch.cuda.max_memory_allocated(self.device) if cuda else _host_peak_bytes()
-            )
+            self.busy = False
+            if t_first is not None:
+                stats.decode_seconds = time.perf_counter() - t_first
+                steps = produced - 1
+                stats.decode_tokens_per_s = steps / stats.decode_seconds if steps else 0.0
+                stats.peak_memory_bytes = (
+                    torch.cuda.max_memory_allocated(self.device) if cuda else _host_peak_bytes()
+                )
+
+    def check_idle(self) -> None:
+        if self.busy:
+            raise UserError("this model is still generating: finish or close the previous stream first")
+
+    def _start(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_context: int,
+        stats: GenerationStats,
+        on_progress: Callable[[int, int], None] | None,
+        want_logprobs: bool,
+    ) -> tuple[int, float | None, Callable[[], None]]:
+        """Cache, decode step and prefill for a request: -> first token, its log-prob, the step."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.ensure_cache(max_context, len(prompt_ids))
+        step = self._prepare_decode(params, want_logprobs)  # may capture a graph: draws random numbers
+        if params.seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(params.seed)
+        stats.prompt_tokens = len(prompt_ids)
+        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt, on_progress)
+        first = sample(logits, params, self._generator)  # [1]
+        self._tokens.copy_(first)
+        self._positions.fill_(len(prompt_ids))
+        if want_logprobs:
+            self._logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
+        token = int(first.item())  # waits for the prefill
+        stats.prefill_seconds = time.perf_counter() - t0
+        stats.prefill_tokens_per_s = len(prompt_ids) / max(stats.prefill_seconds, 1e-9)
+        return token, (float(self._logprob[0]) if want_logprobs else None), step
 
 
 def _host_peak_bytes() -> int:
