@@ -169,6 +169,7 @@ def generate(
         )
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
         typer.echo(f"[{result.finish_reason}] {result.stats.summary()}", err=True)
 
 

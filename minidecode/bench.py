@@ -9,6 +9,7 @@ run (a device-to-device copy, counting bytes read and written).
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -160,7 +161,8 @@ def _compare_transformers(llm: LLM, rows: list[BenchRow], new_tokens: int, log) 
                 f"decode {row.peer_decode_tokens_per_s:6.1f} tok/s"
             )
         except torch.OutOfMemoryError as e:
-            row.peer_error = "out of memory: " + str(e).split("\n")[0][:80]
+            asked = re.search(r"Tried to allocate [\d.]+ \w+", str(e))
+            row.peer_error = "out of memory" + (f" ({asked.group(0).lower()})" if asked else "")
             log(f"{peer} {row.prompt_tokens:>8,} tok: {row.peer_error}")
         finally:
             del ids
