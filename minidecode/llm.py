@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Generator, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -274,7 +275,7 @@ class LLM:
             want_logprobs,
             t_request,
         )
-        with _closing(tokens):
+        with closing(tokens):  # closing runs the engine's finally, which completes the stats
             for token, logprob in tokens:
                 if token in self.eos_ids:
                     finish = "eos"
@@ -322,19 +323,6 @@ class LLM:
         )
         hidden = self.model.prefill(tokens, cache, self.engine.prefill_chunk, last_only=False)
         return self.model.logits(hidden[0])
-
-
-class _closing:
-    """Close a generator on exit, so the engine's `finally` fills in the stats."""
-
-    def __init__(self, gen):
-        self.gen = gen
-
-    def __enter__(self):
-        return self.gen
-
-    def __exit__(self, *exc):
-        self.gen.close()
 
 
 def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
