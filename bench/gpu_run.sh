@@ -41,5 +41,5 @@ if [[ $STAGES == *demo* ]]; then
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
-tail -4 "$LOG_DIR/decode-profile.log" 2>/dev/null
-grep -A30 "^| prompt" "$LOG_DIR/e2e.log" 2>/dev/null | head -14
+if [ -f "$LOG_DIR/decode-profile.log" ]; then tail -4 "$LOG_DIR/decode-profile.log"; fi
+if [ -f "$LOG_DIR/e2e.log" ]; then grep -A30 "^| prompt" "$LOG_DIR/e2e.log" | head -14; fi
