@@ -47,6 +47,8 @@ class LeanConfig:
     num_stages: int
     ctas_per_sm: int
     min_tiles: int = 1  # fewest tiles a working CTA takes (short contexts split heads fewer ways)
+    # partials merged per round (power of 2); None: as many as fit 32 fp32 registers a thread
+    merge_chunk: int | None = None
 
 
 # head_dim 128: the best of a sweep on an H200 (bench/NOTES-attention.md). One CTA per SM keeps
@@ -400,7 +402,7 @@ def lean_attention(
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         G_MERGE=triton.next_power_of_2(G),
-        MERGE_CHUNK=max(1, 4096 // (triton.next_power_of_2(G) * D)),  # 32 fp32 registers a thread
+        MERGE_CHUNK=config.merge_chunk or max(1, 4096 // (triton.next_power_of_2(G) * D)),
         COUNTER_STRIDE=_COUNTER_STRIDE,
         MIN_TILES=config.min_tiles,
         num_warps=config.num_warps,

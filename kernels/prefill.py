@@ -16,8 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     backend: str | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str | None = None
+) -> torch.Tensor:
     """q [B, G, T, D] (G query heads sharing one KV head), k/v [B, 1, T, D] -> [B, G, T, D].
 
     Square causal attention over the whole prompt; backend None lets PyTorch choose (CPU)."""

@@ -181,3 +181,15 @@ def test_min_tiles_per_cta(min_tiles, lengths):
     assert all(int(ws.counters.abs().sum()) == 0 for ws in la._WORKSPACES.values())
     schedule = la.lean_schedule(lens, 2, 64, num_ctas=6, config=config)
     assert schedule.total_tiles < min_tiles or schedule.tiles_per_cta >= min_tiles
+
+
+@pytest.mark.parametrize("merge_chunk", [1, 2, 32])
+def test_merge_chunk_sizes(merge_chunk):
+    """Partials merged 1, 2 or 32 at a time (heads split over many CTAs): same result."""
+    q, k, v, lens = make_inputs([14 * BLOCK_64 + 5, 3 * BLOCK_64], 8, 2)
+    config = dataclasses.replace(la.default_config(64, q.dtype), merge_chunk=merge_chunk)
+    out = la.lean_attention(q, k, v, lens, 64**-0.5, num_ctas=12, config=config)
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, lens, 64**-0.5), atol=TOL[q.dtype], rtol=TOL[q.dtype]
+    )
+    assert la.lean_schedule(lens, 2, 64, num_ctas=12, config=config).max_splits_per_head > 2
