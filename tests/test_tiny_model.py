@@ -23,6 +23,15 @@ sys.path.insert(0, str(REPO / "training"))
 import stdlib_corpus  # noqa: E402
 import train_tiny_model  # noqa: E402
 
+# Standard Hugging Face layout, plus the model card.
+MODEL_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "README.md",
+)
 # Held-out scoring: this many windows of this many tokens from the start of the held-out stream.
 EVAL_WINDOWS, EVAL_SEQ_LEN = 4, 1024
 MIN_PERPLEXITY_RATIO = 10.0  # random-init perplexity / trained perplexity must be at least this
@@ -52,27 +61,13 @@ def test_training_smoke_run_lowers_the_loss(tmp_path: Path) -> None:
     assert summary["steps"] == len(losses) >= 20
     assert last < first - 0.5
     assert summary["valid_history"][-1]["valid_loss"] < summary["valid_history"][0]["valid_loss"]
-    for name in (
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-        "README.md",
-    ):
+    for name in MODEL_FILES:
         assert (out / name).is_file(), name
 
 
 def test_shipped_files_and_config() -> None:
     """Standard Hugging Face layout, Llama config with head_dim 64 and GQA, weights small enough."""
-    for name in (
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-        "README.md",
-    ):
+    for name in MODEL_FILES:
         assert (ASSET / name).is_file(), name
     assert (ASSET / "model.safetensors").stat().st_size <= 15 * 2**20
     config = json.loads((ASSET / "config.json").read_text())
