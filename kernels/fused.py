@@ -36,6 +36,12 @@ def add_rms_norm(
         return _kernels().add_rms_norm(x, delta, weight, eps)
     if delta is not None:
         x += delta
+    return rms_norm(x, weight, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim as transformers does it: normalise in float32, round to x's
+    dtype, then scale (the model's norms and Qwen3's per-head q_norm / k_norm)."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -69,7 +75,7 @@ def rope_and_cache(
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     q, k, v = qkv.view(B, num_heads + 2 * Hkv, D).split([num_heads, Hkv, Hkv], dim=1)
     if q_norm is not None:
-        q, k = head_rms_norm(q, q_norm, eps), head_rms_norm(k, k_norm, eps)
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     batch = torch.arange(B, device=qkv.device)
     # index_put with device-side positions: no host sync, safe inside a CUDA graph.
@@ -78,18 +84,14 @@ def rope_and_cache(
     return q
 
 
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, as transformers' Qwen3 q_norm / k_norm."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, D] rotated by cos/sin [B, D] (rotate-half layout), computed in float32."""
+    """x [..., H, D] rotated by cos/sin [..., D] (shared by the H heads), rotate-half layout as
+    Hugging Face checkpoints store q/k; computed in float32, returned in x's dtype."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 # ---- SiLU(gate) * up ------------------------------------------------------------------------

@@ -18,10 +18,10 @@ from torch import nn
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
 from minidecode.kernels.decode import decode_attention
-from minidecode.kernels.fused import add_rms_norm, rope_and_cache, silu_mul
+from minidecode.kernels.fused import add_rms_norm, rms_norm, rope_and_cache, rotate, silu_mul
 from minidecode.kernels.prefill import causal_attention
 
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the input dtype: what transformers does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -64,7 +61,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def decode(
         self,

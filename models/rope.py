@@ -84,17 +84,6 @@ class RotaryEmbedding:
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D]; cos/sin [B, T, D] -> rotated x (computed in float32, returned in x.dtype).
-
-    Rotate-half layout, as Hugging Face checkpoints store q/k projections."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
 def _llama3_inv_freq(
     inv_freq: torch.Tensor,
     factor: float,
