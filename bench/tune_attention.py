@@ -31,38 +31,33 @@ from attention import HEAD_DIM, Case, InputSet, K, make_sets, rel_err, sdpa_call
 from minidecode.kernels import lean_attention as la  # noqa: E402
 from minidecode.kernels.lean_attention import LeanConfig  # noqa: E402
 
-CASES = [
-    Case("B1 32/8 1k", 32, 8, (1 * K,)),
-    Case("B1 32/8 4k", 32, 8, (4 * K,)),
-    Case("B1 32/8 64k", 32, 8, (64 * K,)),
-    Case("B1 32/8 512k", 32, 8, (512 * K,)),
-    Case("B16 32/8 32k", 32, 8, (32 * K,) * 16),
-]
+CASES = [Case(f"B1 32/8 {n // K}k", 32, 8, (n,)) for n in (1 * K, 4 * K, 16 * K, 64 * K, 128 * K, 512 * K)]
+CASES += [Case("B1 64/8 8k", 64, 8, (8 * K,)), Case("B16 32/8 32k", 32, 8, (32 * K,) * 16)]
 CONFIGS = [
-    LeanConfig(128, 4, 3, 1),
+    LeanConfig(128, 8, 3, 1, merge_chunk=4),
+    LeanConfig(128, 8, 3, 1, merge_chunk=2),
+    LeanConfig(128, 8, 3, 1, merge_chunk=1),
+    LeanConfig(128, 8, 4, 1, merge_chunk=4),
     LeanConfig(128, 8, 3, 1),
-    LeanConfig(128, 4, 2, 2),
-    LeanConfig(64, 4, 3, 1),
-    LeanConfig(64, 4, 3, 2),
-    LeanConfig(64, 4, 4, 2),
+    LeanConfig(128, 4, 3, 1, merge_chunk=2),
 ]
 ATOMIC = 'ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")'
 MERGE_IF = "if ticket == last - first:"
 VARIANTS = {  # name: source replacements of kernels/lean_attention.py
     "no merge": [(MERGE_IF, "if ticket == last - first + 1000000000:")],
-    "no atomic": [(ATOMIC, "ticket = 0"), (MERGE_IF, "if cta == first:")],
-    "no atomic, no merge": [(ATOMIC, "ticket = 0"), (MERGE_IF, "if cta == first + 1000000000:")],
-    "relaxed atomic": [(ATOMIC, ATOMIC.replace("acq_rel", "relaxed"))],
+    "no atomic, no merge": [(ATOMIC, "ticket = 0"), (MERGE_IF, "if ticket == 1000000000:")],
 }
 
 
 def config_name(c: LeanConfig) -> str:
-    return f"N{c.block_n} w{c.num_warps} s{c.num_stages} x{c.ctas_per_sm}"
+    merge = f" m{c.merge_chunk}" if c.merge_chunk else ""
+    return f"N{c.block_n} w{c.num_warps} s{c.num_stages} x{c.ctas_per_sm}{merge}"
 
 
-def variant_module(name: str, replacements: list[tuple[str, str]], folder: Path):
-    """A copy of the kernel module with `replacements` applied, imported under its own name."""
-    src = Path(la.__file__).read_text()
+def variant_module(name: str, replacements: list[tuple[str, str]], folder: Path, source: Path | None = None):
+    """A copy of the kernel module (or of `source`) with `replacements` applied, imported under
+    its own name."""
+    src = Path(source or la.__file__).read_text()
     for old, new in replacements:
         assert old in src, f"{name}: {old!r} not in the kernel source"
         src = src.replace(old, new)
@@ -114,10 +109,13 @@ def gm(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--baseline", type=Path, help="an earlier kernels/lean_attention.py to time alongside")
     args = ap.parse_args()
     scale = HEAD_DIM**-0.5
     folder = Path(tempfile.mkdtemp())
     variants = {n: variant_module(n, r, folder) for n, r in VARIANTS.items()}
+    if args.baseline:
+        variants["baseline"] = variant_module("baseline", [], folder, args.baseline)
     diag_config = CONFIGS[0]
     results: dict[str, dict[str, float]] = {}
     diag: dict[str, dict[str, float]] = {}

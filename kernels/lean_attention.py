@@ -10,9 +10,12 @@ dealt evenly to an SM-sized grid, like stream-K GEMM:
   byte is read once per step;
 - tiles are numbered (b, h, block) and CTA c takes a contiguous range of them; ranges differ in
   length by at most one tile and may cross head and sequence boundaries;
+- a CTA streams its whole range through one software-pipelined loop per sequence, so the
+  next head's K/V loads are in flight while a head's result is stored;
 - a (b, h) *segment* that one CTA covers wholly is finished in registers; a CTA that covers a
   segment only in part writes a partial (o = acc / l and lse = m + log2 l, per query head),
-  then draws a ticket from the segment's atomic counter. The CTA that draws the last ticket
+  and after its last tile draws a ticket from the segment's atomic counter (at most two
+  partial segments a CTA: its first and its last). The CTA that draws the last ticket
   merges the segment's partials in CTA order (bitwise reproducible), writes the output and
   resets the counter to zero. Nobody ever waits for another CTA, so the scheme cannot
   deadlock however many CTAs are resident, and the counters are zero after every launch.
@@ -47,16 +50,17 @@ class LeanConfig:
     num_stages: int
     ctas_per_sm: int
     min_tiles: int = 1  # fewest tiles a working CTA takes (short contexts split heads fewer ways)
-    # partials merged per round (power of 2); None: as many as fit 32 fp32 registers a thread
+    # partials merged per round (power of 2); None: as many as fit 4096 fp32 values a CTA
     merge_chunk: int | None = None
 
 
 # head_dim 128: the best of a sweep on an H200 (bench/NOTES-attention.md). One CTA per SM keeps
 # the splits per head, and so the merge, small; 2 x 64 KiB tiles in flight still stream K/V at
-# ~4.4 TB/s. head_dim 64 was not swept: same tile shape by analogy.
+# ~4.4 TB/s; 8 warps leave registers to spare (182, no spills); 4 partials a merge round keep
+# the merge's code small, and it runs cold once per launch. head_dim 64 was not swept.
 DEFAULT_CONFIGS = {
-    64: LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1),
-    128: LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1),
+    64: LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4),
+    128: LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4),
 }
 
 
@@ -83,45 +87,118 @@ def _owner(tile, per, big):
 
 
 @triton.jit
-def _attend(
-    q,  # [G_PAD, HEAD_DIM] the query group of one KV head
-    k_head,  # pointer to K[b, h, 0, 0]
-    v_head,  # pointer to V[b, h, 0, 0]
-    stride_kn,
-    stride_vn,
-    length,  # valid positions of this sequence
-    blk_lo,  # first and one-past-last block of this CTA's piece of the segment
-    blk_hi,
-    qk_scale,  # softmax scale * log2(e): scores live in log2 space, so exp2 is exact softmax
+def _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv):
+    """The segment (b, h) that holds `tile`: returns b, h, its first tile, its tiles, its length."""
+    b = tl.sum((seq_end <= tile).to(tl.int32), 0)
+    is_b = offs_b == b
+    n_blk = tl.sum(tl.where(is_b, seq_blocks, 0), 0)
+    length = tl.sum(tl.where(is_b, seq_len, 0), 0)
+    seq_lo = tl.sum(tl.where(is_b, seq_end, 0), 0) - n_blk * Hkv
+    h = (tile - seq_lo) // n_blk
+    return b, h, seq_lo + h * n_blk, n_blk, length
+
+
+@triton.jit
+def _merge_round(
+    m,
+    l_sum,
+    o,
+    cs,
+    last,
+    seg_lo,
+    per,
+    big,
+    PartO,
+    PartLse,
+    cols,
+    col_g,
+    col_ok,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over blocks [blk_lo, blk_hi): returns unnormalised acc, row max m, row sum l."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    # Loop-invariant int32 offsets inside one block; only the scalar block offset moves.
-    offs_k = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-    offs_v = offs_n[:, None] * stride_vn + offs_d[None, :]
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-    for blk in range(blk_lo, blk_hi):
-        n0 = blk * BLOCK_N
-        valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
-        k = tl.load(k_head + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
-        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-        # Every block holds a valid position, so m_new is finite and alpha is 0 on the first one.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
+    """Fold the partials of contributing CTAs `cs` ([MERGE_CHUNK]) into the running merge.
+
+    The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns, so a chunk of
+    contributors is one [MERGE_CHUNK, G_MERGE * HEAD_DIM] tile and the merge is a reduction over
+    its rows, each held in one thread (no shared memory, no shuffles).
+    """
+    c_slot = 2 * cs + (_range_start(cs, per, big) < seg_lo).to(tl.int32)  # first or last segment of cs
+    ok = (cs <= last)[:, None] & col_ok[None, :]  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
+    # .cg: read from L2, where the other CTAs' stores landed, never a stale L1 line. Each row's
+    # lse is read once per column: a broadcast within a warp.
+    lse_c = tl.load(
+        PartLse + c_slot[:, None] * G_PAD + col_g[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
+    )
+    o_c = tl.load(
+        PartO + c_slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg"
+    )
+    m_new = tl.maximum(m, tl.max(lse_c, 0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # -inf - -inf would be NaN
+    alpha = tl.exp2(m - m_ref)
+    w = tl.exp2(lse_c - m_ref[None, :])  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
+    return m_new, l_sum * alpha + tl.sum(w, 0), o * alpha + tl.sum(o_c * w, 0)
+
+
+@triton.jit
+def _ticket_and_merge(
+    b,
+    h,
+    seg_lo,
+    seg_hi,
+    per,
+    big,
+    Out,
+    PartO,
+    PartLse,
+    Counters,
+    G,
+    Hkv,
+    stride_ob,
+    stride_oh,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    G_MERGE: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    COUNTER_STRIDE: tl.constexpr,
+):
+    """Draw a ticket for segment (b, h); the CTA that draws the last one merges all its partials
+    in CTA order (bitwise reproducible), writes the output and zeroes the counter."""
+    counter = Counters + (b * Hkv + h) * COUNTER_STRIDE  # one cache line per counter
+    # Acquire-release: our partial stores (ordered before this by the caller's barrier) are
+    # visible to whoever draws the last ticket, and the last one sees everyone's.
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    first = _owner(seg_lo, per, big)
+    last = _owner(seg_hi - 1, per, big)
+    if ticket == last - first:
+        offs_c = tl.arange(0, MERGE_CHUNK)
+        cols = tl.arange(0, G_MERGE * HEAD_DIM)
+        col_g = cols // HEAD_DIM  # query head (row of the partial) of each column
+        col_ok = col_g < G
+        m = tl.full([G_MERGE * HEAD_DIM], float("-inf"), tl.float32)
+        l_sum = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
+        o = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
+        for c0 in range(first, last + 1, MERGE_CHUNK):
+            m, l_sum, o = _merge_round(
+                m,
+                l_sum,
+                o,
+                c0 + offs_c,
+                last,
+                seg_lo,
+                per,
+                big,
+                PartO,
+                PartLse,
+                cols,
+                col_g,
+                col_ok,
+                G_PAD,
+                HEAD_DIM,
+            )
+        l_sum = tl.where(col_ok, l_sum, 1.0)  # padding rows merged nothing
+        o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
+        tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
+        tl.store(counter, 0)  # every contributor has drawn its ticket: ready for the next launch
 
 
 @triton.jit
@@ -134,7 +211,7 @@ def _lean_decode_kernel(
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD] fp32: log2-sum-exp of each partial row
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e): scores live in log2 space, so exp2 is exact softmax
     B,
     Hkv,
     G,
@@ -177,103 +254,86 @@ def _lean_decode_kernel(
     range_hi = tl.minimum(_range_start(cta + 1, per, big), total)
 
     offs_g = tl.arange(0, G_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_g < G  # [G_PAD] rows past the group are padding for the dot's M >= 16
+    # Loop-invariant int32 offsets inside one block; only the scalar block offset moves.
+    offs_k = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    offs_v = offs_n[:, None] * stride_vn + offs_d[None, :]
     offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
 
+    # ---- our tiles: one software-pipelined loop per sequence, across its heads -------------
+    # Tiles of several heads run through one loop (like a persistent GEMM's epilogue inside its
+    # K loop): the next head's K/V loads are already in flight while a head's result is stored,
+    # so crossing a head costs no pipeline drain and refill. Only a sequence boundary (found
+    # with reductions over the batch, too slow to repeat per tile) restarts the loop.
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
     tile = range_lo
     while tile < range_hi:
-        # Locate the segment (b, h) that holds `tile`.
-        b = tl.sum((seq_end <= tile).to(tl.int32), 0)
-        n_blk = tl.sum(tl.where(offs_b == b, seq_blocks, 0), 0)
-        length = tl.sum(tl.where(offs_b == b, seq_len, 0), 0)
-        seq_lo = tl.sum(tl.where(offs_b == b, seq_end, 0), 0) - n_blk * Hkv
-        h = (tile - seq_lo) // n_blk
-        seg_lo = seq_lo + h * n_blk
-        seg_hi = seg_lo + n_blk
-        stop = tl.minimum(range_hi, seg_hi)
-        blk_lo = tile - seg_lo
+        b, h, seg_lo, n_blk, length = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
+        seq_lo = seg_lo - h * n_blk
+        stop = tl.minimum(range_hi, seq_lo + Hkv * n_blk)
+        q_b = Q + b * stride_qb
+        k_b = K + b.to(tl.int64) * stride_kb  # 64-bit: one layer's cache passes 2^31 elements
+        v_b = V + b.to(tl.int64) * stride_vb
+        for t in range(tile, stop):
+            h = (t - seq_lo) // n_blk
+            seg_lo = seq_lo + h * n_blk
+            n0 = (t - seg_lo) * BLOCK_N
+            q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
+            q = tl.load(q_b + q_rows[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
+            # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
+            k = tl.load(
+                k_b + h.to(tl.int64) * stride_kh + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0
+            )
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
+            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+            # Every block holds a valid position, so m_new is finite and alpha is 0 on a
+            # segment's first block (m_i = -inf there).
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_b + h.to(tl.int64) * stride_vh + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
-        q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
-        q = tl.load(
-            Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
-        )
-        # 64-bit (b, h) offsets: one layer's cache passes 2^31 elements (B * Hkv * S * D); the
-        # offsets inside one head stay below 2^31 (checked on the host).
-        k_head = K + (b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh)
-        v_head = V + (b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh)
-        acc, m_i, l_i = _attend(
-            q,
-            k_head,
-            v_head,
-            stride_kn,
-            stride_vn,
-            length,
-            blk_lo,
-            stop - seg_lo,
-            qk_scale,
-            G_PAD,
-            HEAD_DIM,
-            BLOCK_N,
-            DOT_PRECISION,
-        )
-
-        out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
-        if (tile == seg_lo) & (stop == seg_hi):
-            # The whole segment is ours: no partials.
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            slot = 2 * cta + (tile != range_lo).to(tl.int32)  # 0: our first segment, 1: our last
-            tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, acc / l_i[:, None], mask=row_ok[:, None])
-            tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_i), mask=row_ok)
-            # Release: every thread's partial stores precede the ticket (barrier, then acq_rel).
-            tl.debug_barrier()
-            counter = Counters + (b * Hkv + h) * COUNTER_STRIDE  # one cache line per counter
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            first = _owner(seg_lo, per, big)
-            last = _owner(seg_hi - 1, per, big)
-            if ticket == last - first:
-                # Last to finish: merge every contributor's partial in CTA order. The group's
-                # rows are flattened with head_dim into G_MERGE * HEAD_DIM columns, so a chunk
-                # of contributors is one [MERGE_CHUNK, G_MERGE * HEAD_DIM] tile whose loads are
-                # all in flight together, and the merge is a reduction over its rows.
-                offs_c = tl.arange(0, MERGE_CHUNK)
-                cols = tl.arange(0, G_MERGE * HEAD_DIM)
-                col_g = cols // HEAD_DIM  # query head (row of the partial) of each column
-                col_ok = col_g < G
-                m = tl.full([G_MERGE * HEAD_DIM], float("-inf"), tl.float32)
-                l_sum = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
-                o = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
-                for c0 in range(first, last + 1, MERGE_CHUNK):
-                    cs = c0 + offs_c  # [MERGE_CHUNK] contributing CTAs
-                    c_slot = 2 * cs + (_range_start(cs, per, big) < seg_lo).to(tl.int32)
-                    ok = (cs <= last)[:, None] & col_ok[None, :]  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
-                    # .cg: read from L2, where the other CTAs' stores landed, never a stale L1 line.
-                    # Each row's lse is read once per column: a broadcast within a warp.
-                    lse_c = tl.load(
-                        PartLse + c_slot[:, None] * G_PAD + col_g[None, :],
-                        mask=ok,
-                        other=float("-inf"),
-                        cache_modifier=".cg",
-                    )
-                    o_c = tl.load(
-                        PartO + c_slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :],
-                        mask=ok,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    m_new = tl.maximum(m, tl.max(lse_c, 0))
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # -inf - -inf would be NaN
-                    alpha = tl.exp2(m - m_ref)
-                    w = tl.exp2(lse_c - m_ref[None, :])  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
-                    o = o * alpha + tl.sum(o_c * w, 0)
-                    l_sum = l_sum * alpha + tl.sum(w, 0)
-                    m = m_new
-                l_sum = tl.where(col_ok, l_sum, 1.0)  # padding rows merged nothing
-                o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
-                tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
-                tl.store(counter, 0)  # every contributor has drawn its ticket: ready for the next launch
+            seg_hi = seg_lo + n_blk
+            if (t == seg_hi - 1) | (t == range_hi - 1):  # our piece of this segment ends here
+                if (seg_lo >= range_lo) & (t == seg_hi - 1):
+                    # The whole segment is ours: no partials.
+                    out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
+                    tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+                else:
+                    slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
+                    o_part = acc / l_i[:, None]
+                    tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_part, mask=row_ok[:, None])
+                    tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_i), mask=row_ok)
+                m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+                l_i = tl.zeros([G_PAD], tl.float32)
+                acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
         tile = stop
+
+    # ---- tickets for our (at most two) partial segments, after all our tiles -------------------
+    # Deferred to the end so that no merge delays the rest of our range.
+    if range_lo < range_hi:
+        tl.debug_barrier()  # every thread's partial stores precede the ticket (release)
+        first_seg_lo = _locate(range_lo, offs_b, seq_len, seq_blocks, seq_end, Hkv)[2]
+        for at_end in tl.static_range(2):  # the segment of our first tile, then of our last
+            tile = range_lo + at_end * (range_hi - 1 - range_lo)
+            b, h, seg_lo, n_blk, length = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
+            in_part = (seg_lo < range_lo) | (seg_lo + n_blk > range_hi)
+            if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
+                # fmt: off
+                _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, PartO, PartLse, Counters,
+                                  G, Hkv, stride_ob, stride_oh,
+                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_CHUNK, COUNTER_STRIDE)
+                # fmt: on
 
 
 # ---- host side ------------------------------------------------------------------------------
@@ -373,6 +433,7 @@ def lean_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    merge_chunk = config.merge_chunk or max(1, 4096 // (triton.next_power_of_2(G) * D))
     _lean_decode_kernel[(grid,)](
         q,
         k_cache,
@@ -402,7 +463,7 @@ def lean_attention(
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         G_MERGE=triton.next_power_of_2(G),
-        MERGE_CHUNK=config.merge_chunk or max(1, 4096 // (triton.next_power_of_2(G) * D)),
+        MERGE_CHUNK=merge_chunk,
         COUNTER_STRIDE=_COUNTER_STRIDE,
         MIN_TILES=config.min_tiles,
         num_warps=config.num_warps,
