@@ -4,12 +4,13 @@
    cases, checked against SDPA flash first; registers / shared memory / resident CTAs per SM of
    each compiled variant are read from Triton's cache.
 2. Attribution (timing only, outputs not checked): copies of the kernel with one step removed --
-   no merge, no ticket atomic (the merging CTA does not wait), neither -- and one with a relaxed
-   atomic. Their differences from the real kernel are what the merge and the ticket cost.
+   no merge; neither merge nor ticket atomic. Their differences from the real kernel are what the
+   merge and the ticket cost. `--baseline FILE` times an earlier kernels/lean_attention.py (with
+   the first config) alongside, in the same run.
 
 Prints a table last and writes tune.json (with the best config) to --out.
 
-    python bench/tune_attention.py [--out DIR]
+    python bench/tune_attention.py [--out DIR] [--baseline OLD_KERNEL.py]
 """
 
 from __future__ import annotations
