@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 
 import minidecode
 from minidecode import LLM, SamplingParams
-from minidecode.sampling import sample
+from minidecode.sampling import argmax, sample
 from minidecode.tokenizer import StreamDecoder
 
 MAX_POS = 512
@@ -180,6 +180,16 @@ def test_stop_string_cuts_output(llama, hf):
 
 
 # ---- sampling --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [50, 4096, 128256, 151936, 32003])
+def test_two_pass_argmax_equals_torch_argmax_with_ties(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (6, vocab), generator=gen).float()  # many ties at the max
+    x[1, vocab // 3] = x[1, -1] = 10.0  # a tie across rows of the two-pass view
+    x[2, -1] = 11.0  # the max at the last index
+    x[3] = torch.randn(vocab, generator=gen)
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
 
 
 @pytest.mark.parametrize(
