@@ -99,47 +99,6 @@ def _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv):
 
 
 @triton.jit
-def _merge_round(
-    m,
-    l_sum,
-    o,
-    cs,
-    last,
-    seg_lo,
-    per,
-    big,
-    PartO,
-    PartLse,
-    cols,
-    col_g,
-    col_ok,
-    G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """Fold the partials of contributing CTAs `cs` ([MERGE_CHUNK]) into the running merge.
-
-    The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns, so a chunk of
-    contributors is one [MERGE_CHUNK, G_MERGE * HEAD_DIM] tile and the merge is a reduction over
-    its rows, each held in one thread (no shared memory, no shuffles).
-    """
-    c_slot = 2 * cs + (_range_start(cs, per, big) < seg_lo).to(tl.int32)  # first or last segment of cs
-    ok = (cs <= last)[:, None] & col_ok[None, :]  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
-    # .cg: read from L2, where the other CTAs' stores landed, never a stale L1 line. Each row's
-    # lse is read once per column: a broadcast within a warp.
-    lse_c = tl.load(
-        PartLse + c_slot[:, None] * G_PAD + col_g[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg"
-    )
-    o_c = tl.load(
-        PartO + c_slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg"
-    )
-    m_new = tl.maximum(m, tl.max(lse_c, 0))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # -inf - -inf would be NaN
-    alpha = tl.exp2(m - m_ref)
-    w = tl.exp2(lse_c - m_ref[None, :])  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
-    return m_new, l_sum * alpha + tl.sum(w, 0), o * alpha + tl.sum(o_c * w, 0)
-
-
-@triton.jit
 def _ticket_and_merge(
     b,
     h,
@@ -177,24 +136,35 @@ def _ticket_and_merge(
         m = tl.full([G_MERGE * HEAD_DIM], float("-inf"), tl.float32)
         l_sum = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
         o = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
+        # The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns, so a chunk
+        # of contributors is one [MERGE_CHUNK, G_MERGE * HEAD_DIM] tile and the merge is a
+        # reduction over its rows, each held in one thread (no shared memory, no shuffles).
         for c0 in range(first, last + 1, MERGE_CHUNK):
-            m, l_sum, o = _merge_round(
-                m,
-                l_sum,
-                o,
-                c0 + offs_c,
-                last,
-                seg_lo,
-                per,
-                big,
-                PartO,
-                PartLse,
-                cols,
-                col_g,
-                col_ok,
-                G_PAD,
-                HEAD_DIM,
+            cs = c0 + offs_c  # [MERGE_CHUNK] contributing CTAs
+            # slot 2c holds the partial of CTA c's first segment, 2c + 1 of its last
+            c_slot = 2 * cs + (_range_start(cs, per, big) < seg_lo).to(tl.int32)
+            ok = (cs <= last)[:, None] & col_ok[None, :]  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
+            # .cg: read from L2, where the other CTAs' stores landed, never a stale L1 line. Each
+            # row's lse is read once per column: a broadcast within a warp.
+            lse_c = tl.load(
+                PartLse + c_slot[:, None] * G_PAD + col_g[None, :],
+                mask=ok,
+                other=float("-inf"),
+                cache_modifier=".cg",
             )
+            o_c = tl.load(
+                PartO + c_slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :],
+                mask=ok,
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m, tl.max(lse_c, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # -inf - -inf would be NaN
+            alpha = tl.exp2(m - m_ref)
+            w = tl.exp2(lse_c - m_ref[None, :])  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
+            o = o * alpha + tl.sum(o_c * w, 0)
+            l_sum = l_sum * alpha + tl.sum(w, 0)
+            m = m_new
         l_sum = tl.where(col_ok, l_sum, 1.0)  # padding rows merged nothing
         o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
         tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
@@ -326,7 +296,7 @@ def _lean_decode_kernel(
         first_seg_lo = _locate(range_lo, offs_b, seq_len, seq_blocks, seq_end, Hkv)[2]
         for at_end in tl.static_range(2):  # the segment of our first tile, then of our last
             tile = range_lo + at_end * (range_hi - 1 - range_lo)
-            b, h, seg_lo, n_blk, length = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
+            b, h, seg_lo, n_blk, _ = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
             in_part = (seg_lo < range_lo) | (seg_lo + n_blk > range_hi)
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
