@@ -1,8 +1,9 @@
 """Where a decode step's time goes: graph vs eager step time, and the kernels of one eager step.
 
 Usage: python bench/decode_profile.py [synthetic:llama-3-8b] [context]
-Prints the step time with and without the CUDA graph, the weight+KV roofline for the same step
-(measured copy bandwidth), and the top kernels of one step by total time and launch count.
+Prints the step time with the CUDA graph (with and without programmatic dependent launch
+between the step's kernels) and eager, the weight+KV roofline for the same step (measured copy
+bandwidth), and the top kernels of one step by total time and launch count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from minidecode import LLM
 from minidecode.bench import copy_bandwidth
+from minidecode.kernels import fused
 
 
 def step_ms(llm: LLM, steps: int = 64) -> float:
@@ -35,7 +37,8 @@ def main() -> None:
     context = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
-    for graph in (True, False):
+    for graph, pdl in ((True, True), (True, False), (False, True)):
+        fused.PDL = pdl
         llm = LLM(name, cuda_graph=graph)
         llm.generate(
             token_ids=llm.random_prompt(context), max_new_tokens=4, temperature=0, max_context=context + 256
@@ -44,7 +47,7 @@ def main() -> None:
         weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
         kv = llm.config.kv_bytes_per_token(llm.dtype.itemsize) * context
         floor = (weights + kv) / bandwidth * 1e3
-        rows.append((graph, ms, floor))
+        rows.append((graph, pdl, ms, floor))
         if not graph:
             engine = llm.engine
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -57,8 +60,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"bandwidth {bandwidth / 1e12:.2f} TB/s; {name} at context {context}")
     print("| mode | step ms | floor ms | % of floor |")
-    for graph, ms, floor in rows:
-        print(f"| {'cuda graph' if graph else 'eager'} | {ms:.3f} | {floor:.3f} | {100 * floor / ms:.0f}% |")
+    for graph, pdl, ms, floor in rows:
+        mode = ("cuda graph" if graph else "eager") + (", PDL" if pdl else ", no PDL")
+        print(f"| {mode} | {ms:.3f} | {floor:.3f} | {100 * floor / ms:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 if [[ $STAGES == *tests* ]]; then
-  for f in tests/test_lean_attention_gpu.py tests/test_fused_kernels.py tests/test_parity_gpu.py; do
+  for f in tests/test_lean_attention_gpu.py tests/test_fused_kernels.py tests/test_prefill_attention.py tests/test_parity_gpu.py; do
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tee -a "$LOG_DIR/gpu-tests.log" | tail -3
     summary+=("$f: $(tail -1 "$LOG_DIR/gpu-tests.log")")
   done

@@ -14,7 +14,8 @@ def decode_attention(
 ) -> torch.Tensor:  # [B, Hq, D]
     """One decode step of attention: each sequence's single new query over its cached context."""
     if q.is_cuda:
+        from .fused import use_pdl
         from .lean_attention import lean_attention
 
-        return lean_attention(q, k_cache, v_cache, lengths, scale)
+        return lean_attention(q, k_cache, v_cache, lengths, scale, use_pdl=use_pdl(q))
     return decode_attention_reference(q, k_cache, v_cache, lengths, scale)

@@ -1,22 +1,39 @@
 """Small fused kernels for the decode step, where every launch costs more than its arithmetic.
 
 A decode step of an 8B model reads 16 GB in ~4 ms; PyTorch's plain ops would spend ~27 tiny
-launches per layer on norms, RoPE and the cache write. These three kernels cut a layer to nine
-launches: add+RMSNorm, the QKV GEMV, RoPE+cache write, attention, o_proj, add+RMSNorm, the
-gate/up GEMV, SiLU*up, down_proj. Each has a PyTorch twin with the same rounding, used on the CPU
-(and as the tests' reference); `use_triton(x)` picks the Triton one for CUDA tensors.
+launches per layer on norms, RoPE and the cache write. Here a layer is nine launches: RMSNorm,
+the QKV GEMV, RoPE+cache write, attention, o_proj adding into the residual stream, RMSNorm, the
+gate/up GEMV, SiLU*up, and down_proj adding into the residual stream (GEMVs in kernels/gemv.py;
+no split-K reduce launches). On Hopper the Triton kernels are chained with programmatic
+dependent launch, so each starts while the previous one drains. Each
+has a PyTorch twin with transformers' rounding, used on the CPU (and as the tests' reference);
+`use_triton(x)` picks the Triton one for CUDA tensors.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+PDL = True  # chain the step's Triton kernels with programmatic dependent launch where supported
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """Triton for CUDA tensors; the PyTorch twin elsewhere (tests pass triton=True to run the
     Triton kernels on CPU tensors under TRITON_INTERPRET=1)."""
     return x.is_cuda
+
+
+def use_pdl(x: torch.Tensor) -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
+    return PDL and x.is_cuda and _capability(x.device) >= 9
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def _kernels():
@@ -26,24 +43,51 @@ def _kernels():
     return fused_triton
 
 
-# ---- add + RMSNorm --------------------------------------------------------------------------
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, triton: bool | None = None
-) -> torch.Tensor:
-    """x [B, N] is the residual stream: x += delta in place (in x's dtype, as transformers adds),
-    then return weight * normalize(x) [B, N], normalizing in float32."""
-    if triton if triton is not None else use_triton(x):
-        return _kernels().add_rms_norm(x, delta, weight, eps)
-    if delta is not None:
-        x += delta
-    return rms_norm(x, weight, eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+# ---- RMSNorm --------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool | None = None) -> torch.Tensor:
     """RMSNorm over the last dim as transformers does it: normalise in float32, round to x's
     dtype, then scale (the model's norms and Qwen3's per-head q_norm / k_norm)."""
+    if triton if triton is not None else use_triton(x):
+        return _kernels().rms_norm(x, weight, eps, use_pdl(x))
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+# ---- GEMVs with the norm before or the residual add after -----------------------------------
+def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None) -> bool:
+    """The Triton GEMV for a few rows and outputs up to MAX_OUTPUTS wide; cuBLAS otherwise (for
+    the 28672-wide gate/up of an 8B model it streams ~4% faster: bench/tune_gemv.py)."""
+    from .gemv import MAX_OUTPUTS, MAX_ROWS
+
+    fits = x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.shape[0] <= MAX_OUTPUTS
+    fits = fits and x.stride(-1) == 1 and weight.stride(-1) == 1
+    return fits and (triton if triton is not None else use_triton(x))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, triton: bool | None = None):
+    """F.linear for the decode step: x [B, K], weight [N, K], bias [N] -> [B, N]."""
+    if _use_gemv(x, weight, triton):
+        from .gemv import gemv
+
+        return gemv(x, weight, bias, use_pdl=use_pdl(x))
+    return F.linear(x, weight, bias)
+
+
+def linear_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    triton: bool | None = None,
+) -> None:
+    """residual += linear(x) in place, rounded as transformers' `h + proj(...)`: x [B, K],
+    weight [N, K], bias [N], residual [B, N]."""
+    if _use_gemv(x, weight, triton) and residual.stride(-1) == 1:
+        from .gemv import gemv
+
+        gemv(x, weight, bias, residual=residual, use_pdl=use_pdl(x))
+    else:
+        residual += F.linear(x, weight, bias)
 
 
 # ---- RoPE + KV cache write ------------------------------------------------------------------
@@ -69,13 +113,13 @@ def rope_and_cache(
     """
     if triton if triton is not None else use_triton(qkv):
         return _kernels().rope_and_cache(
-            qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps
+            qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, use_pdl(qkv)
         )
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     q, k, v = qkv.view(B, num_heads + 2 * Hkv, D).split([num_heads, Hkv, Hkv], dim=1)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = rms_norm(q, q_norm, eps, triton=False), rms_norm(k, k_norm, eps, triton=False)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     batch = torch.arange(B, device=qkv.device)
     # index_put with device-side positions: no host sync, safe inside a CUDA graph.
@@ -99,6 +143,6 @@ def silu_mul(gate_up: torch.Tensor, triton: bool | None = None) -> torch.Tensor:
     """gate_up [B, 2 I] (the fused projection) -> silu(gate) * up [B, I], rounded as transformers
     does (silu's result in the model dtype, then the product)."""
     if triton if triton is not None else use_triton(gate_up):
-        return _kernels().silu_mul(gate_up)
+        return _kernels().silu_mul(gate_up, use_pdl(gate_up))
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

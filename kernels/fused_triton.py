@@ -8,43 +8,38 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, Delta, W, Out, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per row: x [N] += delta; out = w * (x / rms(x)).
+def _rms_norm_kernel(X, W, Out, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # One program per row: out = w * (x / rms(x)), normalised in float32 and rounded before w.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X + row * N + offs, mask=mask, other=0.0)
-    if HAS_DELTA:
-        # The residual add rounds to the model dtype, as transformers' `x = x + delta` does.
-        x = (x.to(tl.float32) + tl.load(Delta + row * N + offs, mask=mask, other=0.0).to(tl.float32)).to(
-            X.dtype.element_ty
-        )
-        tl.store(X + row * N + offs, x, mask=mask)
-    xf = x.to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        tl.extra.cuda.gdc_launch_dependents()
+    xf = tl.load(X + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     y = (xf * inv_rms).to(Out.dtype.element_ty).to(tl.float32) * w
     tl.store(Out + row * N + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    B, N = x.shape
-    out = torch.empty_like(x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_pdl: bool = False) -> torch.Tensor:
+    N = x.shape[-1]
+    rows = x.reshape(-1, N)  # [R, N] contiguous (a copy only for strided views)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     block = triton.next_power_of_2(N)
-    _add_rms_norm_kernel[(B,)](
-        x,
-        x if delta is None else delta,
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows,
         weight,
         out,
         N,
         eps,
-        HAS_DELTA=delta is not None,
         BLOCK=block,
+        USE_PDL=use_pdl,
         num_warps=min(16, max(1, block // 512)),
+        **({"launch_pdl": True} if use_pdl else {}),
     )
-    return out
+    return out.view(x.shape)
 
 
 @triton.jit
@@ -81,6 +76,7 @@ def _rope_cache_kernel(
     cache_stride_h,
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program (b, h): h < HQ rotates query head h into Q [B, HQ, D]; otherwise KV head h - HQ is
     # rotated (k) and copied (v) into the caches [B, HKV, S, D] at position Pos[b].
@@ -90,22 +86,25 @@ def _rope_cache_kernel(
     half = D // 2
     partner = (offs + half) % D
     sign = tl.where(offs < half, -1.0, 1.0)  # rotate_half: (-x2, x1)
-    cos = tl.load(Cos + b * D + offs)
+    cos = tl.load(Cos + b * D + offs)  # cos, sin, positions: written before the step's first kernel
     sin = tl.load(Sin + b * D + offs)
+    pos = tl.load(Pos + b).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # qkv is the previous kernel's output
+        tl.extra.cuda.gdc_launch_dependents()
     row = QKV + b * (HQ + 2 * HKV) * D
     if h < HQ:
         x, xp = _head(row, h, offs, partner, QW, eps, D, HAS_NORM)
         tl.store(Q + (b * HQ + h) * D + offs, (x * cos + sign * xp * sin).to(Q.dtype.element_ty))
     else:
         j = h - HQ
-        pos = tl.load(Pos + b).to(tl.int64)
         dst = b * cache_stride_b + j * cache_stride_h + pos * D + offs
         k, kp = _head(row, HQ + j, offs, partner, KW, eps, D, HAS_NORM)
         tl.store(KC + dst, (k * cos + sign * kp * sin).to(KC.dtype.element_ty))
         tl.store(VC + dst, tl.load(row + (HQ + HKV + j) * D + offs))
 
 
-def rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps):
+def rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, use_pdl):
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.stride(2) == D
@@ -128,29 +127,42 @@ def rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm
         k_cache.stride(1),
         D=D,
         HAS_NORM=has_norm,
+        USE_PDL=use_pdl,
         num_warps=1,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, INTER, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Out, INTER, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # gate_up row [2 * INTER] -> silu(gate) * up, rounding silu to the model dtype first.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # gate_up is the previous kernel's output
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + row * INTER + offs, (act * u).to(Out.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, use_pdl: bool = False) -> torch.Tensor:
     *lead, two_inter = gate_up.shape  # [..., 2I]: one decode row or a prefill chunk
     inter = two_inter // 2
     gate_up = gate_up.reshape(-1, two_inter)
     B = gate_up.shape[0]
     out = torch.empty(*lead, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(B, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(B, triton.cdiv(inter, block))](
+        gate_up,
+        out,
+        inter,
+        BLOCK=block,
+        USE_PDL=use_pdl,
+        num_warps=4,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
     return out

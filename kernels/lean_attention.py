@@ -204,6 +204,7 @@ def _lean_decode_kernel(
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
     MIN_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -222,6 +223,12 @@ def _lean_decode_kernel(
     big = total - (per - 1) * used
     range_lo = tl.minimum(_range_start(cta, per, big), total)
     range_hi = tl.minimum(_range_start(cta + 1, per, big), total)
+    if USE_PDL:
+        # Launched early (programmatic dependent launch): the schedule above only needs the
+        # lengths, written before the step's first kernel; q and the new K/V row come from the
+        # previous kernel, so wait for it before touching them.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     offs_g = tl.arange(0, G_PAD)
     offs_n = tl.arange(0, BLOCK_N)
@@ -361,6 +368,7 @@ def lean_attention(
     num_ctas: int | None = None,
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
+    use_pdl: bool = False,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
     """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
 
@@ -368,6 +376,7 @@ def lean_attention(
     allocates the cached workspace) and replay as `lengths` grows in place. Calls that share a
     workspace must be ordered on one stream. `num_ctas` overrides the SM-derived grid (tests),
     `config` the tuned launch parameters; `out` ([B, Hq, D], q's dtype) receives the result.
+    `use_pdl` launches with programmatic dependent launch (Hopper+), chained to the step's kernels.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
@@ -436,8 +445,10 @@ def lean_attention(
         MERGE_CHUNK=merge_chunk,
         COUNTER_STRIDE=_COUNTER_STRIDE,
         MIN_TILES=config.min_tiles,
+        USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 

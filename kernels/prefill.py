@@ -3,17 +3,28 @@
 On Hopper, cuDNN's square causal attention runs ~1.7x faster than the flash backend, but not
 everywhere (other GPUs, head sizes, versions): time both once per (device, head_dim, group) on
 a short causal problem and keep the faster.
+
+Long prompts on cuDNN go through in blocks of BLOCK queries: block i is a square causal call
+over its own BLOCK keys plus one full (non-causal) call over every earlier key, and the two are
+merged by their log-sum-exp. cuDNN's single causal call slows down past ~128k (472 TFLOP/s at
+512k against 598 at 128k); the blocked form keeps 593 at 512k, 20% less time
+(bench/NOTES-attention.md). Same FLOPs, same result up to rounding.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+BLOCK = 65536  # query rows per block of the blocked cuDNN path (best of 16k-256k at 128k and 512k)
+
+# attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 def causal_attention(
@@ -23,10 +34,44 @@ def causal_attention(
 
     Square causal attention over the whole prompt; backend None lets PyTorch choose (CPU)."""
     gqa = q.shape[1] != k.shape[1]
+    if backend == "cudnn" and q.shape[2] > BLOCK:
+        return blocked_causal_attention(q, k, v, BLOCK, functools.partial(_cudnn_with_lse, scale=scale))
     if backend is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     with sdpa_kernel([CANDIDATES[backend]]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, attend: Attend):
+    """Causal attention as, per block of queries [s, e): causal over keys [s, e), full over keys
+    [0, s), merged by log-sum-exp. q [B, G, T, D], k/v [B, 1, T, D] -> [B, G, T, D]."""
+    out = torch.empty_like(q)
+    for s in range(0, q.shape[2], block):
+        e = min(s + block, q.shape[2])
+        o_diag, lse_diag = attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], True)
+        if s == 0:
+            out[:, :, s:e] = o_diag
+            continue
+        o_past, lse_past = attend(q[:, :, s:e], k[:, :, :s], v[:, :, :s], False)
+        lse = torch.logaddexp(lse_diag, lse_past)  # [B, G, e - s, 1]
+        merged = (
+            o_diag.float()
+            .mul_(torch.exp(lse_diag - lse))
+            .add_(o_past.float().mul_(torch.exp(lse_past - lse)))
+        )
+        out[:, :, s:e] = merged
+    return out
+
+
+def _cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """cuDNN attention that also returns the log-sum-exp (the public SDPA call does not); the
+    one KV head is broadcast to the G query heads (a stride-0 view, no copy)."""
+    group = q.shape[1]
+    k, v = k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )[:2]
+    return out, lse.reshape(*q.shape[:3], 1)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minidecode.kernels.prefill import BLOCK as PREFILL_BLOCK
 from minidecode.kernels.prefill import choose_backend
 from minidecode.models.llama import Transformer
 
@@ -75,7 +76,8 @@ def activation_bytes(
 ) -> int:
     """Peak temporaries of the layer-major prefill (an estimate with margin): the residual stream
     and the q / attention-output buffer over the whole prompt, one head group's attention output,
-    and one chunk's projections and MLP intermediates; plus a decode step's logits."""
+    and one chunk's projections and MLP intermediates; one query block's blocked-attention
+    temporaries (kernels/prefill.py); plus a decode step's logits."""
     T, c = prompt_len, min(chunk, prompt_len)
     whole_prompt = T * (cfg.hidden_size + cfg.num_heads * cfg.head_dim + cfg.group_size * cfg.head_dim)
     per_row = (
@@ -85,9 +87,10 @@ def activation_bytes(
     )
     rope = c * cfg.head_dim * 8 * 2  # float64 angles
     lse = T * cfg.group_size * 4  # SDPA's float32 log-sum-exp
+    blocked = min(T, PREFILL_BLOCK) * cfg.group_size * cfg.head_dim * (2 * 4 + 2 * dtype.itemsize)
     logits = 4 * cfg.vocab_size * 4
     margin = 512 * 2**20 if device.type == "cuda" else 64 * 2**20  # library workspaces
-    return (whole_prompt + c * per_row) * dtype.itemsize + rope + lse + logits + margin
+    return (whole_prompt + c * per_row) * dtype.itemsize + rope + lse + blocked + logits + margin
 
 
 def _gib(n: int) -> str:

@@ -18,7 +18,7 @@ from torch import nn
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
 from minidecode.kernels.decode import decode_attention
-from minidecode.kernels.fused import add_rms_norm, rms_norm, rope_and_cache, rotate, silu_mul
+from minidecode.kernels.fused import linear, linear_residual, rms_norm, rope_and_cache, rotate, silu_mul
 from minidecode.kernels.prefill import causal_attention
 
 from .rope import RotaryEmbedding
@@ -65,22 +65,24 @@ class Attention(nn.Module):
 
     def decode(
         self,
+        x: torch.Tensor,
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
         lengths: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """h [B, hidden] (normed); cos/sin [B, D]; positions [B] int64 where the new token goes;
-        lengths [B] int32 = positions + 1 -> attention output projected, [B, hidden]."""
-        B = h.shape[0]
+    ) -> None:
+        """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
+        in place. cos/sin [B, D]; positions [B] int64 where the new token goes; lengths [B] int32
+        = positions + 1."""
+        B = x.shape[0]
         k_cache, v_cache = kv  # [B, Hkv, S, D]
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [B, (Hq + 2 Hkv) * D]
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         q = rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps)
         out = decode_attention(q, k_cache, v_cache, lengths, self.scale)  # [B, Hq, D]
-        return self.o_proj(out.view(B, -1))
+        linear_residual(out.view(B, -1), self.o_proj.weight, self.o_proj.bias, x)
 
 
 class MLP(nn.Module):
@@ -98,6 +100,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
         return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+
+    def decode(self, x: torch.Tensor, h: torch.Tensor) -> None:
+        """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
+        in place."""
+        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias)  # [B, 2 I]
+        linear_residual(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias, x)
 
 
 def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -213,18 +221,16 @@ class Transformer(nn.Module):
         """tokens [B], positions [B] int64 on the device -> final-normed hidden [B, hidden].
 
         Pure device work with fixed shapes (the engine captures it in a CUDA graph): the residual
-        stream x is updated in place by each add+norm, nine launches per layer on CUDA."""
-        cfg = self.config
+        stream x is updated in place by o_proj and down_proj; nine launches per layer on CUDA
+        (kernels/fused.py)."""
         cos, sin = self.rope.cos_sin(positions, positions.max() + 1)  # [B, D]
         lengths = (positions + 1).to(torch.int32)  # [B] context after this token
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
-        delta = None  # what the previous block adds to x
         for i, layer in enumerate(self.model.layers):
-            h = add_rms_norm(x, delta, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            delta = layer.self_attn.decode(h, cos, sin, positions, lengths, cache.layer(i))
-            h = add_rms_norm(x, delta, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            delta = layer.mlp(h)
-        return add_rms_norm(x, delta, self.model.norm.weight, cfg.rms_norm_eps)
+            h = layer.input_layernorm(x)
+            layer.self_attn.decode(x, h, cos, sin, positions, lengths, cache.layer(i))
+            layer.mlp.decode(x, layer.post_attention_layernorm(x))
+        return self.model.norm(x)
 
     def fuse_projections(self) -> None:
         """After the weights are loaded: fuse q/k/v and gate/up into single GEMV weights."""

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minidecode.kernels.fused import add_rms_norm, rope_and_cache, silu_mul
+from minidecode.kernels.fused import linear, linear_residual, rms_norm, rope_and_cache, silu_mul
 
 # bf16 is checked on the GPU only: the interpreter's bf16 conversions do not round to nearest.
 CUDA = torch.cuda.is_available()
@@ -11,22 +11,72 @@ DTYPES = [torch.float32, torch.float16] + [pytest.param(torch.bfloat16, marks=py
 DEVICE = "cuda" if CUDA else "cpu"
 
 
+def _rel(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm(dtype, with_delta):
+def test_rms_norm(dtype):
     torch.manual_seed(0)
-    x = torch.randn(3, 200, dtype=dtype, device=DEVICE)
-    delta = torch.randn(3, 200, dtype=dtype, device=DEVICE) if with_delta else None
+    x = torch.randn(3, 5, 200, dtype=dtype, device=DEVICE)[:, 1:4]  # a strided view, as prefill passes
     w = torch.randn(200, dtype=dtype, device=DEVICE)
-    x_ref, x_tri = x.clone(), x.clone()
-    ref = add_rms_norm(x_ref, delta, w, 1e-5, triton=False)
-    out = add_rms_norm(x_tri, delta, w, 1e-5, triton=True)
-    torch.testing.assert_close(x_tri, x_ref, rtol=0, atol=0)  # the residual add is exact
+    ref = rms_norm(x, w, 1e-5, triton=False)
+    out = rms_norm(x, w, 1e-5, triton=True)
+    assert out.shape == x.shape
     torch.testing.assert_close(out, ref, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
-    # and against float64 math
-    xf = x.double() + (delta.double() if with_delta else 0)
+    xf = x.double()
     exact = w.double() * xf / xf.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
-    assert (out.double() - exact).norm() / exact.norm() < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert _rel(out, exact) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+# Shapes off every block multiple: N not a multiple of BLOCK_N, K of BLOCK_K (or below it).
+GEMV_SHAPES = [(1, 40, 1100), (3, 24, 96), (16, 48, 520)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, N, K", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(dtype, B, N, K, bias):
+    torch.manual_seed(3)
+    x = torch.randn(B, K, dtype=dtype, device=DEVICE)
+    w = torch.randn(N, K, dtype=dtype, device=DEVICE) / K**0.5
+    b = torch.randn(N, dtype=dtype, device=DEVICE) if bias else None
+    out = linear(x, w, b, triton=True)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert out.shape == (B, N) and _rel(out, exact) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, N, K", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_residual(dtype, B, N, K, bias):
+    torch.manual_seed(4)
+    x = torch.randn(B, K, dtype=dtype, device=DEVICE)
+    w = torch.randn(N, K, dtype=dtype, device=DEVICE) / K**0.5
+    b = torch.randn(N, dtype=dtype, device=DEVICE) if bias else None
+    residual = torch.randn(B, N, dtype=dtype, device=DEVICE) * 8
+    ref, out = residual.clone(), residual.clone()
+    linear_residual(x, w, b, ref, triton=False)
+    linear_residual(x, w, b, out, triton=True)
+    exact = residual.double() + x.double() @ w.double().T + (b.double() if bias else 0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(out, exact) < tol and _rel(ref, exact) < tol
+    # both round the projection to the model dtype, then the sum: one rounding step apart at most
+    proj = (x.double() @ w.double().T + (b.double() if bias else 0)).to(dtype)
+    bound = 2 * ref.double().abs().max() * torch.finfo(dtype).eps
+    assert (out.double() - (residual.double() + proj.double())).abs().max() <= bound
+
+
+def test_gemv_rejects_too_many_rows_and_falls_back():
+    x = torch.randn(17, 32, device=DEVICE)
+    w = torch.randn(16, 32, device=DEVICE)
+    residual = torch.zeros(17, 16, device=DEVICE)
+    linear_residual(x, w, None, residual, triton=True)  # 17 > MAX_ROWS: the cuBLAS path
+    torch.testing.assert_close(residual, x @ w.T)
+    from minidecode.kernels.gemv import gemv
+
+    with pytest.raises(ValueError, match="do not fit"):
+        gemv(x, w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
