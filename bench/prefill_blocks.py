@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minidecode.kernels.prefill import _cudnn_with_lse, blocked_causal_attention
+from minidecode.kernels.prefill import blocked_causal_attention, cudnn_with_lse
 
 SCALE = 128**-0.5
 
@@ -38,7 +38,7 @@ def compare(T: int) -> None:
     k = torch.randn(1, 1, T, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     flop = 4 * 4 * 128 * T * T / 2
-    attend = functools.partial(_cudnn_with_lse, scale=SCALE)
+    attend = functools.partial(cudnn_with_lse, scale=SCALE)
     ref = one_call(q, k, v).float()
     single = seconds(lambda: one_call(q, k, v))
     print(f"| {T // 1024}k | one causal call | {single:.3f} | {flop / single / 1e12:.0f} | 1.00x | - |")

@@ -5,9 +5,9 @@ launches per layer on norms, RoPE and the cache write. Here a layer is nine laun
 the QKV GEMV, RoPE+cache write, attention, o_proj adding into the residual stream, RMSNorm, the
 gate/up GEMV, SiLU*up, and down_proj adding into the residual stream (GEMVs in kernels/gemv.py;
 no split-K reduce launches). On Hopper the Triton kernels are chained with programmatic
-dependent launch, so each starts while the previous one drains. Each
-has a PyTorch twin with transformers' rounding, used on the CPU (and as the tests' reference);
-`use_triton(x)` picks the Triton one for CUDA tensors.
+dependent launch, so each starts while the previous one drains. Each has a PyTorch twin with
+transformers' rounding, used on the CPU (and as the tests' reference); `use_triton(x)` picks the
+Triton one for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool | N
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-# ---- GEMVs with the norm before or the residual add after -----------------------------------
+# ---- GEMVs (the residual add fused into o_proj / down_proj) -----------------------------------
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None) -> bool:
     """The Triton GEMV for a few rows and outputs up to MAX_OUTPUTS wide; cuBLAS otherwise (for
     the 28672-wide gate/up of an 8B model it streams ~4% faster: bench/tune_gemv.py)."""

@@ -35,7 +35,7 @@ def causal_attention(
     Square causal attention over the whole prompt; backend None lets PyTorch choose (CPU)."""
     gqa = q.shape[1] != k.shape[1]
     if backend == "cudnn" and q.shape[2] > BLOCK:
-        return blocked_causal_attention(q, k, v, BLOCK, functools.partial(_cudnn_with_lse, scale=scale))
+        return blocked_causal_attention(q, k, v, BLOCK, functools.partial(cudnn_with_lse, scale=scale))
     if backend is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     with sdpa_kernel([CANDIDATES[backend]]):
@@ -63,7 +63,7 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out
 
 
-def _cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
     """cuDNN attention that also returns the log-sum-exp (the public SDPA call does not); the
     one KV head is broadcast to the G query heads (a stride-0 view, no copy)."""
     group = q.shape[1]

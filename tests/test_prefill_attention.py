@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minidecode.kernels.prefill import _cudnn_with_lse, blocked_causal_attention
+from minidecode.kernels.prefill import blocked_causal_attention, cudnn_with_lse
 
 
 def math_with_lse(q, k, v, causal, scale):
@@ -40,7 +40,7 @@ def test_blocked_cudnn_equals_one_causal_call():
     q = torch.randn(1, G, T, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 1, T, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    out = blocked_causal_attention(q, k, v, 1024, functools.partial(_cudnn_with_lse, scale=D**-0.5))
+    out = blocked_causal_attention(q, k, v, 1024, functools.partial(cudnn_with_lse, scale=D**-0.5))
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D**-0.5, enable_gqa=True)
     exact = F.scaled_dot_product_attention(
