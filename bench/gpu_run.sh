@@ -11,7 +11,6 @@ STAGES=${STAGES:-"tests profile bench"}
 LENGTHS=${LENGTHS:-"1024 131072 524288"}
 summary=()
 python3 -m pip install --no-deps --no-build-isolation -e . -q >"$LOG_DIR/install.log" 2>&1 || { cat "$LOG_DIR/install.log"; exit 1; }
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout, whatever the install did
 python3 -c "import minidecode.kernels.lean_attention, minidecode.models.llama" || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
@@ -28,13 +27,13 @@ fi
 if [[ $STAGES == *bench* ]]; then
   args=()
   for n in $LENGTHS; do args+=(--prompt-tokens "$n"); done
-  timeout 420 python3 -m minidecode.cli bench synthetic:llama-3-8b "${args[@]}" --new-tokens 64 \
+  timeout 420 python3 -m minidecode_cli.cli bench synthetic:llama-3-8b "${args[@]}" --new-tokens 64 \
     --compare transformers --json "$LOG_DIR/e2e.json" --plot "$LOG_DIR/e2e.png" 2>&1 | tee "$LOG_DIR/e2e.log"
 fi
 if [[ $STAGES == *demo* ]]; then
   # The CLI on a 512k-token prompt file (synthetic models read text as bytes: 1 byte = 1 token).
   cat $(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")/*.py | head -c 524288 >"$LOG_DIR/prompt-512k.txt"
-  timeout 300 python3 -m minidecode.cli generate synthetic:llama-3-8b --prompt-file "$LOG_DIR/prompt-512k.txt" \
+  timeout 300 python3 -m minidecode_cli.cli generate synthetic:llama-3-8b --prompt-file "$LOG_DIR/prompt-512k.txt" \
     --max-new-tokens 64 --temperature 0 >"$LOG_DIR/demo-stdout.txt" 2>"$LOG_DIR/demo-stderr.txt"
   echo "demo exit $?"; tr '\r' '\n' <"$LOG_DIR/demo-stderr.txt" | tail -4
   rm -f "$LOG_DIR/prompt-512k.txt"

@@ -29,18 +29,12 @@ class KVCache:
         self.max_len = max_len
 
     @staticmethod
-    def bytes_needed(
-        num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        return 2 * num_layers * batch * num_kv_heads * max_len * head_dim * dtype.itemsize
+    def bytes_needed(num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of a one-sequence cache."""
+        return 2 * num_layers * num_kv_heads * max_len * head_dim * dtype.itemsize
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]  # each [B, Hkv, S, D]
 
-    def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-        return (
-            self.k.shape[1] == batch
-            and self.max_len >= max_len
-            and self.k.dtype == dtype
-            and self.k.device == device
-        )
+    def fits(self, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return self.max_len >= max_len and self.k.dtype == dtype and self.k.device == device

@@ -4,19 +4,39 @@ graph replay per token while the context grows."""
 from __future__ import annotations
 
 import time
+import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from minidecode.kernels.prefill import BLOCK as PREFILL_BLOCK
 from minidecode.kernels.prefill import choose_backend
-from minidecode.models.llama import Transformer
+from minidecode.models.llama import Transformer, weight_bytes
 
 from .cache import KVCache
 from .config import ModelConfig
 from .errors import UserError
 from .sampling import SamplingParams, sample
+
+
+@dataclass
+class Request:
+    """One generation request, in token ids; `Engine.validate` is the one place that checks it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 256
+    max_context: int | None = None  # cache positions to reserve; None: prompt + max_new_tokens
+    stop: list[str] = field(default_factory=list)  # matched on the decoded text (by the API)
+    eos_ids: frozenset[int] = frozenset()  # generation ends at any of these (not returned)
+    ignore_eos: bool = False  # run to max_new_tokens even past eos
+    want_logprobs: bool = False
+    allow_extrapolation: bool = False  # allow positions beyond the model's trained context
+
+    @property
+    def context(self) -> int:
+        return self.max_context or len(self.prompt_ids) + self.max_new_tokens
 
 
 @dataclass
@@ -93,11 +113,47 @@ def activation_bytes(
     return (whole_prompt + c * per_row) * dtype.itemsize + rope + lse + blocked + logits + margin
 
 
+def default_prefill_chunk(device: torch.device) -> int:
+    """Query rows per prefill pass: bounds activation memory for very long prompts."""
+    return 8192 if device.type == "cuda" else 2048
+
+
+@dataclass
+class DecodeState:
+    """The decode step's device buffers, [B] each: a captured graph reads and writes exactly these,
+    so they are allocated with the cache and live as long as it."""
+
+    tokens: torch.Tensor  # [B] int64: in, the last token; out, the next one
+    positions: torch.Tensor  # [B] int64: where the next token goes (+= 1 per step)
+    logprob: torch.Tensor  # [B] float32: log p of the token just sampled (when asked for)
+
+    @classmethod
+    def zeros(cls, batch: int, device: torch.device) -> DecodeState:
+        long = functools.partial(torch.zeros, batch, dtype=torch.long, device=device)
+        return cls(long(), long(), torch.zeros(batch, dtype=torch.float32, device=device))
+
+
+@dataclass
+class Generation:
+    """What `Engine.generate` returns: iterate `tokens` for (token id, log-prob or None) of each new
+    token, eos not included; `stats` and `finish_reason` ("eos" or "length") are complete once the
+    iterator ends or is closed."""
+
+    request: Request
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: str = "length"
+    tokens: Iterator[tuple[int, float | None]] | None = None  # set by Engine.generate
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
 class Engine:
+    """Runs requests on one model: memory plan, cache, prefill, and the decode step (a CUDA graph
+    replay per token on CUDA). One request at a time; its cache and decode buffers are reused by
+    the next request that fits in them."""
+
     def __init__(
         self,
         model: Transformer,
@@ -105,140 +161,126 @@ class Engine:
         dtype: torch.dtype,
         prefill_chunk: int | None = None,
         use_cuda_graph: bool = True,
+        pdl: bool = True,
     ):
         self.model, self.device, self.dtype = model, device, dtype
         self.config = model.config
-        # Query rows per prefill pass: bounds activation memory for very long prompts.
-        self.prefill_chunk = prefill_chunk or (8192 if device.type == "cuda" else 2048)
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(device)
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
+        self.pdl = pdl  # chain the decode step's kernels by programmatic dependent launch (Hopper+)
         self.cache: KVCache | None = None
+        self.state: DecodeState | None = None  # allocated with the cache
         self.busy = False  # a generation is in progress
+        self._step: Callable[[], None] | None = None  # the prepared decode step (graph replay or eager)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
         # One generator for the engine's life: a captured graph is bound to it; re-seeded per request.
         self._generator = torch.Generator(device=device)
 
-    # ---- memory -------------------------------------------------------------------------
-    def plan(self, max_context: int, prompt_len: int, batch: int = 1) -> MemoryPlan:
+    @property
+    def prefill_backend(self) -> str:
+        """The SDPA backend prefill attention uses ("default": PyTorch chooses)."""
+        return self._backend() or "default"
+
+    def _backend(self) -> str | None:
         cfg = self.config
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        kv = KVCache.bytes_needed(
-            cfg.num_layers, batch, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype
-        )
+        return choose_backend(self.device, cfg.head_dim, cfg.group_size, self.dtype)
+
+    # ---- memory -------------------------------------------------------------------------
+    def plan(self, max_context: int, prompt_len: int) -> MemoryPlan:
+        cfg = self.config
+        kv = KVCache.bytes_needed(cfg.num_layers, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype)
         free = free_memory(self.device)
         activations = activation_bytes(cfg, prompt_len, self.prefill_chunk, self.dtype, self.device)
-        return MemoryPlan(weights, kv, activations, free, str(self.device))
+        return MemoryPlan(weight_bytes(self.model), kv, activations, free, str(self.device))
 
-    def ensure_cache(self, max_context: int, prompt_len: int) -> KVCache:
-        """A cache of at least max_context positions, after checking that it and the prefill of a
-        prompt_len-token prompt fit in free memory (refusing with what to change if not)."""
+    def _cache_fits(self, max_context: int) -> bool:
+        return self.cache is not None and self.cache.fits(max_context, self.dtype, self.device)
+
+    def ensure_cache(self, max_context: int) -> KVCache:
+        """A cache of at least max_context positions, with its decode buffers (reused if it fits)."""
+        if not self._cache_fits(max_context):
+            self.release()  # free a cache that is too small before allocating the new one
+            cfg = self.config
+            self.cache = KVCache(
+                cfg.num_layers, 1, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype, self.device
+            )
+            self.state = DecodeState.zeros(1, self.device)
+        return self.cache
+
+    def release(self) -> None:
+        """Free the cache, its decode buffers and the captured graph (the next request allocates)."""
+        self.cache = self.state = self._step = self._graph = self._graph_key = None
+
+    # ---- requests -----------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        """The one place a request is checked: limits, context and memory (refusing with what to
+        change), and that no other generation is running."""
+        self.check_idle()
+        request.params.validate()
+        if request.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if any(not s for s in request.stop):
+            raise UserError("stop strings must be non-empty")
+        prompt_len = len(request.prompt_ids)
+        needed = prompt_len + request.max_new_tokens
+        if request.max_context is not None and request.max_context < needed:
+            raise UserError(
+                f"max_context {request.max_context:,} is less than prompt ({prompt_len:,}) + "
+                f"max_new_tokens ({request.max_new_tokens:,}) = {needed:,}"
+            )
         cfg = self.config
-        reuse = self.cache is not None and self.cache.fits(1, max_context, self.dtype, self.device)
-        if not reuse:  # free a cache that is too small before measuring what is free
-            self.cache = self._graph = self._graph_key = None
-        plan = self.plan(max_context, prompt_len)
-        if reuse:
+        check_context(
+            request.context, cfg.max_position_embeddings, cfg.sliding_window, request.allow_extrapolation
+        )
+        plan = self.plan(request.context, prompt_len)
+        if self._cache_fits(request.context):
             plan.kv_cache_bytes = 0  # already allocated
+        elif self.cache is not None:
+            plan.free_bytes += 2 * self.cache.k.nbytes  # freed before the new one is allocated
         if not plan.fits:
             per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
             fit_tokens = max(0, (plan.free_bytes - plan.activation_bytes) // per_token)
             raise UserError(
-                f"KV cache for {max_context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
+                f"KV cache for {request.context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
                 f"{_gib(plan.activation_bytes)} of activations, but only {_gib(plan.free_bytes)} is free on "
                 f"{plan.device}; lower the prompt length, max_new_tokens or --max-context "
                 f"(about {fit_tokens:,} tokens fit)"
             )
-        if not reuse:
-            # The decode step's static buffers live as long as the cache: a captured graph uses them.
-            self._tokens = torch.zeros(1, dtype=torch.long, device=self.device)  # [B] last / next token
-            self._positions = torch.zeros(1, dtype=torch.long, device=self.device)  # [B] next position
-            self._logprob = torch.zeros(1, dtype=torch.float32, device=self.device)  # [B]
-            self.cache = KVCache(
-                cfg.num_layers, 1, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype, self.device
-            )
-        return self.cache
 
-    # ---- prefill ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(
-        self, prompt: torch.Tensor, on_progress: Callable[[int, int], None] | None = None
-    ) -> torch.Tensor:
-        """prompt [1, T] -> float32 logits [1, V] of the last position; fills the cache."""
-        T, layers = prompt.shape[1], self.config.num_layers
-        backend = choose_backend(self.device, self.config.head_dim, self.config.group_size, self.dtype)
-        self.prefill_backend = backend or "default"  # reported by the benchmark
-        # Layer-major prefill: progress is whole layers over the whole prompt.
-        report = None if on_progress is None else (lambda i: on_progress(T * (i + 1) // layers, T))
-        hidden = self.model.prefill(prompt, self.cache, self.prefill_chunk, backend=backend, on_layer=report)
-        return self.model.logits(hidden)
-
-    # ---- decode -------------------------------------------------------------------------
-    def _decode_step(self) -> None:
-        """One token for every sequence, reading and writing only static device buffers:
-        tokens [B] (in: last token, out: next token), positions [B] (+= 1), logprob [B]."""
-        hidden = self.model.decode(self._tokens, self._positions, self.cache)
-        logits = self.model.logits(hidden)  # [B, V] float32
-        nxt = sample(logits, self._params, self._generator)  # [B]
-        if self._want_logprobs:
-            self._logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
-        self._tokens.copy_(nxt)
-        self._positions.add_(1)
-
-    def _prepare_decode(self, params: SamplingParams, want_logprobs: bool) -> Callable[[], None]:
-        """The decode step to run: a CUDA graph replay on CUDA, the eager step elsewhere.
-
-        The graph is captured once per cache and sampling setting, before prefill (so capture
-        stays out of the decode timing), and stays valid for every later context length: it
-        reads the position from a device buffer and the kernel derives its schedule from it.
-        Capture runs a real step at position 0, whose K/V the prefill then overwrites."""
-        self._params, self._want_logprobs = params, want_logprobs
-        if not self.use_cuda_graph:
-            return self._decode_step
-        key = (id(self.cache), params.temperature, params.top_k, params.top_p, want_logprobs)
-        if self._graph_key != key:
-            self._graph = None
-            self._positions.zero_()
-            self._tokens.zero_()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: kernel workspaces, cuBLAS handles, compilation
-                self._decode_step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if not params.greedy:
-                graph.register_generator_state(self._generator)
-            self._positions.zero_()
-            with torch.cuda.graph(graph):
-                self._decode_step()
-            self._graph, self._graph_key = graph, key
-        return self._graph.replay
-
-    @torch.inference_mode()
     def generate(
         self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        params: SamplingParams,
-        eos_ids: set[int],
-        max_context: int,
-        stats: GenerationStats,
+        request: Request,
         on_progress: Callable[[int, int], None] | None = None,
-        want_logprobs: bool = False,
         t_request: float | None = None,
-    ) -> Iterator[tuple[int, float | None]]:
-        """Yield (token id, log-prob or None) for each new token; stop at eos or max_new_tokens.
-        `stats` is filled in as it goes (complete once the iterator ends or is closed);
-        t_request (a perf_counter reading) is when the request arrived, for time to first token."""
+    ) -> Generation:
+        """Validate `request` now (a bad one raises here, before anything runs) and return its
+        Generation; the work starts when its tokens are iterated. t_request (a perf_counter
+        reading) is when the request arrived, for time to first token."""
+        self.validate(request)
+        generation = Generation(request)
         t_request = time.perf_counter() if t_request is None else t_request
+        generation.tokens = self._run(generation, on_progress, t_request)
+        return generation
+
+    def check_idle(self) -> None:
+        if self.busy:
+            raise UserError("this model is still generating: finish or close the previous stream first")
+
+    @torch.inference_mode()
+    def _run(
+        self, generation: Generation, on_progress: Callable[[int, int], None] | None, t_request: float
+    ) -> Iterator[tuple[int, float | None]]:
+        request, stats = generation.request, generation.stats
         # One request at a time: two interleaved generations would share the cache and buffers.
         self.check_idle()
         self.busy = True
+        eos_ids = frozenset() if request.ignore_eos else request.eos_ids
         cuda = self.device.type == "cuda"
+        want_logprobs = request.want_logprobs
         produced, t_first = 0, None
         try:
-            token, logprob, step = self._start(
-                prompt_ids, params, max_context, stats, on_progress, want_logprobs
-            )
+            token, logprob = self._start(request, stats, on_progress)
             t_first = time.perf_counter()
             stats.time_to_first_token = t_first - t_request
             # Each step's token is copied to pinned host memory and the next step is launched
@@ -246,26 +288,28 @@ class Engine:
             host_tokens = torch.empty(1, dtype=torch.long, pin_memory=cuda)
             host_logprob = torch.empty(1, dtype=torch.float32, pin_memory=cuda)
             copied = torch.cuda.Event() if cuda else None
-            stats.new_tokens = produced = 1
-            yield token, logprob
-            if token in eos_ids or max_new_tokens <= 1:
-                return
-            step()
+            state = self.state
             while True:
-                host_tokens.copy_(self._tokens, non_blocking=True)
+                stats.new_tokens = produced = produced + 1
+                if token in eos_ids:
+                    generation.finish_reason = "eos"
+                    return
+                yield token, logprob
+                if produced >= request.max_new_tokens:
+                    return
+                if produced == 1:
+                    self.step()
+                host_tokens.copy_(state.tokens, non_blocking=True)
                 if want_logprobs:
-                    host_logprob.copy_(self._logprob, non_blocking=True)
+                    host_logprob.copy_(state.logprob, non_blocking=True)
                 if copied is not None:
                     copied.record()
-                if produced + 1 < max_new_tokens:
-                    step()  # run the next step while this token is handed out
+                if produced + 1 < request.max_new_tokens:
+                    self.step()  # run the next step while this token is handed out
                 if copied is not None:
                     copied.synchronize()
                 token = int(host_tokens[0])
-                stats.new_tokens = produced = produced + 1
-                yield token, (float(host_logprob[0]) if want_logprobs else None)
-                if token in eos_ids or produced >= max_new_tokens:
-                    return
+                logprob = float(host_logprob[0]) if want_logprobs else None
         finally:
             self.busy = False
             if t_first is not None:
@@ -276,41 +320,105 @@ class Engine:
                     torch.cuda.max_memory_allocated(self.device) if cuda else _host_peak_bytes()
                 )
 
-    def check_idle(self) -> None:
-        if self.busy:
-            raise UserError("this model is still generating: finish or close the previous stream first")
-
     def _start(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_context: int,
-        stats: GenerationStats,
-        on_progress: Callable[[int, int], None] | None,
-        want_logprobs: bool,
-    ) -> tuple[int, float | None, Callable[[], None]]:
-        """Cache, decode step and prefill for a request: -> first token, its log-prob, the step."""
+        self, request: Request, stats: GenerationStats, on_progress: Callable[[int, int], None] | None
+    ) -> tuple[int, float | None]:
+        """Cache, decode step and prefill for a request: -> first token and its log-prob."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.ensure_cache(max_context, len(prompt_ids))
-        step = self._prepare_decode(params, want_logprobs)  # may capture a graph: draws random numbers
+        self.ensure_cache(request.context)
+        params = request.params
+        self._prepare_decode(params, request.want_logprobs)  # may capture a graph: draws random numbers
         if params.seed is None:
             self._generator.seed()
         else:
             self._generator.manual_seed(params.seed)
-        stats.prompt_tokens = len(prompt_ids)
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        n = stats.prompt_tokens = len(request.prompt_ids)
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
         logits = self.prefill(prompt, on_progress)
         first = sample(logits, params, self._generator)  # [1]
-        self._tokens.copy_(first)
-        self._positions.fill_(len(prompt_ids))
-        if want_logprobs:
-            self._logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
+        state = self.state
+        state.tokens.copy_(first)
+        state.positions.fill_(n)
+        if request.want_logprobs:
+            state.logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
         token = int(first.item())  # waits for the prefill
         stats.prefill_seconds = time.perf_counter() - t0
-        stats.prefill_tokens_per_s = len(prompt_ids) / max(stats.prefill_seconds, 1e-9)
-        return token, (float(self._logprob[0]) if want_logprobs else None), step
+        stats.prefill_tokens_per_s = n / max(stats.prefill_seconds, 1e-9)
+        return token, (float(state.logprob[0]) if request.want_logprobs else None)
+
+    # ---- prefill ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, prompt: torch.Tensor, on_progress: Callable[[int, int], None] | None = None
+    ) -> torch.Tensor:
+        """prompt [1, T] -> float32 logits [1, V] of the last position; fills the cache."""
+        T, layers = prompt.shape[1], self.config.num_layers
+        # Layer-major prefill: progress is whole layers over the whole prompt.
+        report = None if on_progress is None else (lambda i: on_progress(T * (i + 1) // layers, T))
+        hidden = self.model.prefill(
+            prompt, self.cache, self.prefill_chunk, backend=self._backend(), on_layer=report
+        )
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring),
+        through the same prefill as generation, in a cache of its own."""
+        tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        cfg = self.config
+        cache = KVCache(
+            cfg.num_layers, 1, cfg.num_kv_heads, len(token_ids), cfg.head_dim, self.dtype, self.device
+        )
+        hidden = self.model.prefill(tokens, cache, self.prefill_chunk, backend=self._backend(), last_only=False)
+        return self.model.logits(hidden[0])
+
+    # ---- decode -------------------------------------------------------------------------
+    def step(self) -> None:
+        """One decode step of the running request: state.tokens -> the next tokens, positions += 1."""
+        self._step()
+
+    def _decode_step(self, params: SamplingParams, want_logprobs: bool) -> None:
+        """One token for every sequence, reading and writing only the DecodeState's device buffers."""
+        state = self.state
+        hidden = self.model.decode(state.tokens, state.positions, self.cache, self.pdl)
+        logits = self.model.logits(hidden)  # [B, V] float32
+        nxt = sample(logits, params, self._generator)  # [B]
+        if want_logprobs:
+            state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
+        state.tokens.copy_(nxt)
+        state.positions.add_(1)
+
+    def _prepare_decode(self, params: SamplingParams, want_logprobs: bool) -> None:
+        """Set the decode step `step()` runs: a CUDA graph replay on CUDA, the eager step elsewhere.
+
+        The graph is captured once per cache and sampling setting, before prefill (so capture
+        stays out of the decode timing), and stays valid for every later context length: it
+        reads the position from a device buffer and the kernel derives its schedule from it.
+        Capture runs a real step at position 0, whose K/V the prefill then overwrites."""
+        eager = functools.partial(self._decode_step, params, want_logprobs)
+        if not self.use_cuda_graph:
+            self._step = eager
+            return
+        key = (id(self.cache), params.temperature, params.top_k, params.top_p, want_logprobs, self.pdl)
+        if self._graph_key != key:
+            self._graph = None
+            self.state.positions.zero_()
+            self.state.tokens.zero_()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: kernel workspaces, cuBLAS handles, compilation
+                eager()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if not params.greedy:
+                graph.register_generator_state(self._generator)
+            self.state.positions.zero_()
+            with torch.cuda.graph(graph):
+                eager()
+            self._graph, self._graph_key = graph, key
+        self._step = self._graph.replay
 
 
 def _host_peak_bytes() -> int:

@@ -13,9 +13,17 @@ import torch
 
 from minidecode.models.llama import Transformer
 
-from .cache import KVCache
 from .config import ModelConfig
-from .engine import Engine, GenerationStats, MemoryPlan, activation_bytes, check_context, free_memory
+from .engine import (
+    Engine,
+    Generation,
+    GenerationStats,
+    MemoryPlan,
+    Request,
+    activation_bytes,
+    default_prefill_chunk,
+    free_memory,
+)
 from .errors import UserError
 from .loading import load_weights, resolve_model_dir
 from .sampling import SamplingParams
@@ -178,15 +186,14 @@ class LLM:
     def sampling_params(
         self, temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None
     ) -> SamplingParams:
+        """The request's sampling settings over the checkpoint's defaults (checked by the engine)."""
         d = self.generation_defaults
-        params = SamplingParams(
+        return SamplingParams(
             temperature=d.temperature if temperature is None else float(temperature),
             top_k=d.top_k if top_k is None else int(top_k),
             top_p=d.top_p if top_p is None else float(top_p),
             seed=seed,
         )
-        params.validate()
-        return params
 
     def memory_plan(self, max_context: int, prompt_len: int | None = None) -> MemoryPlan:
         return self.engine.plan(max_context, prompt_len or max_context)
@@ -212,96 +219,60 @@ class LLM:
         max_context: int | None = None,
         allow_extrapolation: bool = False,
         logprobs: bool = False,
+        ignore_eos: bool = False,
         on_prefill_progress: Callable[[int, int], None] | None = None,
     ) -> Stream:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
         character); after iteration, `.result` is the GenerationResult."""
         t_request = time.perf_counter()
-        self.engine.check_idle()
-        ids = self.encode_prompt(prompt, token_ids, messages)
-        params = self.sampling_params(temperature, top_k, top_p, seed)
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise UserError("stop strings must be non-empty")
-        needed = len(ids) + max_new_tokens
-        if max_context is None:
-            max_context = needed
-        elif max_context < needed:
-            raise UserError(
-                f"max_context {max_context:,} is less than prompt ({len(ids):,}) + "
-                f"max_new_tokens ({max_new_tokens:,}) = {needed:,}"
-            )
-        # Synthetic models are noise at any length: only their speed matters, so no position limit.
-        check_context(
-            max_context,
-            self.config.max_position_embeddings,
-            self.config.sliding_window,
-            allow_extrapolation or self.synthetic,
+        request = Request(
+            prompt_ids=self.encode_prompt(prompt, token_ids, messages),
+            params=self.sampling_params(temperature, top_k, top_p, seed),
+            max_new_tokens=max_new_tokens,
+            max_context=max_context,
+            stop=[stop] if isinstance(stop, str) else list(stop or []),
+            eos_ids=frozenset(self.eos_ids),
+            ignore_eos=ignore_eos,
+            want_logprobs=logprobs,
+            # Synthetic models are noise at any length: only their speed matters, so no position limit.
+            allow_extrapolation=allow_extrapolation or self.synthetic,
         )
-        self.engine.ensure_cache(max_context, len(ids))  # refuse here, before anything streams
-        pieces = self._pieces(
-            ids, max_new_tokens, params, stops, max_context, logprobs, on_prefill_progress, t_request
-        )
-        return Stream(pieces)
+        generation = self.engine.generate(request, on_prefill_progress, t_request)  # refuses a bad request
+        return Stream(self._pieces(generation))
 
-    def _pieces(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        params: SamplingParams,
-        stops: list[str],
-        max_context: int,
-        want_logprobs: bool,
-        on_progress,
-        t_request: float,
-    ) -> Generator[str, None, GenerationResult]:
-        stats = GenerationStats()
+    def _pieces(self, generation: Generation) -> Generator[str, None, GenerationResult]:
+        request = generation.request
+        stops = request.stop
         decoder = StreamDecoder(self.tokenizer)
         new_ids: list[int] = []
         logprobs: list[float] = []
         text, emitted = "", 0  # all text decoded so far; how much of it was handed out
         hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
-        finish = "length"
-        tokens = self.engine.generate(
-            ids,
-            max_new_tokens,
-            params,
-            self.eos_ids,
-            max_context,
-            stats,
-            on_progress,
-            want_logprobs,
-            t_request,
-        )
-        with closing(tokens):  # closing runs the engine's finally, which completes the stats
-            for token, logprob in tokens:
-                if token in self.eos_ids:
-                    finish = "eos"
-                    break
+        stopped = False
+        with closing(generation.tokens):  # closing runs the engine's finally, which completes the stats
+            for token, logprob in generation.tokens:
                 new_ids.append(token)
                 if logprob is not None:
                     logprobs.append(logprob)
                 text += decoder.push(token)
                 cut = _find_stop(text, stops, emitted - hold)
                 if cut is not None:
-                    text, finish = text[:cut], "stop"
+                    text, stopped = text[:cut], True
                     break
                 if len(text) - hold > emitted:
                     yield text[emitted : len(text) - hold]
                     emitted = len(text) - hold
-            if finish != "stop":
+            if not stopped:
                 text += decoder.flush()
         if len(text) > emitted:
             yield text[emitted:]
         return GenerationResult(
             text=text,
             token_ids=new_ids,
-            prompt_token_ids=ids,
-            finish_reason=finish,
-            stats=stats,
-            logprobs=logprobs if want_logprobs else None,
+            prompt_token_ids=request.prompt_ids,
+            finish_reason="stop" if stopped else generation.finish_reason,
+            stats=generation.stats,
+            logprobs=logprobs if request.want_logprobs else None,
         )
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
@@ -313,16 +284,9 @@ class LLM:
             pass
         return stream.result
 
-    @torch.inference_mode()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""
-        tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        cfg = self.config
-        cache = KVCache(
-            cfg.num_layers, 1, cfg.num_kv_heads, len(token_ids), cfg.head_dim, self.dtype, self.device
-        )
-        hidden = self.model.prefill(tokens, cache, self.engine.prefill_chunk, last_only=False)
-        return self.model.logits(hidden[0])
+        return self.engine.score(token_ids)
 
 
 def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
@@ -398,7 +362,7 @@ def describe(
         raise UserError(f"context must be >= 1, got {context}")
     weights = cfg.num_parameters() * dt.itemsize
     kv = cfg.kv_bytes_per_token(dt.itemsize) * context
-    chunk = prefill_chunk or (8192 if dev.type == "cuda" else 2048)
+    chunk = prefill_chunk or default_prefill_chunk(dev)
     act = activation_bytes(cfg, context, chunk, dt, dev)
     free = free_memory(dev)
     rope = cfg.rope.rope_type + (f" x{cfg.rope.factor:g}" if cfg.rope.factor else "")

@@ -17,8 +17,15 @@ from torch import nn
 
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
-from minidecode.kernels.decode import decode_attention
-from minidecode.kernels.fused import linear, linear_residual, rms_norm, rope_and_cache, rotate, silu_mul
+from minidecode.kernels.ops import (
+    decode_attention,
+    linear,
+    linear_residual,
+    rms_norm,
+    rope_and_cache,
+    rotate,
+    silu_mul,
+)
 from minidecode.kernels.prefill import causal_attention
 
 from .rope import RotaryEmbedding
@@ -30,8 +37,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, pdl=pdl)
 
 
 class Attention(nn.Module):
@@ -72,17 +79,20 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         lengths: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
+        pdl: bool,
     ) -> None:
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
         in place. cos/sin [B, D]; positions [B] int64 where the new token goes; lengths [B] int32
-        = positions + 1."""
+        = positions + 1; pdl chains the kernels (kernels/ops.py)."""
         B = x.shape[0]
         k_cache, v_cache = kv  # [B, Hkv, S, D]
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [B, (Hq + 2 Hkv) * D]
+        qkv = linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        q = rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps)
-        out = decode_attention(q, k_cache, v_cache, lengths, self.scale)  # [B, Hq, D]
-        linear_residual(out.view(B, -1), self.o_proj.weight, self.o_proj.bias, x)
+        q = rope_and_cache(
+            qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl
+        )
+        out = decode_attention(q, k_cache, v_cache, lengths, self.scale, pdl=pdl)  # [B, Hq, D]
+        linear_residual(out.view(B, -1), self.o_proj.weight, self.o_proj.bias, x, pdl=pdl)
 
 
 class MLP(nn.Module):
@@ -101,11 +111,11 @@ class MLP(nn.Module):
         """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
         return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
-    def decode(self, x: torch.Tensor, h: torch.Tensor) -> None:
+    def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool) -> None:
         """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
         in place."""
-        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias)  # [B, 2 I]
-        linear_residual(silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias, x)
+        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, 2 I]
+        linear_residual(silu_mul(gate_up, pdl=pdl), self.down_proj.weight, self.down_proj.bias, x, pdl=pdl)
 
 
 def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -170,8 +180,7 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         cache: KVCache,
-        chunk: int = 8192,
-        rope_len: int | None = None,
+        chunk: int,
         backend: str | None = None,
         last_only: bool = True,
         on_layer: Callable[[int], None] | None = None,
@@ -184,13 +193,12 @@ class Transformer(nn.Module):
         causal SDPA call per KV head over the whole prompt, which is cuDNN's fastest case on
         Hopper, and its output overwrites that head group's queries. Beyond the weights and
         cache this holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out.
-        rope_len: the sequence length dynamic/long RoPE scales for (transformers: longest
-        position + 1), i.e. T unless the caller knows better.
+        Dynamic / long RoPE scale for T positions (transformers: longest position + 1).
         """
         cfg = self.config
         B, T = tokens.shape
         G, D = cfg.group_size, cfg.head_dim
-        seq_len = torch.tensor(rope_len or T, device=tokens.device)
+        seq_len = torch.tensor(T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
         q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
         for i, layer in enumerate(self.model.layers):
@@ -217,23 +225,30 @@ class Transformer(nn.Module):
                 on_layer(i)
         return self.model.norm(x[:, -1] if last_only else x)
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, pdl: bool = False
+    ) -> torch.Tensor:
         """tokens [B], positions [B] int64 on the device -> final-normed hidden [B, hidden].
 
         Pure device work with fixed shapes (the engine captures it in a CUDA graph): the residual
-        stream x is updated in place by o_proj and down_proj; nine launches per layer on CUDA
-        (kernels/fused.py)."""
+        stream x is updated in place by o_proj and down_proj; nine launches per layer on CUDA,
+        chained by programmatic dependent launch when `pdl` (kernels/ops.py)."""
         cos, sin = self.rope.cos_sin(positions, positions.max() + 1)  # [B, D]
         lengths = (positions + 1).to(torch.int32)  # [B] context after this token
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            layer.self_attn.decode(x, h, cos, sin, positions, lengths, cache.layer(i))
-            layer.mlp.decode(x, layer.post_attention_layernorm(x))
-        return self.model.norm(x)
+            h = layer.input_layernorm(x, pdl)
+            layer.self_attn.decode(x, h, cos, sin, positions, lengths, cache.layer(i), pdl)
+            layer.mlp.decode(x, layer.post_attention_layernorm(x, pdl), pdl)
+        return self.model.norm(x, pdl)
 
     def fuse_projections(self) -> None:
         """After the weights are loaded: fuse q/k/v and gate/up into single GEMV weights."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter (the weights a decode step reads once per token)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from minidecode import LLM, UserError
-from minidecode.cli import app
+from minidecode_cli.cli import app
 
 MAX_POS = 512
 
@@ -229,7 +229,7 @@ def test_real_subprocess_errors_are_one_line(tmp_path):
         (str(tmp_path / "nope"), r"is not a directory"),
     ):
         proc = subprocess.run(
-            [sys.executable, "-m", "minidecode.cli", "generate", model, "--prompt", "hi"],
+            [sys.executable, "-m", "minidecode_cli.cli", "generate", model, "--prompt", "hi"],
             capture_output=True,
             text=True,
             env=env,

@@ -12,7 +12,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from minidecode.cli import app
+from minidecode_cli.cli import app
 
 PROMPT = "The quick brown fox 🙂"
 NEW = 12
@@ -127,7 +127,7 @@ def test_info(model_dir):
 
 def test_real_subprocess(model_dir, reference, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
-    cmd = [sys.executable, "-m", "minidecode.cli", *map(str, generate_args(model_dir, "--json"))]
+    cmd = [sys.executable, "-m", "minidecode_cli.cli", *map(str, generate_args(model_dir, "--json"))]
     proc = subprocess.run(cmd, input=PROMPT, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["token_ids"] == reference[0]

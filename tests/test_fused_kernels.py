@@ -1,9 +1,9 @@
-"""The decode step's fused Triton kernels against their PyTorch twins (CPU: Triton interpreter)."""
+"""The decode step's ops (kernels/ops.py): Triton paths against their PyTorch twins (CPU: Triton interpreter)."""
 
 import pytest
 import torch
 
-from minidecode.kernels.fused import linear, linear_residual, rms_norm, rope_and_cache, silu_mul
+from minidecode.kernels.ops import linear, linear_residual, rms_norm, rope_and_cache, silu_mul
 
 # bf16 is checked on the GPU only: the interpreter's bf16 conversions do not round to nearest.
 CUDA = torch.cuda.is_available()

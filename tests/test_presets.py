@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 import minidecode
-from minidecode.cli import app
+from minidecode_cli.cli import app
 from minidecode.config import RopeConfig
 from minidecode.models import presets
 

@@ -69,6 +69,7 @@ def test_module_level_generate_uses_the_shipped_model():
     assert result.stats.decode_tokens_per_s >= 0 and result.stats.prefill_seconds > 0
 
 
+@pytest.mark.slow
 def test_readme_run_command_in_a_fresh_virtualenv(tmp_path):
     """Build the wheel, install it (no dependencies) into a new virtual environment that borrows
     this interpreter's packages, and run the README's command from outside the checkout."""

@@ -51,6 +51,7 @@ def test_split_rule_is_fixed() -> None:
     assert counts["heldout"] > 0 and counts["valid"] > 0 and counts["train"] > 10 * counts["heldout"]
 
 
+@pytest.mark.slow
 def test_training_smoke_run_lowers_the_loss(tmp_path: Path) -> None:
     """A few CPU steps of a tiny config on a slice of the data: the loss goes down, files are written."""
     out = tmp_path / "smoke"

@@ -1,13 +1,21 @@
-"""Small fused kernels for the decode step, where every launch costs more than its arithmetic.
+"""The decode step's ops: for each, its contract (shapes), its Triton path and its PyTorch twin.
 
 A decode step of an 8B model reads 16 GB in ~4 ms; PyTorch's plain ops would spend ~27 tiny
-launches per layer on norms, RoPE and the cache write. Here a layer is nine launches: RMSNorm,
-the QKV GEMV, RoPE+cache write, attention, o_proj adding into the residual stream, RMSNorm, the
-gate/up GEMV, SiLU*up, and down_proj adding into the residual stream (GEMVs in kernels/gemv.py;
-no split-K reduce launches). On Hopper the Triton kernels are chained with programmatic
-dependent launch, so each starts while the previous one drains. Each has a PyTorch twin with
-transformers' rounding, used on the CPU (and as the tests' reference); `use_triton(x)` picks the
-Triton one for CUDA tensors.
+launches per layer on norms, RoPE and the cache write. Here a layer is nine launches:
+
+| op              | contract                                                      | Triton path       | twin          |
+| rms_norm        | x [..., N], weight [N] -> [..., N]                            | fused_triton      | float32 math  |
+| linear          | x [B, K], weight [N, K], bias [N] -> [B, N]                   | gemv (cuBLAS if wide) | F.linear  |
+| linear_residual | residual [B, N] += linear(x [B, K]) in place                  | gemv, add fused   | F.linear, +=  |
+| rope_and_cache  | qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v into the cache  | fused_triton      | rotate, index_put |
+| decode_attention| q [B, Hq, D] over k/v cache [B, Hkv, S, D], lengths [B]       | lean_attention    | reference.py  |
+| silu_mul        | gate_up [B, 2 I] -> silu(gate) * up [B, I]                    | fused_triton      | F.silu * up   |
+
+The twins round as transformers does and run on the CPU (and serve as the tests' reference).
+`triton=None` picks the Triton path for CUDA tensors; tests pass triton=True to run it on CPU
+tensors under TRITON_INTERPRET=1. `pdl=True` chains the Triton kernels with programmatic
+dependent launch, so each starts while the previous one drains; it applies only where the device
+supports it (compute capability 9.0+), and the caller (the engine) decides.
 """
 
 from __future__ import annotations
@@ -17,18 +25,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-PDL = True  # chain the step's Triton kernels with programmatic dependent launch where supported
+from .reference import decode_attention_reference
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Triton for CUDA tensors; the PyTorch twin elsewhere (tests pass triton=True to run the
-    Triton kernels on CPU tensors under TRITON_INTERPRET=1)."""
-    return x.is_cuda
+def _triton(x: torch.Tensor, triton: bool | None) -> bool:
+    return x.is_cuda if triton is None else triton
 
 
-def use_pdl(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or newer."""
-    return PDL and x.is_cuda and _capability(x.device) >= 9
+def _pdl(x: torch.Tensor, pdl: bool) -> bool:
+    return pdl and x.is_cuda and _capability(x.device) >= 9
 
 
 @functools.cache
@@ -43,17 +48,17 @@ def _kernels():
     return fused_triton
 
 
-# ---- RMSNorm --------------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool | None = None, pdl: bool = False
+) -> torch.Tensor:
     """RMSNorm over the last dim as transformers does it: normalise in float32, round to x's
     dtype, then scale (the model's norms and Qwen3's per-head q_norm / k_norm)."""
-    if triton if triton is not None else use_triton(x):
-        return _kernels().rms_norm(x, weight, eps, use_pdl(x))
+    if _triton(x, triton):
+        return _kernels().rms_norm(x, weight, eps, _pdl(x, pdl))
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-# ---- GEMVs (the residual add fused into o_proj / down_proj) -----------------------------------
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None) -> bool:
     """The Triton GEMV for a few rows and outputs up to MAX_OUTPUTS wide; cuBLAS otherwise (for
     the 28672-wide gate/up of an 8B model it streams ~4% faster: bench/tune_gemv.py)."""
@@ -61,15 +66,21 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None) -> boo
 
     fits = x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.shape[0] <= MAX_OUTPUTS
     fits = fits and x.stride(-1) == 1 and weight.stride(-1) == 1
-    return fits and (triton if triton is not None else use_triton(x))
+    return fits and _triton(x, triton)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, triton: bool | None = None):
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    triton: bool | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
     """F.linear for the decode step: x [B, K], weight [N, K], bias [N] -> [B, N]."""
     if _use_gemv(x, weight, triton):
         from .gemv import gemv
 
-        return gemv(x, weight, bias, use_pdl=use_pdl(x))
+        return gemv(x, weight, bias, use_pdl=_pdl(x, pdl))
     return F.linear(x, weight, bias)
 
 
@@ -79,18 +90,18 @@ def linear_residual(
     bias: torch.Tensor | None,
     residual: torch.Tensor,
     triton: bool | None = None,
+    pdl: bool = False,
 ) -> None:
     """residual += linear(x) in place, rounded as transformers' `h + proj(...)`: x [B, K],
     weight [N, K], bias [N], residual [B, N]."""
     if _use_gemv(x, weight, triton) and residual.stride(-1) == 1:
         from .gemv import gemv
 
-        gemv(x, weight, bias, residual=residual, use_pdl=use_pdl(x))
+        gemv(x, weight, bias, residual=residual, use_pdl=_pdl(x, pdl))
     else:
         residual += F.linear(x, weight, bias)
 
 
-# ---- RoPE + KV cache write ------------------------------------------------------------------
 def rope_and_cache(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -103,6 +114,7 @@ def rope_and_cache(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     triton: bool | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One new token per sequence.
 
@@ -111,9 +123,9 @@ def rope_and_cache(
     q and k (rotate-half layout, float32 math), writes k and v at each sequence's position, and
     returns q [B, Hq, D].
     """
-    if triton if triton is not None else use_triton(qkv):
+    if _triton(qkv, triton):
         return _kernels().rope_and_cache(
-            qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, use_pdl(qkv)
+            qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, _pdl(qkv, pdl)
         )
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
@@ -138,11 +150,28 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-# ---- SiLU(gate) * up ------------------------------------------------------------------------
-def silu_mul(gate_up: torch.Tensor, triton: bool | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [B, Hkv, S, D] contiguous
+    v_cache: torch.Tensor,  # [B, Hkv, S, D] contiguous
+    lengths: torch.Tensor,  # [B] int32 on q's device: valid positions per sequence
+    scale: float,
+    triton: bool | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:  # [B, Hq, D]
+    """One decode step of attention: each sequence's single new query over its cached context
+    (the lean stream-K kernel; the twin loops over the batch on the host, so it is not graph-safe)."""
+    if _triton(q, triton):
+        from .lean_attention import lean_attention
+
+        return lean_attention(q, k_cache, v_cache, lengths, scale, use_pdl=_pdl(q, pdl))
+    return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
+
+
+def silu_mul(gate_up: torch.Tensor, triton: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """gate_up [B, 2 I] (the fused projection) -> silu(gate) * up [B, I], rounded as transformers
     does (silu's result in the model dtype, then the product)."""
-    if triton if triton is not None else use_triton(gate_up):
-        return _kernels().silu_mul(gate_up, use_pdl(gate_up))
+    if _triton(gate_up, triton):
+        return _kernels().silu_mul(gate_up, _pdl(gate_up, pdl))
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
