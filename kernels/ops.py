@@ -3,13 +3,13 @@
 A decode step of an 8B model reads 16 GB in ~4 ms; PyTorch's plain ops would spend ~27 tiny
 launches per layer on norms, RoPE and the cache write. Here a layer is nine launches:
 
-| op              | contract                                                      | Triton path       | twin          |
-| rms_norm        | x [..., N], weight [N] -> [..., N]                            | fused_triton      | float32 math  |
-| linear          | x [B, K], weight [N, K], bias [N] -> [B, N]                   | gemv (cuBLAS if wide) | F.linear  |
-| linear_residual | residual [B, N] += linear(x [B, K]) in place                  | gemv, add fused   | F.linear, +=  |
-| rope_and_cache  | qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v into the cache  | fused_triton      | rotate, index_put |
-| decode_attention| q [B, Hq, D] over k/v cache [B, Hkv, S, D], lengths [B]       | lean_attention    | reference.py  |
-| silu_mul        | gate_up [B, 2 I] -> silu(gate) * up [B, I]                    | fused_triton      | F.silu * up   |
+op                contract (B sequences, one new token each)             Triton path     PyTorch twin
+rms_norm          x [..., N], weight [N] -> [..., N]                     fused_triton    float32 math
+linear            x [B, K], weight [N, K], bias [N] -> [B, N]            gemv / cuBLAS   F.linear
+linear_residual   residual [B, N] += linear(x [B, K]), in place          gemv            F.linear, +=
+rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_triton    rotate, index_put
+decode_attention  q [B, Hq, D], cache [B, Hkv, S, D], lengths [B]        lean_attention  reference.py
+silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
 The twins round as transformers does and run on the CPU (and serve as the tests' reference).
 `triton=None` picks the Triton path for CUDA tensors; tests pass triton=True to run it on CPU

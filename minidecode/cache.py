@@ -29,7 +29,9 @@ class KVCache:
         self.max_len = max_len
 
     @staticmethod
-    def bytes_needed(num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_needed(
+        num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         """Bytes of a one-sequence cache."""
         return 2 * num_layers * num_kv_heads * max_len * head_dim * dtype.itemsize
 

@@ -3,8 +3,8 @@ graph replay per token while the context grows."""
 
 from __future__ import annotations
 
-import time
 import functools
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -371,7 +371,8 @@ class Engine:
         cache = KVCache(
             cfg.num_layers, 1, cfg.num_kv_heads, len(token_ids), cfg.head_dim, self.dtype, self.device
         )
-        hidden = self.model.prefill(tokens, cache, self.prefill_chunk, backend=self._backend(), last_only=False)
+        backend = self._backend()
+        hidden = self.model.prefill(tokens, cache, self.prefill_chunk, backend=backend, last_only=False)
         return self.model.logits(hidden[0])
 
     # ---- decode -------------------------------------------------------------------------

@@ -110,13 +110,3 @@ def random_ids(n: int, seed: int = 0, vocab_size: int = 384) -> list[int]:
 @pytest.fixture(scope="session")
 def prompt_ids():
     return random_ids
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |ours - ref| / max |ref|: a worst-element error, scaled by the logits' magnitude."""
-    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-
-
-@pytest.fixture(scope="session")
-def rel_err():
-    return relative_error

@@ -15,11 +15,11 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
+from minidecode_cli.cli import app
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from minidecode import LLM, UserError
-from minidecode_cli.cli import app
 
 MAX_POS = 512
 

@@ -10,9 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
-
 from minidecode_cli.cli import app
+from typer.testing import CliRunner
 
 PROMPT = "The quick brown fox 🙂"
 NEW = 12

@@ -1,7 +1,9 @@
-"""The decode step's ops (kernels/ops.py): Triton paths against their PyTorch twins (CPU: Triton interpreter)."""
+"""The decode step's ops (kernels/ops.py): Triton paths against their PyTorch twins and float64
+(CPU: the Triton interpreter)."""
 
 import pytest
 import torch
+from helpers import rel_err
 
 from minidecode.kernels.ops import linear, linear_residual, rms_norm, rope_and_cache, silu_mul
 
@@ -9,10 +11,6 @@ from minidecode.kernels.ops import linear, linear_residual, rms_norm, rope_and_c
 CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16] + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 DEVICE = "cuda" if CUDA else "cpu"
-
-
-def _rel(got: torch.Tensor, exact: torch.Tensor) -> float:
-    return ((got.double() - exact).norm() / exact.norm()).item()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -26,7 +24,7 @@ def test_rms_norm(dtype):
     torch.testing.assert_close(out, ref, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
     xf = x.double()
     exact = w.double() * xf / xf.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
-    assert _rel(out, exact) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(out, exact) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 # Shapes off every block multiple: N not a multiple of BLOCK_N, K of BLOCK_K (or below it).
@@ -43,7 +41,7 @@ def test_linear(dtype, B, N, K, bias):
     b = torch.randn(N, dtype=dtype, device=DEVICE) if bias else None
     out = linear(x, w, b, triton=True)
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
-    assert out.shape == (B, N) and _rel(out, exact) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert out.shape == (B, N) and rel_err(out, exact) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -60,7 +58,7 @@ def test_linear_residual(dtype, B, N, K, bias):
     linear_residual(x, w, b, out, triton=True)
     exact = residual.double() + x.double() @ w.double().T + (b.double() if bias else 0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert _rel(out, exact) < tol and _rel(ref, exact) < tol
+    assert rel_err(out, exact) < tol and rel_err(ref, exact) < tol
     # both round the projection to the model dtype, then the sum: one rounding step apart at most
     proj = (x.double() @ w.double().T + (b.double() if bias else 0)).to(dtype)
     bound = 2 * ref.double().abs().max() * torch.finfo(dtype).eps
@@ -123,4 +121,4 @@ def test_silu_mul(dtype):
     torch.testing.assert_close(out, ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
     g, u = gate_up.double().chunk(2, -1)
     exact = g * torch.sigmoid(g) * u
-    assert (out.double() - exact).norm() / exact.norm() < (1e-6 if dtype == torch.float32 else 2e-2)
+    assert rel_err(out, exact) < (1e-6 if dtype == torch.float32 else 2e-2)

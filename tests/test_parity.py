@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from checkpoints import FAMILIES, ROPES
+from helpers import max_rel_err
 
 from minidecode import LLM
 from minidecode.config import ModelConfig
@@ -32,7 +33,7 @@ def load(model_dir, **kw) -> LLM:
 
 @pytest.mark.parametrize("rope", ROPE_NAMES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_logits_match_transformers(checkpoint_factory, hf, prompt_ids, rel_err, family, rope):
+def test_logits_match_transformers(checkpoint_factory, hf, prompt_ids, family, rope):
     model_dir = checkpoint_factory(family, rope, max_positions=MAX_POS)
     ids = prompt_ids(PROMPT, seed=1)
     ref = hf.logits(model_dir, ids)  # [T, V]
@@ -40,7 +41,7 @@ def test_logits_match_transformers(checkpoint_factory, hf, prompt_ids, rel_err, 
     llm = load(model_dir, prefill_chunk=CHUNK)
     ours = llm.logits(ids)
     assert ours.shape == ref.shape
-    assert rel_err(ours, ref) <= TOL
+    assert max_rel_err(ours, ref) <= TOL
 
     assert_engine_prefill_matches(llm, ids, ref[-1])
 
@@ -48,13 +49,8 @@ def test_logits_match_transformers(checkpoint_factory, hf, prompt_ids, rel_err, 
 def assert_engine_prefill_matches(llm: LLM, ids: list[int], ref_last: torch.Tensor) -> None:
     """The generation path's prefill (chunked, through the KV cache): its first token is
     transformers' argmax at the last position, with transformers' log-probability."""
-    eos, llm.eos_ids = llm.eos_ids, set()  # a first token equal to eos must still be returned
-    try:
-        out = llm.generate(
-            token_ids=ids, max_new_tokens=1, temperature=0, logprobs=True, allow_extrapolation=True
-        )
-    finally:
-        llm.eos_ids = eos
+    kw = dict(max_new_tokens=1, temperature=0, logprobs=True, allow_extrapolation=True)
+    out = llm.generate(token_ids=ids, ignore_eos=True, **kw)  # a first token equal to eos is still returned
     token = int(ref_last.argmax())
     assert out.token_ids == [token]
     assert abs(out.logprobs[0] - ref_last.double().log_softmax(-1)[token].item()) <= TOL
@@ -69,14 +65,14 @@ def test_greedy_matches_transformers_generate(checkpoint_factory, hf, prompt_ids
     assert len(ref) == NEW
 
     llm = load(model_dir, prefill_chunk=CHUNK)
-    llm.eos_ids = set()  # like transformers above: run to max_new_tokens
-    out = llm.generate(token_ids=ids, max_new_tokens=NEW, temperature=0, allow_extrapolation=True)
+    kw = dict(max_new_tokens=NEW, temperature=0, allow_extrapolation=True)
+    out = llm.generate(token_ids=ids, ignore_eos=True, **kw)  # like transformers above: run to max_new_tokens
     assert out.token_ids == ref
     assert out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("rope", [r for r in ROPE_NAMES if r != "default"])
-def test_legacy_rope_keys_load_and_match(checkpoint_factory, hf, prompt_ids, rel_err, rope):
+def test_legacy_rope_keys_load_and_match(checkpoint_factory, hf, prompt_ids, rope):
     """Old checkpoints carry `rope_theta` + `rope_scaling` instead of `rope_parameters`."""
     legacy = checkpoint_factory("llama", rope, max_positions=MAX_POS, legacy_rope_keys=True)
     config = json.loads((legacy / "config.json").read_text())
@@ -89,11 +85,11 @@ def test_legacy_rope_keys_load_and_match(checkpoint_factory, hf, prompt_ids, rel
     ids = prompt_ids(PROMPT, seed=3)
     ref = hf.logits(legacy, ids)
     llm = load(legacy, prefill_chunk=CHUNK)
-    assert rel_err(llm.logits(ids), ref) <= TOL
+    assert max_rel_err(llm.logits(ids), ref) <= TOL
     assert_engine_prefill_matches(llm, ids, ref[-1])
 
 
-def test_legacy_type_key(checkpoint_factory, hf, prompt_ids, rel_err, tmp_path):
+def test_legacy_type_key(checkpoint_factory, hf, prompt_ids, tmp_path):
     """The oldest spelling: rope_scaling {"type": "linear", "factor": ...}."""
     import shutil
 
@@ -106,4 +102,4 @@ def test_legacy_type_key(checkpoint_factory, hf, prompt_ids, rel_err, tmp_path):
     assert ModelConfig.from_file(model_dir / "config.json").rope.rope_type == "linear"
 
     ids = prompt_ids(300, seed=4)
-    assert rel_err(load(model_dir).logits(ids), hf.logits(model_dir, ids)) <= TOL
+    assert max_rel_err(load(model_dir).logits(ids), hf.logits(model_dir, ids)) <= TOL

@@ -12,6 +12,7 @@ from __future__ import annotations
 import checkpoints
 import pytest
 import torch
+from helpers import max_rel_err
 
 from minidecode import LLM
 
@@ -50,10 +51,6 @@ def hf_bf16(model_dir):
     return checkpoints.hf_model(model_dir).to("cuda", torch.bfloat16)
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
 @torch.no_grad()
 def hf_greedy(model_dir, ids: list[int], new: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' bf16 greedy generate: new tokens and the raw logits [V] of each step."""
@@ -82,10 +79,10 @@ def test_bf16_logits_close_to_transformers(gpu_checkpoint, prompt_ids, family, r
         ref_fp32 = checkpoints.hf_model(model_dir).cuda()(torch.tensor([ids], device="cuda")).logits[0]
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", prefill_chunk=1024)
     ours = llm.logits(ids)
-    assert rel_err(ours, ref_fp32) < 3e-2
+    assert max_rel_err(ours, ref_fp32) < 3e-2
     # transformers' own bf16 run is the noisier one where it rounds cos/sin to bf16 after YaRN's
     # attention scaling (~6e-2 from float32 here): allow its own distance from float32.
-    assert rel_err(ours, ref_bf16) < max(3e-2, 1.5 * rel_err(ref_bf16, ref_fp32))
+    assert max_rel_err(ours, ref_bf16) < max(3e-2, 1.5 * max_rel_err(ref_bf16, ref_fp32))
 
 
 @pytest.mark.parametrize("family,rope", CASES)
@@ -97,9 +94,9 @@ def test_fp32_on_cuda_matches_transformers(gpu_checkpoint, prompt_ids, family, r
     with torch.no_grad():
         ref = model(torch.tensor([ids], device="cuda")).logits[0]
     llm = LLM(model_dir, device="cuda", dtype="float32", prefill_chunk=1024)
-    assert rel_err(llm.logits(ids), ref) <= 1e-4
-    llm.eos_ids = set()
-    ours = llm.generate(token_ids=ids, max_new_tokens=NEW, temperature=0, allow_extrapolation=True)
+    assert max_rel_err(llm.logits(ids), ref) <= 1e-4
+    kw = dict(max_new_tokens=NEW, temperature=0, allow_extrapolation=True)
+    ours = llm.generate(token_ids=ids, ignore_eos=True, **kw)
     model = checkpoints.hf_model(model_dir).cuda()  # fresh: dynamic RoPE keeps state
     model.generation_config.eos_token_id = None
     prompt = torch.tensor([ids], device="cuda")
@@ -115,8 +112,8 @@ def test_bf16_greedy_matches_transformers_up_to_ties(gpu_checkpoint, prompt_ids,
     ids = prompt_ids(PROMPT, seed=2)
     ref, ref_logits = hf_greedy(model_dir, ids, NEW)
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", prefill_chunk=1024)
-    llm.eos_ids = set()
-    ours = llm.generate(token_ids=ids, max_new_tokens=NEW, temperature=0, allow_extrapolation=True).token_ids
+    kw = dict(max_new_tokens=NEW, temperature=0, allow_extrapolation=True)
+    ours = llm.generate(token_ids=ids, ignore_eos=True, **kw).token_ids
     assert len(ours) == len(ref) == NEW
     diverge = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
     if diverge is None:
@@ -141,9 +138,9 @@ def graph_and_eager_runs(gpu_checkpoint, prompt_ids, family, rope, **sampling) -
     runs = {}
     for graph in (True, False):
         llm = LLM(model_dir, device="cuda", dtype="bfloat16", cuda_graph=graph)
-        llm.eos_ids = set()
+        kw = dict(max_new_tokens=256, allow_extrapolation=True, ignore_eos=True)
         runs[graph] = [
-            llm.generate(token_ids=ids, max_new_tokens=256, allow_extrapolation=True, **sampling).token_ids
+            llm.generate(token_ids=ids, **kw, **sampling).token_ids
             for _ in range(2)
         ]
         assert all(len(r) == 256 for r in runs[graph])

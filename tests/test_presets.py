@@ -1,10 +1,10 @@
 """Synthetic models: the presets have the published shapes, and a synthetic model runs end to end."""
 
 import pytest
+from minidecode_cli.cli import app
 from typer.testing import CliRunner
 
 import minidecode
-from minidecode_cli.cli import app
 from minidecode.config import RopeConfig
 from minidecode.models import presets
 

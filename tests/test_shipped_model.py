@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "training"))
 
 import stdlib_corpus  # noqa: E402
+from helpers import rel_err  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_logits_match_transformers_on_heldout_text(llm, hf, heldout_ids):
     ours = llm.logits(heldout_ids)  # [T, V] float32
     with torch.no_grad():
         ref = hf(torch.tensor([heldout_ids])).logits[0]
-    rel = ((ours - ref).norm() / ref.norm()).item()
+    rel = rel_err(ours, ref)
     assert rel <= 1e-4, rel
     # and the perplexity both imply, for the record
     nll = torch.nn.functional.cross_entropy(ours[:-1], torch.tensor(heldout_ids[1:]))
