@@ -41,20 +41,15 @@ def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def _kernels():
-    """Import the Triton kernels on first use: the CPU runtime never needs triton."""
-    from . import fused_triton
-
-    return fused_triton
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """RMSNorm over the last dim as transformers does it: normalise in float32, round to x's
     dtype, then scale (the model's norms and Qwen3's per-head q_norm / k_norm)."""
-    if _triton(x, triton):
-        return _kernels().rms_norm(x, weight, eps, _pdl(x, pdl))
+    if _triton(x, triton):  # the Triton kernels are imported on first use: the CPU never needs triton
+        from . import fused_triton
+
+        return fused_triton.rms_norm(x, weight, eps, _pdl(x, pdl))
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -124,7 +119,9 @@ def rope_and_cache(
     returns q [B, Hq, D].
     """
     if _triton(qkv, triton):
-        return _kernels().rope_and_cache(
+        from . import fused_triton
+
+        return fused_triton.rope_and_cache(
             qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, _pdl(qkv, pdl)
         )
     B = qkv.shape[0]
@@ -172,6 +169,8 @@ def silu_mul(gate_up: torch.Tensor, triton: bool | None = None, pdl: bool = Fals
     """gate_up [B, 2 I] (the fused projection) -> silu(gate) * up [B, I], rounded as transformers
     does (silu's result in the model dtype, then the product)."""
     if _triton(gate_up, triton):
-        return _kernels().silu_mul(gate_up, _pdl(gate_up, pdl))
+        from . import fused_triton
+
+        return fused_triton.silu_mul(gate_up, _pdl(gate_up, pdl))
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

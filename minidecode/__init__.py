@@ -6,16 +6,6 @@ from .errors import UserError
 from .llm import LLM, GenerationResult, Stream, generate
 from .sampling import SamplingParams
 
-__all__ = [
-    "LLM",
-    "GenerationResult",
-    "GenerationStats",
-    "MemoryPlan",
-    "ModelConfig",
-    "Request",
-    "SamplingParams",
-    "Stream",
-    "UserError",
-    "generate",
-]
+__all__ = ["LLM", "GenerationResult", "GenerationStats", "MemoryPlan", "ModelConfig", "Request"]
+__all__ += ["SamplingParams", "Stream", "UserError", "generate"]
 __version__ = "0.1.0"

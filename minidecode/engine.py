@@ -129,8 +129,8 @@ class DecodeState:
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeState:
-        long = functools.partial(torch.zeros, batch, dtype=torch.long, device=device)
-        return cls(long(), long(), torch.zeros(batch, dtype=torch.float32, device=device))
+        dtypes = (torch.long, torch.long, torch.float32)
+        return cls(*(torch.zeros(batch, dtype=dtype, device=device) for dtype in dtypes))
 
 
 @dataclass
@@ -183,8 +183,7 @@ class Engine:
         return self._backend() or "default"
 
     def _backend(self) -> str | None:
-        cfg = self.config
-        return choose_backend(self.device, cfg.head_dim, cfg.group_size, self.dtype)
+        return choose_backend(self.device, self.config.head_dim, self.config.group_size, self.dtype)
 
     # ---- memory -------------------------------------------------------------------------
     def plan(self, max_context: int, prompt_len: int) -> MemoryPlan:
@@ -201,12 +200,12 @@ class Engine:
         """A cache of at least max_context positions, with its decode buffers (reused if it fits)."""
         if not self._cache_fits(max_context):
             self.release()  # free a cache that is too small before allocating the new one
-            cfg = self.config
-            self.cache = KVCache(
-                cfg.num_layers, 1, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype, self.device
-            )
-            self.state = DecodeState.zeros(1, self.device)
+            self.cache, self.state = self._new_cache(max_context), DecodeState.zeros(1, self.device)
         return self.cache
+
+    def _new_cache(self, max_len: int) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
 
     def release(self) -> None:
         """Free the cache, its decode buffers and the captured graph (the next request allocates)."""
@@ -229,10 +228,18 @@ class Engine:
                 f"max_context {request.max_context:,} is less than prompt ({prompt_len:,}) + "
                 f"max_new_tokens ({request.max_new_tokens:,}) = {needed:,}"
             )
-        cfg = self.config
-        check_context(
-            request.context, cfg.max_position_embeddings, cfg.sliding_window, request.allow_extrapolation
-        )
+        cfg, context = self.config, request.context
+        if context > cfg.max_position_embeddings and not request.allow_extrapolation:
+            raise UserError(
+                f"prompt + max_new_tokens needs {context:,} positions but the model was trained for "
+                f"{cfg.max_position_embeddings:,}; shorten the request or opt in with allow_extrapolation "
+                f"(--allow-extrapolation)"
+            )
+        if cfg.sliding_window is not None and context > cfg.sliding_window:
+            raise UserError(
+                f"this model uses sliding-window attention ({cfg.sliding_window:,} tokens), which minidecode "
+                f"does not implement; keep prompt + max_new_tokens within {cfg.sliding_window:,} tokens"
+            )
         plan = self.plan(request.context, prompt_len)
         if self._cache_fits(request.context):
             plan.kv_cache_bytes = 0  # already allocated
@@ -276,11 +283,10 @@ class Engine:
         self.check_idle()
         self.busy = True
         eos_ids = frozenset() if request.ignore_eos else request.eos_ids
-        cuda = self.device.type == "cuda"
-        want_logprobs = request.want_logprobs
-        produced, t_first = 0, None
+        cuda, want_logprobs = self.device.type == "cuda", request.want_logprobs
+        t_first = None
         try:
-            token, logprob = self._start(request, stats, on_progress)
+            self._start(request, stats, on_progress)
             t_first = time.perf_counter()
             stats.time_to_first_token = t_first - t_request
             # Each step's token is copied to pinned host memory and the next step is launched
@@ -288,33 +294,28 @@ class Engine:
             host_tokens = torch.empty(1, dtype=torch.long, pin_memory=cuda)
             host_logprob = torch.empty(1, dtype=torch.float32, pin_memory=cuda)
             copied = torch.cuda.Event() if cuda else None
-            state = self.state
             while True:
-                stats.new_tokens = produced = produced + 1
-                if token in eos_ids:
-                    generation.finish_reason = "eos"
-                    return
-                yield token, logprob
-                if produced >= request.max_new_tokens:
-                    return
-                if produced == 1:
-                    self.step()
-                host_tokens.copy_(state.tokens, non_blocking=True)
+                host_tokens.copy_(self.state.tokens, non_blocking=True)
                 if want_logprobs:
-                    host_logprob.copy_(state.logprob, non_blocking=True)
+                    host_logprob.copy_(self.state.logprob, non_blocking=True)
                 if copied is not None:
                     copied.record()
-                if produced + 1 < request.max_new_tokens:
+                if stats.new_tokens + 1 < request.max_new_tokens:
                     self.step()  # run the next step while this token is handed out
                 if copied is not None:
                     copied.synchronize()
-                token = int(host_tokens[0])
-                logprob = float(host_logprob[0]) if want_logprobs else None
+                token, stats.new_tokens = int(host_tokens[0]), stats.new_tokens + 1
+                if token in eos_ids:
+                    generation.finish_reason = "eos"
+                    return
+                yield token, (float(host_logprob[0]) if want_logprobs else None)
+                if stats.new_tokens >= request.max_new_tokens:
+                    return
         finally:
             self.busy = False
             if t_first is not None:
                 stats.decode_seconds = time.perf_counter() - t_first
-                steps = produced - 1
+                steps = stats.new_tokens - 1
                 stats.decode_tokens_per_s = steps / stats.decode_seconds if steps else 0.0
                 stats.peak_memory_bytes = (
                     torch.cuda.max_memory_allocated(self.device) if cuda else _host_peak_bytes()
@@ -322,8 +323,8 @@ class Engine:
 
     def _start(
         self, request: Request, stats: GenerationStats, on_progress: Callable[[int, int], None] | None
-    ) -> tuple[int, float | None]:
-        """Cache, decode step and prefill for a request: -> first token and its log-prob."""
+    ) -> None:
+        """Cache, decode step and prefill for a request; the first token lands in the DecodeState."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.ensure_cache(request.context)
@@ -334,44 +335,27 @@ class Engine:
         else:
             self._generator.manual_seed(params.seed)
         n = stats.prompt_tokens = len(request.prompt_ids)
-        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt, on_progress)
+        layers = self.config.num_layers  # layer-major prefill: progress is whole layers over the prompt
+        report = None if on_progress is None else (lambda i: on_progress(n * (i + 1) // layers, n))
+        prompt = torch.tensor([request.prompt_ids], device=self.device)  # [1, T]
+        hidden = self.model.prefill(prompt, self.cache, self.prefill_chunk, self._backend(), on_layer=report)
+        logits = self.model.logits(hidden)  # [1, V] float32, the last position
         first = sample(logits, params, self._generator)  # [1]
-        state = self.state
-        state.tokens.copy_(first)
-        state.positions.fill_(n)
+        self.state.tokens.copy_(first)
+        self.state.positions.fill_(n)
         if request.want_logprobs:
-            state.logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
-        token = int(first.item())  # waits for the prefill
+            self.state.logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
+        first.item()  # waits for the prefill
         stats.prefill_seconds = time.perf_counter() - t0
         stats.prefill_tokens_per_s = n / max(stats.prefill_seconds, 1e-9)
-        return token, (float(state.logprob[0]) if request.want_logprobs else None)
-
-    # ---- prefill ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(
-        self, prompt: torch.Tensor, on_progress: Callable[[int, int], None] | None = None
-    ) -> torch.Tensor:
-        """prompt [1, T] -> float32 logits [1, V] of the last position; fills the cache."""
-        T, layers = prompt.shape[1], self.config.num_layers
-        # Layer-major prefill: progress is whole layers over the whole prompt.
-        report = None if on_progress is None else (lambda i: on_progress(T * (i + 1) // layers, T))
-        hidden = self.model.prefill(
-            prompt, self.cache, self.prefill_chunk, backend=self._backend(), on_layer=report
-        )
-        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring),
         through the same prefill as generation, in a cache of its own."""
         tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        cfg = self.config
-        cache = KVCache(
-            cfg.num_layers, 1, cfg.num_kv_heads, len(token_ids), cfg.head_dim, self.dtype, self.device
-        )
-        backend = self._backend()
+        cache, backend = self._new_cache(len(token_ids)), self._backend()
         hidden = self.model.prefill(tokens, cache, self.prefill_chunk, backend=backend, last_only=False)
         return self.model.logits(hidden[0])
 
@@ -426,19 +410,3 @@ def _host_peak_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def check_context(
-    max_context: int, max_positions: int, sliding_window: int | None, allow_extrapolation: bool
-) -> None:
-    if max_context > max_positions and not allow_extrapolation:
-        raise UserError(
-            f"prompt + max_new_tokens needs {max_context:,} positions but the model was trained for "
-            f"{max_positions:,}; shorten the request or opt in with allow_extrapolation "
-            f"(--allow-extrapolation)"
-        )
-    if sliding_window is not None and max_context > sliding_window:
-        raise UserError(
-            f"this model uses sliding-window attention ({sliding_window:,} tokens), which minidecode does "
-            f"not implement; keep prompt + max_new_tokens within {sliding_window:,} tokens"
-        )

@@ -18,8 +18,8 @@ from .engine import (
     Engine,
     Generation,
     GenerationStats,
-    MemoryPlan,
     Request,
+    _gib,
     activation_bytes,
     default_prefill_chunk,
     free_memory,
@@ -31,13 +31,10 @@ from .tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "stdlib-tiny"
 SYNTHETIC = "synthetic:"
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+DTYPES = {  # name -> dtype, with short aliases
+    **dict.fromkeys(("float32", "fp32"), torch.float32),
+    **dict.fromkeys(("float16", "fp16"), torch.float16),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
 }
 
 
@@ -195,9 +192,6 @@ class LLM:
             seed=seed,
         )
 
-    def memory_plan(self, max_context: int, prompt_len: int | None = None) -> MemoryPlan:
-        return self.engine.plan(max_context, prompt_len or max_context)
-
     def random_prompt(self, num_tokens: int, seed: int = 0) -> list[int]:
         """A prompt of exactly num_tokens random ids (benchmarks, synthetic models)."""
         generator = torch.Generator().manual_seed(seed)
@@ -336,10 +330,6 @@ def init_random_weights(model: Transformer, device: torch.device, dtype: torch.d
             p.data = torch.ones(p.shape, dtype=dtype, device=device)
         else:
             p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(0, 0.02, generator=generator)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def describe(

@@ -17,15 +17,7 @@ from torch import nn
 
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
-from minidecode.kernels.ops import (
-    decode_attention,
-    linear,
-    linear_residual,
-    rms_norm,
-    rope_and_cache,
-    rotate,
-    silu_mul,
-)
+from minidecode.kernels import ops
 from minidecode.kernels.prefill import causal_attention
 
 from .rope import RotaryEmbedding
@@ -38,7 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, pdl=pdl)
+        return ops.rms_norm(x, self.weight, self.eps, pdl=pdl)
 
 
 class Attention(nn.Module):
@@ -58,8 +50,8 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """One [(Hq + 2 Hkv) * D, hidden] weight for q, k and v, so each step runs one GEMV; the
         q/k/v parameters become views into it (checkpoint names and state_dict unchanged)."""
-        self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight, self.qkv_bias = _fuse(linears, "weight"), _fuse(linears, "bias")
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, hidden] -> rotated q [B, T, Hq, D], k [B, T, Hkv, D], and v [B, T, Hkv, D]."""
@@ -68,7 +60,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return ops.rotate(q, cos, sin), ops.rotate(k, cos, sin), v
 
     def decode(
         self,
@@ -86,13 +78,13 @@ class Attention(nn.Module):
         = positions + 1; pdl chains the kernels (kernels/ops.py)."""
         B = x.shape[0]
         k_cache, v_cache = kv  # [B, Hkv, S, D]
-        qkv = linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
+        qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        q = rope_and_cache(
+        q = ops.rope_and_cache(
             qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl
         )
-        out = decode_attention(q, k_cache, v_cache, lengths, self.scale, pdl=pdl)  # [B, Hq, D]
-        linear_residual(out.view(B, -1), self.o_proj.weight, self.o_proj.bias, x, pdl=pdl)
+        out = ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, pdl=pdl)  # [B, Hq, D]
+        ops.linear_residual(out.view(B, -1), self.o_proj.weight, self.o_proj.bias, x, pdl=pdl)
 
 
 class MLP(nn.Module):
@@ -104,38 +96,31 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """One [2 * intermediate, hidden] weight for gate and up (one GEMV per step)."""
-        self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
-        self.gate_up_bias = _fuse_biases(self.gate_proj, self.up_proj)
+        linears = (self.gate_proj, self.up_proj)
+        self.gate_up_weight, self.gate_up_bias = _fuse(linears, "weight"), _fuse(linears, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        return self.down_proj(ops.silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
     def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool) -> None:
         """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
         in place."""
-        gate_up = linear(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, 2 I]
-        linear_residual(silu_mul(gate_up, pdl=pdl), self.down_proj.weight, self.down_proj.bias, x, pdl=pdl)
+        gate_up = ops.linear(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, 2 I]
+        inner = ops.silu_mul(gate_up, pdl=pdl)  # [B, I]
+        ops.linear_residual(inner, self.down_proj.weight, self.down_proj.bias, x, pdl=pdl)
 
 
-def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
-    fused = torch.cat([lin.weight.data for lin in linears])
-    begin = 0
-    for lin in linears:  # each parameter becomes a view of its rows of the fused weight
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(fused[begin : begin + rows], requires_grad=False)
-        begin += rows
-    return fused
-
-
-def _fuse_biases(*linears: nn.Linear) -> torch.Tensor | None:
-    if linears[0].bias is None:
+def _fuse(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor | None:
+    """The linears' `name` ("weight" or "bias") stacked by rows; each parameter becomes a view of
+    its rows of the fused tensor. None where the linears have no bias."""
+    if getattr(linears[0], name) is None:
         return None
-    fused = torch.cat([lin.bias.data for lin in linears])
+    fused = torch.cat([getattr(lin, name).data for lin in linears])
     begin = 0
     for lin in linears:
-        rows = lin.bias.shape[0]
-        lin.bias = nn.Parameter(fused[begin : begin + rows], requires_grad=False)
+        rows = getattr(lin, name).shape[0]
+        setattr(lin, name, nn.Parameter(fused[begin : begin + rows], requires_grad=False))
         begin += rows
     return fused
 
