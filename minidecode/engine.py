@@ -135,9 +135,8 @@ class DecodeState:
 
 @dataclass
 class Generation:
-    """What `Engine.generate` returns: iterate `tokens` for (token id, log-prob or None) of each new
-    token, eos not included; `stats` and `finish_reason` ("eos" or "length") are complete once the
-    iterator ends or is closed."""
+    """Engine.generate's result: `tokens` yields (token id, log-prob or None) per new token, eos not
+    included; `stats` and `finish_reason` ("eos"/"length") are final once it ends or is closed."""
 
     request: Request
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -150,9 +149,8 @@ def _gib(n: int) -> str:
 
 
 class Engine:
-    """Runs requests on one model: memory plan, cache, prefill, and the decode step (a CUDA graph
-    replay per token on CUDA). One request at a time; its cache and decode buffers are reused by
-    the next request that fits in them."""
+    """Runs requests on one model, one at a time: memory plan, cache (reused by the next request
+    that fits), prefill, and the decode step (a CUDA graph replay per token on CUDA)."""
 
     def __init__(
         self,
@@ -221,8 +219,7 @@ class Engine:
             raise UserError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if any(not s for s in request.stop):
             raise UserError("stop strings must be non-empty")
-        prompt_len = len(request.prompt_ids)
-        needed = prompt_len + request.max_new_tokens
+        prompt_len, needed = len(request.prompt_ids), len(request.prompt_ids) + request.max_new_tokens
         if request.max_context is not None and request.max_context < needed:
             raise UserError(
                 f"max_context {request.max_context:,} is less than prompt ({prompt_len:,}) + "
@@ -240,8 +237,8 @@ class Engine:
                 f"this model uses sliding-window attention ({cfg.sliding_window:,} tokens), which minidecode "
                 f"does not implement; keep prompt + max_new_tokens within {cfg.sliding_window:,} tokens"
             )
-        plan = self.plan(request.context, prompt_len)
-        if self._cache_fits(request.context):
+        plan = self.plan(context, prompt_len)
+        if self._cache_fits(context):
             plan.kv_cache_bytes = 0  # already allocated
         elif self.cache is not None:
             plan.free_bytes += 2 * self.cache.k.nbytes  # freed before the new one is allocated
@@ -249,7 +246,7 @@ class Engine:
             per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
             fit_tokens = max(0, (plan.free_bytes - plan.activation_bytes) // per_token)
             raise UserError(
-                f"KV cache for {request.context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
+                f"KV cache for {context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
                 f"{_gib(plan.activation_bytes)} of activations, but only {_gib(plan.free_bytes)} is free on "
                 f"{plan.device}; lower the prompt length, max_new_tokens or --max-context "
                 f"(about {fit_tokens:,} tokens fit)"
