@@ -142,7 +142,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit (empty) weight skips nn.Embedding's normal_ init: on the meta device that
+        # init imports torch._dynamo, about 1 s, for values the checkpoint overwrites anyway.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
