@@ -9,11 +9,31 @@ _checkout = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "kernels" / "decode.py").is_file():
     __path__.append(str(_checkout))
 
-from .config import ModelConfig  # noqa: E402 (after the path set-up)
-from .engine import GenerationStats, MemoryPlan  # noqa: E402
-from .errors import UserError  # noqa: E402
-from .llm import LLM, GenerationResult, Stream, generate  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
+from .errors import UserError  # noqa: E402 (after the path set-up)
+
+# The public names load on first use (PEP 562): `import minidecode` and the CLI's --help stay
+# free of torch, which takes a second or more to import.
+_LAZY = {
+    "ModelConfig": "config",
+    "GenerationStats": "engine",
+    "MemoryPlan": "engine",
+    "LLM": "llm",
+    "GenerationResult": "llm",
+    "Stream": "llm",
+    "generate": "llm",
+    "SamplingParams": "sampling",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'minidecode' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LLM",

@@ -15,6 +15,7 @@ from minidecode.models.llama import Transformer
 
 from .cache import KVCache
 from .config import ModelConfig
+from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .sampling import SamplingParams, sample
 
@@ -302,6 +303,9 @@ class Engine:
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         t0 = time.perf_counter()
         logits = self.prefill(prompt, on_progress)
+        # One check per request (prefill ends in a host sync anyway); decode steps are not checked.
+        if not bool(torch.isfinite(logits).all()):
+            raise nonfinite_logits_error(self.model, lambda: self.prefill(prompt))
         first = sample(logits, params, self._generator)  # [1]
         self._tokens.copy_(first)
         self._positions.fill_(len(prompt_ids))
@@ -324,8 +328,8 @@ def check_context(
 ) -> None:
     if max_context > max_positions and not allow_extrapolation:
         raise UserError(
-            f"prompt + max_new_tokens needs {max_context:,} positions but the model was trained for "
-            f"{max_positions:,}; shorten the request or opt in with allow_extrapolation "
+            f"a context of {max_context:,} positions (max_context, else prompt + max_new_tokens) exceeds "
+            f"the {max_positions:,} the model was trained for; shorten it or opt in with allow_extrapolation "
             f"(--allow-extrapolation)"
         )
     if sliding_window is not None and max_context > sliding_window:

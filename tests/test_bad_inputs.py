@@ -270,16 +270,16 @@ def test_prompt_sources(model_dir, tmp_path):
 
 def test_beyond_max_positions_needs_opt_in(llm, model_dir, hf, prompt_ids):
     ids = prompt_ids(500, seed=20)
-    match = r"needs 520 positions but the model was trained for 512.*allow_extrapolation"
+    match = r"a context of 520 positions .* exceeds the 512 the model was trained for.*allow_extrapolation"
     api_error(lambda: llm.generate(token_ids=ids, max_new_tokens=20), match)
     out = llm.generate(token_ids=ids, max_new_tokens=20, temperature=0, allow_extrapolation=True)
     assert out.token_ids == hf.greedy(model_dir, ids, 20, eos=True)
 
     # The boundary: exactly max positions is fine, one more is not.
     assert len(llm.generate(token_ids=ids, max_new_tokens=12, temperature=0).token_ids) <= 12
-    api_error(lambda: llm.generate(token_ids=ids, max_new_tokens=13), r"needs 513 positions")
+    api_error(lambda: llm.generate(token_ids=ids, max_new_tokens=13), r"a context of 513 positions")
 
-    cli_error(gen_args(model_dir, "--prompt", "hi", "-n", 600), r"but the model was trained for 512")
+    cli_error(gen_args(model_dir, "--prompt", "hi", "-n", 600), r"exceeds the 512 the model was trained for")
     result = CliRunner().invoke(
         app, [str(a) for a in gen_args(model_dir, "-p", "hi", "-n", 600, "--allow-extrapolation", "--json")]
     )
