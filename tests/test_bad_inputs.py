@@ -317,7 +317,7 @@ def test_kv_cache_that_does_not_fit(llm, model_dir):
     api_error(lambda: llm.generate("hi", max_context=10**12, allow_extrapolation=True), match)
     cli_error(gen_args(model_dir, "-p", "hi", "--max-context", 10**12, "--allow-extrapolation"), match)
     # Without the opt-in, the position limit refuses it first.
-    api_error(lambda: llm.generate("hi", max_context=10**12), r"trained for 512")
+    api_error(lambda: llm.generate("hi", max_context=10**12), r"the 512 the model was trained for")
     # A max_context too small for the request.
     api_error(lambda: llm.generate("hi", max_new_tokens=10, max_context=5), r"max_context 5 is less than")
 
