@@ -34,6 +34,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: no type column (`<bool>` on flags), and no rich import
     help="Long-context text generation for Llama-family models.",
 )
 
