@@ -165,12 +165,14 @@ class Engine:
         self, prompt: torch.Tensor, on_progress: Callable[[int, int], None] | None = None
     ) -> torch.Tensor:
         """prompt [1, T] -> float32 logits [1, V] of the last position; fills the cache."""
-        T, layers = prompt.shape[1], self.config.num_layers
+        T = prompt.shape[1]
         backend = choose_backend(self.device, self.config.head_dim, self.config.group_size, self.dtype)
         self.prefill_backend = backend or "default"  # reported by the benchmark
-        # Layer-major prefill: progress is whole layers over the whole prompt.
-        report = None if on_progress is None else (lambda i: on_progress(T * (i + 1) // layers, T))
-        hidden = self.model.prefill(prompt, self.cache, self.prefill_chunk, backend=backend, on_layer=report)
+        # Layer-major prefill: progress counts chunks of every layer, scaled to prompt tokens.
+        report = None if on_progress is None else (lambda done, total: on_progress(T * done // total, T))
+        hidden = self.model.prefill(
+            prompt, self.cache, self.prefill_chunk, backend=backend, on_progress=report
+        )
         return self.model.logits(hidden)
 
     # ---- decode -------------------------------------------------------------------------

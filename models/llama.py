@@ -177,7 +177,7 @@ class Transformer(nn.Module):
         rope_len: int | None = None,
         backend: str | None = None,
         last_only: bool = True,
-        on_layer: Callable[[int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] at positions 0..T-1 -> final-normed hidden [B, hidden] (last position) or
         [B, T, hidden]; fills cache positions 0..T-1.
@@ -216,8 +216,8 @@ class Transformer(nn.Module):
                 out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
                 x[:, s:e] += attn.o_proj(out)
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
-            if on_layer is not None:
-                on_layer(i)
+                if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
+                    on_progress(i * T + e, cfg.num_layers * T)
         return self.model.norm(x[:, -1] if last_only else x)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -188,3 +188,21 @@ def test_readme_version_command(tmp_path):
     env = dict(ENV, PATH=f"{Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}")
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == f"minidecode {minidecode.__version__}"
+
+
+def test_prefill_progress_per_chunk_and_plain_lines_in_logs(model_dir):
+    """stderr not a terminal: plain lines (no carriage returns), several per layer-major prefill
+    (chunks of 1,024 rows over a 16,384-token prompt: 16 chunks x 2 layers)."""
+    code = (
+        "import sys\nfrom minidecode import LLM\nfrom minidecode.cli import Progress\n"
+        f"llm = LLM({str(model_dir)!r}, device='cpu', prefill_chunk=1024)\n"
+        "llm.generate(token_ids=[5] * 16384, max_new_tokens=1, allow_extrapolation=True,\n"
+        "             on_prefill_progress=Progress(enabled=True))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("prefill ")]
+    percents = [int(line.split()[1].rstrip("%")) for line in lines]
+    assert percents == list(range(0, 101, 10))[-len(percents) :] and len(percents) >= 10, proc.stderr
+    assert lines[-1].startswith("prefill 100% 16,384/16,384 tok")
