@@ -84,6 +84,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        if not isinstance(cfg, dict):
+            raise UserError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
@@ -127,10 +129,10 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
         except FileNotFoundError:
             raise UserError(f"no config.json in {Path(path).parent}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{path} is not valid JSON: {e}") from None
 
 

@@ -16,6 +16,7 @@ from minidecode.models.llama import Transformer, weight_bytes
 
 from .cache import KVCache
 from .config import ModelConfig
+from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .sampling import SamplingParams, sample
 
@@ -228,9 +229,9 @@ class Engine:
         cfg, context = self.config, request.context
         if context > cfg.max_position_embeddings and not request.allow_extrapolation:
             raise UserError(
-                f"prompt + max_new_tokens needs {context:,} positions but the model was trained for "
-                f"{cfg.max_position_embeddings:,}; shorten the request or opt in with allow_extrapolation "
-                f"(--allow-extrapolation)"
+                f"a context of {context:,} positions (max_context, else prompt + max_new_tokens) exceeds "
+                f"the {cfg.max_position_embeddings:,} the model was trained for; shorten it or opt in with "
+                "allow_extrapolation (--allow-extrapolation)"
             )
         if cfg.sliding_window is not None and context > cfg.sliding_window:
             raise UserError(
@@ -333,11 +334,19 @@ class Engine:
             self._generator.manual_seed(params.seed)
         n = stats.prompt_tokens = len(request.prompt_ids)
         t0 = time.perf_counter()
-        layers = self.config.num_layers  # layer-major prefill: progress is whole layers over the prompt
-        report = None if on_progress is None else (lambda i: on_progress(n * (i + 1) // layers, n))
+        # Layer-major prefill: progress counts chunks of every layer, scaled to prompt tokens.
+        report = None if on_progress is None else (lambda done, total: on_progress(n * done // total, n))
         prompt = torch.tensor([request.prompt_ids], device=self.device)  # [1, T]
-        hidden = self.model.prefill(prompt, self.cache, self.prefill_chunk, self._backend(), on_layer=report)
-        logits = self.model.logits(hidden)  # [1, V] float32, the last position
+
+        def prefill(progress=None) -> torch.Tensor:  # [1, V] float32 logits of the last position
+            backend = self._backend()
+            hidden = self.model.prefill(prompt, self.cache, self.prefill_chunk, backend, on_progress=progress)
+            return self.model.logits(hidden)
+
+        logits = prefill(report)
+        # One check per request (prefill ends in a host sync anyway); decode steps are not checked.
+        if not bool(torch.isfinite(logits).all()):
+            raise nonfinite_logits_error(self.model, prefill)
         first = sample(logits, params, self._generator)  # [1]
         self.state.tokens.copy_(first)
         self.state.positions.fill_(n)

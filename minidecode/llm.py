@@ -25,11 +25,11 @@ from .engine import (
     free_memory,
 )
 from .errors import UserError
-from .loading import load_weights, resolve_model_dir
+from .loading import DEFAULT_MODEL, load_weights, resolve_model_dir
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
+from .validate import check_request, check_text, check_token_ids, check_vocab
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "stdlib-tiny"
 SYNTHETIC = "synthetic:"
 DTYPES = {  # name -> dtype, with short aliases
     **dict.fromkeys(("float32", "fp32"), torch.float32),
@@ -114,6 +114,7 @@ class LLM:
             self.model_dir = resolve_model_dir(DEFAULT_MODEL if model is None else model)
             self.config = ModelConfig.from_file(self.model_dir / "config.json")
             self.tokenizer = Tokenizer(self.model_dir)
+            check_vocab(self.tokenizer.vocab_size, self.config.vocab_size)
             self.generation_defaults, self.eos_ids = self._generation_config()
         weights = self.config.num_parameters() * self.dtype.itemsize
         free = free_memory(self.device)
@@ -168,14 +169,9 @@ class LLM:
         if messages is not None:
             ids = self.tokenizer.encode_chat(messages)
         elif token_ids is not None:
-            ids = [int(t) for t in token_ids]
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise UserError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+            ids = check_token_ids(token_ids, self.config.vocab_size)
         else:
-            if not isinstance(prompt, str):
-                raise UserError("prompt must be a string")
-            ids = self.tokenizer.encode_long(prompt)
+            ids = self.tokenizer.encode_long(check_text(prompt))
         if not ids or (prompt is not None and not prompt):
             raise UserError("the prompt is empty")
         return ids
@@ -219,12 +215,13 @@ class LLM:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
         character); after iteration, `.result` is the GenerationResult."""
         t_request = time.perf_counter()
+        stops = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
         request = Request(
             prompt_ids=self.encode_prompt(prompt, token_ids, messages),
             params=self.sampling_params(temperature, top_k, top_p, seed),
             max_new_tokens=max_new_tokens,
             max_context=max_context,
-            stop=[stop] if isinstance(stop, str) else list(stop or []),
+            stop=stops,
             eos_ids=frozenset(self.eos_ids),
             ignore_eos=ignore_eos,
             want_logprobs=logprobs,
@@ -258,6 +255,9 @@ class LLM:
                     emitted = len(text) - hold
             if not stopped:
                 text += decoder.flush()
+        # One count: the new tokens returned. An eos ends generation but is not part of the
+        # output, so it is neither in token_ids nor in stats.new_tokens.
+        generation.stats.new_tokens = len(new_ids)
         if len(text) > emitted:
             yield text[emitted:]
         return GenerationResult(
@@ -369,4 +369,9 @@ def describe(
         f"= {_gib(weights + kv + act)}; free now {_gib(free)} -> "
         + ("fits" if weights + kv + act <= free else "DOES NOT FIT"),
     ]
+    if context > cfg.max_position_embeddings:
+        lines.append(
+            f"note         {context:,} tokens exceed the {cfg.max_position_embeddings:,} positions the model "
+            "was trained for: generating that far extrapolates (--allow-extrapolation)"
+        )
     return "\n".join(lines)

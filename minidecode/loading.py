@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .errors import UserError
 
+if TYPE_CHECKING:  # torch is imported by load_weights: resolving a folder (the CLI's checks) needs none
+    import torch
+    from torch import nn
+
+# The small model shipped inside the package (training/train_tiny_model.py made it).
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "stdlib-tiny"
 # What generation needs from a hub repo; never the .bin / .pth duplicates of the weights.
 HUB_FILES = [
     "config.json",
@@ -74,13 +77,17 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype:
     never has a full copy in host memory. Every expected tensor must be present with the right
     shape, and no unexpected one may appear: a wrong checkpoint fails loudly, naming tensors.
     """
+    from safetensors import safe_open
+
     expected = {name: p.shape for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
     unexpected, misshapen, misshapen_names = [], [], set()
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for file in weight_files(model_dir):
         try:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
+            # safetensors names the host "cpu" only (not "cpu:0", which torch accepts)
+            where = "cpu" if device.type == "cpu" else str(device)
+            with safe_open(str(file), framework="pt", device=where) as f:
                 for name in f.keys():
                     if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                         continue

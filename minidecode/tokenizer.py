@@ -26,17 +26,10 @@ class Tokenizer:
             self.backend = HFTokenizer.from_file(str(path))
         except Exception as e:
             raise UserError(f"could not read {path}: {e}") from None
-        config_path = model_dir / "tokenizer_config.json"
-        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        config = read_tokenizer_config(model_dir)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        template = config.get("chat_template")
-        if isinstance(template, list):  # a list of named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        jinja_file = model_dir / "chat_template.jinja"
-        if jinja_file.exists():
-            template = jinja_file.read_text()
-        self.chat_template: str | None = template
+        self.chat_template: str | None = read_chat_template(model_dir, config)
         spec = json.loads(self.backend.to_str())
         # Splitting a long text is exact only when pre-tokens never span a newline and nothing
         # is prepended to each piece: byte-level pre-tokenization with no normalizer, no prefix
@@ -150,6 +143,32 @@ class StreamDecoder:
         text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(emitted) :]
+
+
+def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """tokenizer_config.json as a dict ({} when absent)."""
+    path = model_dir / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} must hold a JSON object, not a {type(config).__name__}")
+    return config
+
+
+def read_chat_template(model_dir: Path, config: dict[str, Any] | None = None) -> str | None:
+    """The chat template: chat_template.jinja, else tokenizer_config.json's (the default one of a
+    list of named templates); None when the checkpoint has none."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = (read_tokenizer_config(model_dir) if config is None else config).get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template else None
 
 
 def _token_text(token: Any) -> str | None:

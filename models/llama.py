@@ -137,7 +137,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit (empty) weight skips nn.Embedding's normal_ init: on the meta device that
+        # init imports torch._dynamo, about 1 s, for values the checkpoint overwrites anyway.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -168,7 +171,7 @@ class Transformer(nn.Module):
         chunk: int,
         backend: str | None = None,
         last_only: bool = True,
-        on_layer: Callable[[int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] at positions 0..T-1 -> final-normed hidden [B, hidden] (last position) or
         [B, T, hidden]; fills cache positions 0..T-1.
@@ -206,8 +209,8 @@ class Transformer(nn.Module):
                 out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
                 x[:, s:e] += attn.o_proj(out)
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
-            if on_layer is not None:
-                on_layer(i)
+                if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
+                    on_progress(i * T + e, cfg.num_layers * T)
         return self.model.norm(x[:, -1] if last_only else x)
 
     def decode(

@@ -15,11 +15,11 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from minidecode_cli.cli import app
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from minidecode import LLM, UserError
+from minidecode_cli.cli import app
 
 MAX_POS = 512
 
@@ -114,6 +114,15 @@ def break_all_three(d):
     edit_tensors(d, edit)
 
 
+def grow_tokenizer(d):
+    """Add tokens until the tokenizer is larger than the model's 384-entry vocabulary."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_tokens([f"<extra_{i}>" for i in range(400)])
+    tok.save(str(d / "tokenizer.json"))
+
+
 CHECKPOINT_CASES = {
     # name: (break the copy, what the error must say)
     "unsupported-model-type": (
@@ -131,6 +140,18 @@ CHECKPOINT_CASES = {
     "config-missing-key": (lambda d: edit_config(d, hidden_size=None), r"hidden_size"),
     "no-config": (lambda d: (d / "config.json").unlink(), r"no config\.json in"),
     "bad-config-json": (lambda d: (d / "config.json").write_text("{"), r"config\.json is not valid JSON"),
+    "config-is-a-list": (
+        lambda d: (d / "config.json").write_text("[1, 2]"),
+        r"config\.json must hold a JSON object, not a list",
+    ),
+    "bad-tokenizer-config": (
+        lambda d: (d / "tokenizer_config.json").write_text("{"),
+        r"tokenizer_config\.json is not valid JSON",
+    ),
+    "tokenizer-larger-than-model": (
+        grow_tokenizer,
+        r"the tokenizer has [\d,]+ tokens but the model's vocab_size is 384",
+    ),
     "missing-tensor": (break_missing_tensor, r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight$"),
     "extra-tensor": (break_extra_tensor, r"unexpected tensors: model\.layers\.0\.self_attn\.extra\.weight$"),
     "misshapen-tensor": (
@@ -174,6 +195,7 @@ CONFIG_LEVEL = {
     "config-missing-key",
     "no-config",
     "bad-config-json",
+    "config-is-a-list",
 }
 
 
@@ -270,16 +292,16 @@ def test_prompt_sources(model_dir, tmp_path):
 
 def test_beyond_max_positions_needs_opt_in(llm, model_dir, hf, prompt_ids):
     ids = prompt_ids(500, seed=20)
-    match = r"needs 520 positions but the model was trained for 512.*allow_extrapolation"
+    match = r"a context of 520 positions .* exceeds the 512 the model was trained for.*allow_extrapolation"
     api_error(lambda: llm.generate(token_ids=ids, max_new_tokens=20), match)
     out = llm.generate(token_ids=ids, max_new_tokens=20, temperature=0, allow_extrapolation=True)
     assert out.token_ids == hf.greedy(model_dir, ids, 20, eos=True)
 
     # The boundary: exactly max positions is fine, one more is not.
     assert len(llm.generate(token_ids=ids, max_new_tokens=12, temperature=0).token_ids) <= 12
-    api_error(lambda: llm.generate(token_ids=ids, max_new_tokens=13), r"needs 513 positions")
+    api_error(lambda: llm.generate(token_ids=ids, max_new_tokens=13), r"a context of 513 positions")
 
-    cli_error(gen_args(model_dir, "--prompt", "hi", "-n", 600), r"but the model was trained for 512")
+    cli_error(gen_args(model_dir, "--prompt", "hi", "-n", 600), r"exceeds the 512 the model was trained for")
     result = CliRunner().invoke(
         app, [str(a) for a in gen_args(model_dir, "-p", "hi", "-n", 600, "--allow-extrapolation", "--json")]
     )
@@ -317,7 +339,7 @@ def test_kv_cache_that_does_not_fit(llm, model_dir):
     api_error(lambda: llm.generate("hi", max_context=10**12, allow_extrapolation=True), match)
     cli_error(gen_args(model_dir, "-p", "hi", "--max-context", 10**12, "--allow-extrapolation"), match)
     # Without the opt-in, the position limit refuses it first.
-    api_error(lambda: llm.generate("hi", max_context=10**12), r"trained for 512")
+    api_error(lambda: llm.generate("hi", max_context=10**12), r"the 512 the model was trained for")
     # A max_context too small for the request.
     api_error(lambda: llm.generate("hi", max_new_tokens=10, max_context=5), r"max_context 5 is less than")
 
@@ -374,3 +396,62 @@ def test_sliding_window_smaller_than_context_is_refused(mistral_window_64, hf, p
     # Within the window the model is plain full attention: transformers (window 64 too) agrees.
     out = llm.generate(token_ids=ids, max_new_tokens=14, temperature=0)
     assert out.token_ids == hf.greedy(mistral_window_64, ids, 14, eos=True)
+
+
+# ---- issue 12: wrong types, wording, devices, non-finite weights -----------------------------
+
+
+def test_api_values_of_the_wrong_type(llm):
+    api_error(lambda: llm.generate("hi", max_new_tokens=2.5), r"max_new_tokens must be an integer, got 2\.5")
+    api_error(lambda: llm.generate("hi", max_new_tokens="5"), r"max_new_tokens must be an integer, got '5'")
+    api_error(lambda: llm.generate(token_ids="abc"), r"token_ids must be a list of integers, got str")
+    api_error(lambda: llm.generate(token_ids=[1, 2.5]), r"token_ids must be integers, got 2\.5")
+    api_error(lambda: llm.generate("hi", temperature="0.5"), r"temperature must be a number")
+    api_error(lambda: llm.generate("hi", top_k=1.5), r"top_k must be an integer")
+    api_error(lambda: llm.generate("ok \udcff"), r"the prompt is not valid UTF-8 text.*byte 0xff")
+    api_error(lambda: llm.generate("hi", stop=[3]), r"stop must be a string or a list of strings")
+
+
+def test_max_context_wording(llm, model_dir):
+    match = r"a context of 600 positions \(max_context, else prompt \+ max_new_tokens\) exceeds the 512"
+    api_error(lambda: llm.generate("hi", max_new_tokens=4, max_context=600), match)
+    cli_error(gen_args(model_dir, "-p", "hi", "-n", 4, "--max-context", 600), match)
+
+
+def test_huge_prompt_tokens_is_refused_by_the_memory_plan(model_dir):
+    match = r"a 99,999,999,999-token prompt needs [\d,.]+ GiB .* but only [\d,.]+ GiB is free on cpu"
+    cli_error(gen_args(model_dir, "--prompt-tokens", 99999999999), match)
+
+
+def test_info_beyond_trained_positions_says_so(model_dir):
+    result = CliRunner().invoke(app, ["info", str(model_dir), "--device", "cpu", "--context", "1024"])
+    assert result.exit_code == 0, result.stderr
+    assert "1,024 tokens exceed the 512 positions the model was trained for" in result.stdout
+    inside = CliRunner().invoke(app, ["info", str(model_dir), "--device", "cpu", "--context", "512"])
+    assert "exceed" not in inside.stdout
+
+
+def test_device_cpu_index_is_the_cpu(llm, model_dir):
+    expected = llm.generate("hi", max_new_tokens=4, temperature=0).token_ids
+    assert (
+        LLM(model_dir, device="cpu:0").generate("hi", max_new_tokens=4, temperature=0).token_ids == expected
+    )
+    args = ["generate", str(model_dir), "--device", "cpu:0", "-p", "hi", "-n", "4", "--temperature", "0"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == expected
+
+
+def test_nan_weights_name_the_first_layer(model_dir, tmp_path):
+    broken = copy(model_dir, tmp_path / "ckpt")
+
+    def poison(t):
+        t["model.layers.1.mlp.down_proj.weight"][0, 0] = math.nan
+
+    edit_tensors(broken, poison)
+    llm = LLM(broken, device="cpu")
+    match = r"NaN/inf logits, first in layer 1 \(model\.layers\.1\.mlp.*\)"
+    api_error(lambda: llm.generate("hi", max_new_tokens=3), match)
+    cli_error(gen_args(broken, "-p", "hi", "-n", 3), match)
+    # the engine is free again after the error
+    api_error(lambda: llm.generate("hi", max_new_tokens=3), match)

@@ -1,12 +1,12 @@
 """Synthetic models: the presets have the published shapes, and a synthetic model runs end to end."""
 
 import pytest
-from minidecode_cli.cli import app
 from typer.testing import CliRunner
 
 import minidecode
 from minidecode.config import RopeConfig
 from minidecode.models import presets
+from minidecode_cli.cli import app
 
 # Parameter counts of the published checkpoints (their model cards / safetensors indexes).
 PUBLISHED = {
