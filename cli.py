@@ -198,53 +198,161 @@ def bench(
         str, typer.Argument(help="Checkpoint folder, hub repo id, or synthetic:NAME")
     ] = "synthetic:llama-3-8b",
     prompt_tokens: Annotated[list[int] | None, typer.Option(help="Prompt length (repeatable)")] = None,
-    new_tokens: Annotated[int, typer.Option(help="Tokens to decode per length")] = 64,
+    new_tokens: Annotated[
+        int, typer.Option(help="Decode steps per timed window (one generation makes 1 + repeats x this)")
+    ] = 64,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            help="Samples per figure: decode windows, and full prefills up to --prefill-repeat-max-tokens"
+        ),
+    ] = 3,
+    prefill_repeat_max_tokens: Annotated[
+        int, typer.Option(help="Longer prompts are prefilled once (n=1)")
+    ] = 32768,
     compare: Annotated[
         str | None, typer.Option(help="Also run this peer in the same process: transformers")
     ] = None,
+    peer: Annotated[
+        str,
+        typer.Option(
+            help="transformers settings to run, comma-separated: eager (sdpa, dynamic cache), "
+            "compiled (static cache + torch.compile; its compile warm-up is reported apart)"
+        ),
+    ] = "eager,compiled",
+    peer_max_tokens: Annotated[
+        int | None, typer.Option(help="Run the peers only on prompts up to this length")
+    ] = None,
+    compiled_max_tokens: Annotated[
+        int | None, typer.Option(help="Run the compiled peer only on prompts up to this length")
+    ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    json_output: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON here")] = None,
+    json_output: Annotated[
+        Path | None, typer.Option("--json", help="Write the results as JSON to this file")
+    ] = None,
+    markdown: Annotated[
+        Path | None, typer.Option(help="Write the results as a markdown page to this file")
+    ] = None,
     plot_file: Annotated[
-        Path | None, typer.Option("--plot", help="Write a PNG plot here (needs matplotlib)")
+        Path | None,
+        typer.Option("--plot", help='Write a PNG plot to this file (pip install "minidecode[bench]")'),
     ] = None,
 ) -> None:
-    """Prefill and decode speed per prompt length, against the bandwidth roofline (and transformers)."""
-    from minidecode import LLM, UserError
-    from minidecode.bench import format_table, plot, run_bench
+    """Prefill and decode speed per prompt length against the read roofline, with the median and
+    range over repeats (and transformers' eager and compiled settings with --compare)."""
+    import importlib.util
+    import shlex
 
     lengths = prompt_tokens or [1024, 131072]
+    outputs = [p for p in (json_output, markdown, plot_file) if p is not None]
+    for path in outputs:
+        check_writable(path)
+    if plot_file is not None and importlib.util.find_spec("matplotlib") is None:
+        fail('--plot needs matplotlib: pip install "minidecode[bench]"')
+    if compare not in (None, "transformers"):
+        fail(f"unknown --compare {compare!r}; only 'transformers' is supported")
+    peers = [p.strip() for p in peer.split(",") if p.strip()] if compare else []
+    command = "minidecode " + shlex.join(sys.argv[1:])
     try:
-        if any(n < 1 for n in lengths):
-            fail("--prompt-tokens must be >= 1")
+        from minidecode import LLM, UserError
+        from minidecode.bench import BenchSettings, run_bench
+
+        settings = BenchSettings(
+            prompt_lengths=lengths,
+            window=new_tokens,
+            repeats=repeats,
+            prefill_repeat_max_tokens=prefill_repeat_max_tokens,
+            peers=peers,
+            peer_max_tokens=peer_max_tokens,
+            compiled_max_tokens=compiled_max_tokens,
+        )
+        settings.validate()
         llm = LLM(model, device=device, dtype=dtype)
         if llm.synthetic:
             typer.echo(f"note: {llm.name} has random weights (speed only)", err=True)
-        rows, bandwidth = run_bench(llm, lengths, new_tokens, compare, log=lambda m: typer.echo(m, err=True))
+        results, ceilings = run_bench(llm, settings, log=lambda m: typer.echo(m, err=True))
     except UserError as e:
         fail(str(e))
-    device_name = torch_device_name(llm.device)
-    typer.echo(
-        f"{llm.name} on {device_name}, {str(llm.dtype)[6:]}, batch 1, "
-        f"prefill attention: SDPA {llm.engine.prefill_backend}"
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    write_bench_results(llm, settings, results, ceilings, command, json_output, markdown, plot_file)
+
+
+def check_writable(path: Path) -> None:
+    """Fail now, before a long run, if `path` cannot be written."""
+    import os
+
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        fail(f"{path} is a directory; give a file name")
+    if not folder.is_dir():
+        fail(f"cannot write {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"cannot write {path}: permission denied")
+
+
+def write_bench_results(llm, settings, results, ceilings, command, json_output, markdown, plot_file) -> None:
+    """The tables on stdout, and the JSON / markdown / plot files, each with device, date, commit,
+    the exact command and the roofline formula."""
+    from minidecode.bench import FORMULA, finite_or_none, format_tables, plot
+
+    about = bench_metadata(llm, command)
+    header = (
+        f"{llm.name} on {about['device']}, {about['dtype']}, batch 1; {about['date']}, "
+        f"commit {about['commit']}; torch {about['torch']}"
     )
-    typer.echo(format_table(rows, bandwidth))
+    tables = format_tables(results, ceilings)
+    typer.echo(header)
+    typer.echo(tables)
     if json_output:
-        json_output.write_text(
-            json.dumps(
-                {
-                    "model": llm.name,
-                    "device": device_name,
-                    "dtype": str(llm.dtype),
-                    "bandwidth_bytes_per_s": bandwidth,
-                    "prefill_backend": llm.engine.prefill_backend,
-                    "rows": [asdict(r) for r in rows],
-                },
-                indent=2,
-            )
+        data = {
+            **about,
+            "formula": FORMULA,
+            "settings": asdict(settings),
+            "read_ceiling_bytes_per_s": ceilings.read_bytes_per_s,
+            "copy_ceiling_bytes_per_s": ceilings.copy_bytes_per_s,
+            "ceiling_buffer_bytes": ceilings.buffer_bytes,
+            "results": [asdict(r) for r in results],
+        }
+        json_output.write_text(json.dumps(finite_or_none(data), indent=2, allow_nan=False) + "\n")
+    if markdown:
+        markdown.write_text(
+            f"# End-to-end benchmark\n\n{header}\n\ncommand: `{command}`\n\nroofline: {FORMULA}\n\n{tables}\n"
         )
     if plot_file:
-        plot(rows, str(plot_file), f"{llm.name} on {device_name}")
+        plot(results, str(plot_file), f"{llm.name} on {about['device']} ({about['date']}, {about['commit']})")
+
+
+def bench_metadata(llm, command: str) -> dict:
+    import datetime
+    import subprocess
+
+    import torch
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        commit += "+changes" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {
+        "model": llm.name,
+        "device": torch_device_name(llm.device),
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "prefill_backend": getattr(llm.engine, "prefill_backend", None),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit,
+        "torch": torch.__version__,
+        "command": command,
+    }
 
 
 def torch_device_name(device) -> str:

@@ -276,6 +276,11 @@ class Engine:
                     torch.cuda.max_memory_allocated(self.device) if cuda else _host_peak_bytes()
                 )
 
+    def release(self) -> None:
+        """Free the KV cache and the captured decode graph; the next request allocates them again."""
+        self.check_idle()
+        self.cache = self._graph = self._graph_key = None
+
     def check_idle(self) -> None:
         if self.busy:
             raise UserError("this model is still generating: finish or close the previous stream first")
