@@ -194,6 +194,7 @@ def info(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: Annotated[
         str, typer.Argument(help="Checkpoint folder, hub repo id, or synthetic:NAME")
     ] = "synthetic:llama-3-8b",
@@ -236,13 +237,12 @@ def bench(
     ] = None,
     plot_file: Annotated[
         Path | None,
-        typer.Option("--plot", help='Write a PNG plot to this file (pip install "minidecode[bench]")'),
+        typer.Option("--plot", help="Write a PNG plot to this file (needs matplotlib: the bench extra)"),
     ] = None,
 ) -> None:
     """Prefill and decode speed per prompt length against the read roofline, with the median and
     range over repeats (and transformers' eager and compiled settings with --compare)."""
     import importlib.util
-    import shlex
 
     lengths = prompt_tokens or [1024, 131072]
     outputs = [p for p in (json_output, markdown, plot_file) if p is not None]
@@ -253,7 +253,7 @@ def bench(
     if compare not in (None, "transformers"):
         fail(f"unknown --compare {compare!r}; only 'transformers' is supported")
     peers = [p.strip() for p in peer.split(",") if p.strip()] if compare else []
-    command = "minidecode " + shlex.join(sys.argv[1:])
+    command = command_line(ctx)
     try:
         from minidecode import LLM, UserError
         from minidecode.bench import BenchSettings, run_bench
@@ -277,6 +277,20 @@ def bench(
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     write_bench_results(llm, settings, results, ceilings, command, json_output, markdown, plot_file)
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The command as it was given (options with their values, defaults left out), for results files."""
+    import shlex
+
+    words = ["minidecode", ctx.info_name or ""]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value == param.default or param.name == "ctx":
+            continue
+        for v in value if isinstance(value, list | tuple) else [value]:
+            words += [str(v)] if param.param_type_name == "argument" else [param.opts[0], str(v)]
+    return shlex.join(words)
 
 
 def check_writable(path: Path) -> None:
