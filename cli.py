@@ -329,57 +329,186 @@ def info(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: Annotated[
         str, typer.Argument(help="Checkpoint folder, hub repo id, or synthetic:NAME")
     ] = "synthetic:llama-3-8b",
     prompt_tokens: Annotated[list[int] | None, typer.Option(help="Prompt length (repeatable)")] = None,
-    new_tokens: Annotated[int, typer.Option(help="Tokens to decode per length")] = 64,
+    new_tokens: Annotated[
+        int, typer.Option(help="Decode steps per timed window (one generation makes 1 + repeats x this)")
+    ] = 64,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            help="Samples per figure: decode windows, and full prefills up to --prefill-repeat-max-tokens"
+        ),
+    ] = 3,
+    prefill_repeat_max_tokens: Annotated[
+        int, typer.Option(help="Longer prompts are prefilled once (n=1)")
+    ] = 32768,
     compare: Annotated[
         str | None, typer.Option(help="Also run this peer in the same process: transformers")
     ] = None,
+    peer: Annotated[
+        str,
+        typer.Option(
+            help="transformers settings to run, comma-separated: eager (sdpa, dynamic cache), "
+            "compiled (static cache + torch.compile; its compile warm-up is reported apart)"
+        ),
+    ] = "eager,compiled",
+    peer_max_tokens: Annotated[
+        int | None, typer.Option(help="Run the peers only on prompts up to this length")
+    ] = None,
+    compiled_max_tokens: Annotated[
+        int | None, typer.Option(help="Run the compiled peer only on prompts up to this length")
+    ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    json_output: Annotated[Path | None, typer.Option("--json", help="Write the rows as JSON here")] = None,
-    plot_file: Annotated[
-        Path | None, typer.Option("--plot", help="Write a PNG plot here (needs matplotlib)")
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print the results as one JSON object on stdout (like generate)")
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Write the results to OUT.json and OUT.md (e.g. --out bench/results/e2e)"),
     ] = None,
+    plot_file: Annotated[
+        bool, typer.Option("--plot", help="Also write OUT.png (needs --out and matplotlib: the bench extra)")
+    ] = False,
 ) -> None:
-    """Prefill and decode speed per prompt length, against the bandwidth roofline (and transformers)."""
-    from minidecode import LLM, UserError
-    from minidecode.bench import format_table, plot, run_bench
+    """Prefill and decode speed per prompt length against the read roofline, with the median and
+    range over repeats (and transformers' eager and compiled settings with --compare)."""
+    import importlib.util
 
     lengths = prompt_tokens or [1024, 131072]
+    if plot_file and out is None:
+        fail("--plot writes OUT.png: give --out too")
+    outputs = [] if out is None else [out.with_name(out.name + s) for s in (".json", ".md", ".png")]
+    for path in outputs[: 3 if plot_file else 2]:
+        check_writable(path)
+    if plot_file and importlib.util.find_spec("matplotlib") is None:
+        fail('--plot needs matplotlib: pip install "minidecode[bench]"')
+    if compare not in (None, "transformers"):
+        fail(f"unknown --compare {compare!r}; only 'transformers' is supported")
+    peers = [p.strip() for p in peer.split(",") if p.strip()] if compare else []
+    command = command_line(ctx)
     try:
-        if any(n < 1 for n in lengths):
-            fail("--prompt-tokens must be >= 1")
+        from minidecode import LLM, UserError
+        from minidecode.bench import BenchSettings, run_bench
+
+        settings = BenchSettings(
+            prompt_lengths=lengths,
+            window=new_tokens,
+            repeats=repeats,
+            prefill_repeat_max_tokens=prefill_repeat_max_tokens,
+            peers=peers,
+            peer_max_tokens=peer_max_tokens,
+            compiled_max_tokens=compiled_max_tokens,
+        )
+        settings.validate()
         llm = LLM(model, device=device, dtype=dtype)
         if llm.synthetic:
             typer.echo(f"note: {llm.name} has random weights (speed only)", err=True)
-        rows, bandwidth = run_bench(llm, lengths, new_tokens, compare, log=lambda m: typer.echo(m, err=True))
+        results, ceilings = run_bench(llm, settings, log=lambda m: typer.echo(m, err=True))
     except UserError as e:
         fail(str(e))
-    device_name = torch_device_name(llm.device)
-    typer.echo(
-        f"{llm.name} on {device_name}, {str(llm.dtype)[6:]}, batch 1, "
-        f"prefill attention: SDPA {llm.engine.prefill_backend}"
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file)
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The command as it was given (options with their values, defaults left out), for results files."""
+    import shlex
+
+    words = ["minidecode", ctx.info_name or ""]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value == param.default or param.name == "ctx":
+            continue
+        for v in value if isinstance(value, list | tuple) else [value]:
+            words += [str(v)] if param.param_type_name == "argument" else [param.opts[0], str(v)]
+    return shlex.join(words)
+
+
+def check_writable(path: Path) -> None:
+    """Fail now, before a long run, if `path` cannot be written."""
+    import os
+
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        fail(f"{path} is a directory; give a file name")
+    if not folder.is_dir():
+        fail(f"cannot write {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"cannot write {path}: permission denied")
+
+
+def write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file) -> None:
+    """The tables on stdout (or, with --json, the JSON object; the tables then go to stderr), and
+    the OUT.json / OUT.md / OUT.png files, each with device, date, commit, the exact command and
+    the roofline formula."""
+    from minidecode.bench import FORMULA, finite_or_none, format_tables, plot
+
+    about = bench_metadata(llm, command)
+    header = (
+        f"{llm.name} on {about['device']}, {about['dtype']}, batch 1; {about['date']}, "
+        f"commit {about['commit']}; torch {about['torch']}"
     )
-    typer.echo(format_table(rows, bandwidth))
+    tables = format_tables(results, ceilings)
+    typer.echo(header, err=json_output)
+    typer.echo(tables, err=json_output)
+    data = {
+            **about,
+            "formula": FORMULA,
+            "settings": asdict(settings),
+            "read_ceiling_bytes_per_s": ceilings.read_bytes_per_s,
+            "copy_ceiling_bytes_per_s": ceilings.copy_bytes_per_s,
+            "ceiling_buffer_bytes": ceilings.buffer_bytes,
+        "results": [asdict(r) for r in results],
+    }
+    text = json.dumps(finite_or_none(data), indent=2, allow_nan=False)
     if json_output:
-        json_output.write_text(
-            json.dumps(
-                {
-                    "model": llm.name,
-                    "device": device_name,
-                    "dtype": str(llm.dtype),
-                    "bandwidth_bytes_per_s": bandwidth,
-                    "prefill_backend": llm.engine.prefill_backend,
-                    "rows": [asdict(r) for r in rows],
-                },
-                indent=2,
-            )
+        typer.echo(text)
+    if outputs:
+        json_path, markdown_path, plot_path = outputs
+        json_path.write_text(text + "\n")
+        markdown_path.write_text(
+            f"# End-to-end benchmark\n\n{header}\n\ncommand: `{command}`\n\nroofline: {FORMULA}\n\n{tables}\n"
         )
-    if plot_file:
-        plot(rows, str(plot_file), f"{llm.name} on {device_name}")
+        if plot_file:
+            title = f"{llm.name} on {about['device']} ({about['date']}, {about['commit']})"
+            plot(results, str(plot_path), title)
+
+
+def bench_metadata(llm, command: str) -> dict:
+    import datetime
+    import subprocess
+
+    import torch
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        commit += "+changes" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {
+        "model": llm.name,
+        "device": torch_device_name(llm.device),
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "prefill_backend": getattr(llm.engine, "prefill_backend", None),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit,
+        "torch": torch.__version__,
+        "command": command,
+    }
 
 
 def torch_device_name(device) -> str:

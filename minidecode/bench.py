@@ -1,187 +1,422 @@
 """End-to-end benchmark: prefill and decode speed per prompt length, against the memory-bandwidth
 roofline and (optionally) Hugging Face transformers' `generate`, measured in the same process.
 
-Roofline: a decode step must read every weight and the whole KV cache once, so the fastest
-possible step is (weight bytes + KV bytes) / bandwidth, with the bandwidth measured in the same
-run (a device-to-device copy, counting bytes read and written).
+Method (the results files repeat it):
+- Decode: one generation per prompt length yields 1 + repeats x window tokens. The first token
+  comes from prefill and is excluded; the rest are cut into `repeats` consecutive windows of
+  `window` steps, each timed from the host timestamps of the tokens as they are yielded. Each
+  window's roofline is taken at its own mean context.
+- Prefill: `repeats` full requests where the prompt is at most `prefill_repeat_max_tokens` long,
+  one sample beyond (every figure carries its n).
+- Peers (transformers, sharing our weight tensors): eager (SDPA, dynamic cache) and static cache
+  + torch.compile; same prompt, an all-ones attention mask, a pad id that is not in the prompt,
+  a warm-up first; the compiled peer's warm-up (compilation) time is reported on its own.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import math
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .config import ModelConfig
+from .engine import GenerationStats, Request
 from .errors import UserError
 from .llm import LLM
 
+FORMULA = (
+    "bytes per decode step = (all weights - embedding table + one embedding row) * dtype bytes "
+    "[tied lm_head: all weights, the table counted once, as lm_head] "
+    "+ KV bytes per token * context (the step's attention length); "
+    "roofline tok/s = read ceiling / bytes per step"
+)
+PEERS = {
+    "eager": "transformers eager (sdpa, dynamic cache)",
+    "compiled": "transformers static cache + torch.compile",
+}
+
+
+# ---- what a decode step reads --------------------------------------------------------------------
+@dataclass
+class StepBytes:
+    weights: int  # read by every step, whatever the context
+    kv_per_token: int  # K and V of one position, all layers
+
+    def at(self, context: float) -> float:
+        """Bytes one decode step reads when its attention spans `context` positions."""
+        return self.weights + self.kv_per_token * context
+
+
+def step_bytes(cfg: ModelConfig, dtype_bytes: int) -> StepBytes:
+    """The roofline's byte count (FORMULA): a step reads one row of the embedding table, not all
+    of it; a tied lm_head reads the whole table, which then counts once."""
+    table = cfg.vocab_size * cfg.hidden_size
+    params = cfg.num_parameters()
+    if not cfg.tie_word_embeddings:
+        params += cfg.hidden_size - table
+    return StepBytes(params * dtype_bytes, cfg.kv_bytes_per_token(dtype_bytes))
+
+
+def window_contexts(prompt_tokens: int, window: int, count: int) -> list[float]:
+    """Mean attention length of each decode window. The step that makes new token k (k = 1, 2,
+    ...; token 0 comes from prefill) attends over prompt_tokens + k positions; window r holds
+    tokens r * window + 1 ... (r + 1) * window."""
+    return [prompt_tokens + r * window + (window + 1) / 2 for r in range(count)]
+
+
+def window_rates(token_times: list[float], window: int) -> list[float]:
+    """Decode tokens/s of each full window. token_times[0] is when the first token (from prefill)
+    arrived; it only starts the first window's clock."""
+    count = (len(token_times) - 1) // window
+    return [window / (token_times[(r + 1) * window] - token_times[r * window]) for r in range(count)]
+
+
+# ---- statistics ------------------------------------------------------------------------------------
+@dataclass
+class Spread:
+    """Median and range of n samples."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        if not values:
+            raise ValueError("no samples")
+        return cls(statistics.median(values), min(values), max(values), len(values))
+
+    def format(self, digits: int = 1) -> str:
+        text = f"{self.median:,.{digits}f}"
+        if self.n > 1:
+            text += f" ({self.low:,.{digits}f}-{self.high:,.{digits}f})"
+        return text + f" n={self.n}"
+
+
+# ---- ceilings ----------------------------------------------------------------------------------------
+@dataclass
+class Ceilings:
+    read_bytes_per_s: float  # a read-only reduction: the decode step's ceiling
+    copy_bytes_per_s: float  # a device copy, read + write counted (for reference)
+    buffer_bytes: int
+
+
+def measure_ceilings(device: torch.device, gib: float = 2.0, repeats: int = 8) -> Ceilings:
+    """Best of `repeats` of a sum over a `gib` GiB float32 buffer (bytes read) and of a copy of it
+    (bytes read + written), measured now on `device`. float32: a bf16 sum is compute-bound on CPUs."""
+    n = int(gib * 2**30) // 4
+    a = torch.ones(n, device=device, dtype=torch.float32)
+    b = torch.empty_like(a)
+    read = 4 * n / _best_seconds(lambda: a.sum(), device, repeats)
+    copy = 8 * n / _best_seconds(lambda: b.copy_(a), device, repeats)
+    return Ceilings(read, copy, 4 * n)
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+def special_token_ids(llm: LLM) -> set[int]:
+    """bos / eos / pad ids of the config and generation config, and the tokenizer's special tokens."""
+    cfg = llm.config
+    ids = set(llm.eos_ids) | set(cfg.eos_token_ids) | {cfg.bos_token_id}
+    for name in ("config.json", "generation_config.json"):  # pad ids live only in these files
+        path = None if llm.model_dir is None else llm.model_dir / name
+        if path is not None and path.exists():
+            ids.add(json.loads(path.read_text()).get("pad_token_id"))
+    backend = getattr(llm.tokenizer, "backend", None)  # a tokenizers.Tokenizer (real checkpoints)
+    if backend is not None:
+        ids |= {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+    return {i for i in ids if isinstance(i, int) and 0 <= i < cfg.vocab_size}
+
+
+def pad_id_for(special: set[int]) -> int:
+    """The peer's pad_token_id: a special id (never drawn into a prompt), or 0, kept out of prompts."""
+    return min(special) if special else 0
+
+
+def benchmark_prompt(vocab_size: int, length: int, seed: int, excluded: set[int]) -> list[int]:
+    """`length` random ids, uniform over the vocabulary minus `excluded` (special and pad ids:
+    transformers builds a full attention mask for a prompt that contains its pad id)."""
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    allowed[sorted(excluded)] = False
+    pool = allowed.nonzero()[:, 0]
+    generator = torch.Generator().manual_seed(seed)
+    return pool[torch.randint(0, len(pool), (length,), generator=generator)].tolist()
+
+
+# ---- results ---------------------------------------------------------------------------------------
+@dataclass
+class PeerResult:
+    peer: str  # a PEERS key
+    version: str
+    prefill_seconds: Spread | None = None
+    decode_tokens_per_s: Spread | None = None
+    compile_warmup_seconds: float | None = None  # compiled peer: warm-up incl. compilation
+    peak_memory_gib: float | None = None
+    error: str | None = None  # "out of memory (tried to allocate 14.00 GiB)", ...
+
+    def summary(self) -> str:
+        if self.error:
+            return self.error
+        text = f"prefill {self.prefill_seconds.format(2)} s, decode {self.decode_tokens_per_s.format()} tok/s"
+        if self.compile_warmup_seconds is not None:
+            text += f", warm-up incl. compile {self.compile_warmup_seconds:.0f} s"
+        return text
+
 
 @dataclass
-class BenchRow:
+class LengthResult:
     prompt_tokens: int
-    new_tokens: int
-    prefill_seconds: float
-    prefill_tokens_per_s: float
-    time_to_first_token: float
-    decode_tokens_per_s: float
-    step_ms: float
-    bytes_per_step: int  # weights + KV at the mean decode context
-    achieved_gb_per_s: float
-    roofline_tokens_per_s: float
-    percent_of_roofline: float
-    peak_memory_gib: float
-    peer: str | None = None  # "transformers <version>" when compared
-    peer_prefill_seconds: float | None = None
-    peer_decode_tokens_per_s: float | None = None
-    peer_error: str | None = None
-    decode_speedup: float | None = None  # ours / peer, same run
-    prefill_speedup: float | None = None
+    window: int
+    prefill_seconds: Spread
+    decode_tokens_per_s: Spread
+    window_mean_contexts: list[float]
+    bytes_per_step: Spread
+    achieved_gb_per_s: Spread
+    roofline_tokens_per_s: Spread
+    percent_of_read_ceiling: Spread
+    peak_memory_gib: float | None
+    peers: list[PeerResult] = field(default_factory=list)
 
 
-def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted): the practical ceiling."""
-    if device.type != "cuda":
-        return float("nan")
-    n = int(gib * 2**30) // 2
-    a = torch.randn(n, device=device, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
+@dataclass
+class BenchSettings:
+    prompt_lengths: list[int]
+    window: int = 64  # decode steps per timed window (--new-tokens)
+    repeats: int = 3
+    prefill_repeat_max_tokens: int = 32768
+    peers: list[str] = field(default_factory=list)
+    peer_max_tokens: int | None = None  # every peer: only prompts up to this length
+    compiled_max_tokens: int | None = None  # the compiled peer: only up to this length
+    ceiling_gib: float = 2.0
+
+    def validate(self) -> None:
+        if not self.prompt_lengths or any(n < 1 for n in self.prompt_lengths):
+            raise UserError("--prompt-tokens must be >= 1")
+        if self.window < 2:
+            raise UserError("bench needs --new-tokens >= 2 to time decode")
+        if self.repeats < 1:
+            raise UserError("--repeats must be >= 1")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise UserError(f"unknown peer {unknown[0]!r}; known: {', '.join(PEERS)}")
+
+    def peer_runs(self, peer: str, length: int) -> bool:
+        limit = self.peer_max_tokens
+        if peer == "compiled" and self.compiled_max_tokens is not None:
+            limit = self.compiled_max_tokens if limit is None else min(limit, self.compiled_max_tokens)
+        return limit is None or length <= limit
+
+
+# ---- minidecode --------------------------------------------------------------------------------
+def timed_generation(
+    llm: LLM, ids: list[int], new_tokens: int, max_context: int
+) -> tuple[GenerationStats, list[float]]:
+    """Greedy generation of exactly new_tokens (eos ignored): its stats and the host time at which
+    each token was yielded."""
     times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * n * 2 / statistics.median(times[2:])
+    request = Request(
+        prompt_ids=ids,
+        params=llm.sampling_params(0, None, None, None),
+        max_new_tokens=new_tokens,
+        max_context=max_context,
+        ignore_eos=True,
+        allow_extrapolation=True,
+    )
+    generation = llm.engine.generate(request)
+    with closing(generation.tokens) as tokens:
+        for _ in tokens:
+            times.append(time.perf_counter())
+    return generation.stats, times
 
 
 def run_bench(
-    llm: LLM, prompt_lengths: list[int], new_tokens: int = 64, compare: str | None = None, log=print
-) -> tuple[list[BenchRow], float]:
-    """Benchmark `llm` at each prompt length; returns the rows and the measured bandwidth."""
-    if new_tokens < 2:
-        raise UserError("bench needs --new-tokens >= 2 to time decode")
-    if compare not in (None, "transformers"):
-        raise UserError(f"unknown --compare {compare!r}; only 'transformers' is supported")
-    bandwidth = copy_bandwidth(llm.device)
-    cfg = llm.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
-    kv_per_token = cfg.kv_bytes_per_token(llm.dtype.itemsize)
-    # One cache for the longest request, allocated and graph-captured during warm-up, so every
-    # measured length replays the same graph.
-    max_context = max(prompt_lengths) + new_tokens
-    llm.generate(
-        token_ids=llm.random_prompt(min(prompt_lengths), seed=1),
-        max_new_tokens=min(8, new_tokens),
-        temperature=0,
-        max_context=max_context,
-        allow_extrapolation=True,
+    llm: LLM, settings: BenchSettings, log: Callable[[str], None] = print
+) -> tuple[list[LengthResult], Ceilings]:
+    """Benchmark `llm` (and the peers) at each prompt length; returns the results and the ceilings."""
+    settings.validate()
+    transformers = _import_transformers() if settings.peers else None
+    ceilings = measure_ceilings(llm.device, settings.ceiling_gib if llm.device.type == "cuda" else 0.25)
+    log(
+        f"read ceiling {ceilings.read_bytes_per_s / 1e9:,.0f} GB/s, "
+        f"copy {ceilings.copy_bytes_per_s / 1e9:,.0f} GB/s (read + write)"
     )
-    rows = []
-    for length in prompt_lengths:
-        result = llm.generate(
-            token_ids=llm.random_prompt(length, seed=length),
-            max_new_tokens=new_tokens,
-            temperature=0,
-            max_context=max_context,
-            allow_extrapolation=True,
-        )
-        st = result.stats
-        mean_context = length + new_tokens / 2
-        step_bytes = int(weight_bytes + kv_per_token * mean_context)
-        step_s = 1 / st.decode_tokens_per_s if st.decode_tokens_per_s else float("nan")
-        roofline = bandwidth / step_bytes
-        rows.append(
-            BenchRow(
+    per_step = step_bytes(llm.config, llm.dtype.itemsize)
+    special = special_token_ids(llm)
+    pad_id = pad_id_for(special)
+    excluded = special | {pad_id}
+    window, repeats = settings.window, settings.repeats
+    new_tokens = 1 + repeats * window
+    # One cache for the longest request, allocated and graph-captured by the warm-up, so every
+    # measured length replays the same graph.
+    max_context = max(settings.prompt_lengths) + new_tokens
+    warm_ids = benchmark_prompt(llm.config.vocab_size, min(settings.prompt_lengths), 1, excluded)
+    timed_generation(llm, warm_ids, min(8, new_tokens), max_context)
+    results = []
+    for length in settings.prompt_lengths:
+        ids = benchmark_prompt(llm.config.vocab_size, length, length, excluded)
+        stats, times = timed_generation(llm, ids, new_tokens, max_context)
+        prefill = [stats.prefill_seconds]
+        if length <= settings.prefill_repeat_max_tokens:
+            prefill += [
+                timed_generation(llm, ids, 1, max_context)[0].prefill_seconds for _ in range(repeats - 1)
+            ]
+        rates = window_rates(times, window)
+        step = [per_step.at(c) for c in window_contexts(length, window, repeats)]
+        roofline = [ceilings.read_bytes_per_s / b for b in step]
+        peak = stats.peak_memory_bytes / 2**30 if llm.device.type == "cuda" else None
+        results.append(
+            LengthResult(
                 prompt_tokens=length,
-                new_tokens=st.new_tokens,
-                prefill_seconds=st.prefill_seconds,
-                prefill_tokens_per_s=st.prefill_tokens_per_s,
-                time_to_first_token=st.time_to_first_token,
-                decode_tokens_per_s=st.decode_tokens_per_s,
-                step_ms=step_s * 1e3,
-                bytes_per_step=step_bytes,
-                achieved_gb_per_s=step_bytes / step_s / 1e9,
-                roofline_tokens_per_s=roofline,
-                percent_of_roofline=100 * st.decode_tokens_per_s / roofline,
-                peak_memory_gib=st.peak_memory_bytes / 2**30,
+                window=window,
+                prefill_seconds=Spread.of(prefill),
+                decode_tokens_per_s=Spread.of(rates),
+                window_mean_contexts=window_contexts(length, window, repeats),
+                bytes_per_step=Spread.of(step),
+                achieved_gb_per_s=Spread.of([b * r / 1e9 for b, r in zip(step, rates, strict=True)]),
+                roofline_tokens_per_s=Spread.of(roofline),
+                percent_of_read_ceiling=Spread.of(
+                    [100 * r / f for r, f in zip(rates, roofline, strict=True)]
+                ),
+                peak_memory_gib=peak,
             )
         )
+        r = results[-1]
         log(
-            f"minidecode {length:>8,} tok: prefill {st.prefill_seconds:7.2f} s, "
-            f"decode {st.decode_tokens_per_s:6.1f} tok/s "
-            f"({rows[-1].percent_of_roofline:.0f}% of roofline {roofline:.0f})"
+            f"minidecode {length:>9,} tok: prefill {r.prefill_seconds.format(2)} s, "
+            f"decode {r.decode_tokens_per_s.format()} tok/s, {r.percent_of_read_ceiling.median:.0f}% of "
+            f"the read roofline ({r.roofline_tokens_per_s.median:.0f} tok/s)"
         )
-    if compare == "transformers":
-        llm.engine.cache = None  # give the peer the memory
-        llm.engine._graph = llm.engine._graph_key = None
-        gc.collect()
-        torch.cuda.empty_cache() if llm.device.type == "cuda" else None
-        _compare_transformers(llm, rows, new_tokens, log)
-    return rows, bandwidth
+    if transformers is not None:
+        llm.engine.release()  # give the peer the memory
+        _free(llm.device)
+        model = transformers_peer(llm)
+        for peer in settings.peers:
+            lengths = [r for r in results if settings.peer_runs(peer, r.prompt_tokens)]
+            if peer == "eager" and lengths:  # one short request first: allocator, kernels, cuBLAS
+                warm = torch.tensor([warm_ids], device=llm.device)
+                peer_generation(model, warm, 8, pad_id)
+            for r in lengths:
+                prompt = benchmark_prompt(llm.config.vocab_size, r.prompt_tokens, r.prompt_tokens, excluded)
+                ids = torch.tensor([prompt], device=llm.device)  # the same prompt minidecode saw
+                result = _run_peer(model, peer, ids, settings, pad_id)
+                result.version = transformers.__version__
+                r.peers.append(result)
+                log(f"{PEERS[peer]} {r.prompt_tokens:>9,} tok: {result.summary()}")
+                del ids
+                _free(llm.device)
+    return results, ceilings
 
 
-def _compare_transformers(llm: LLM, rows: list[BenchRow], new_tokens: int, log) -> None:
+# ---- transformers -----------------------------------------------------------------------------
+def _import_transformers():
     try:
         import transformers
     except ImportError:
-        raise UserError("--compare transformers needs the transformers package") from None
-    model = transformers_peer(llm)
-    peer = f"transformers {transformers.__version__}"
-    for row in rows:
-        row.peer = peer
-        ids = torch.tensor([llm.random_prompt(row.prompt_tokens, seed=row.prompt_tokens)], device=llm.device)
-        clock = _TokenClock()
-        try:
-            start = time.perf_counter()
-            with torch.inference_mode():
-                model.generate(
-                    ids,
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    do_sample=False,
-                    streamer=clock,
-                    pad_token_id=0,
-                )
-            if llm.device.type == "cuda":
-                torch.cuda.synchronize()
-            first, last = clock.times[1], clock.times[-1]  # times[0] is the prompt itself
-            row.peer_prefill_seconds = first - start
-            row.peer_decode_tokens_per_s = (len(clock.times) - 2) / (last - first)
-            row.decode_speedup = row.decode_tokens_per_s / row.peer_decode_tokens_per_s
-            row.prefill_speedup = row.peer_prefill_seconds / row.prefill_seconds
-            log(
-                f"{peer} {row.prompt_tokens:>8,} tok: prefill {row.peer_prefill_seconds:7.2f} s, "
-                f"decode {row.peer_decode_tokens_per_s:6.1f} tok/s"
-            )
-        except torch.OutOfMemoryError as e:
-            asked = re.search(r"Tried to allocate [\d.]+ \w+", str(e))
-            row.peer_error = "out of memory" + (f" ({asked.group(0).lower()})" if asked else "")
-            log(f"{peer} {row.prompt_tokens:>8,} tok: {row.peer_error}")
-        finally:
-            del ids
-            gc.collect()
-            if llm.device.type == "cuda":
-                torch.cuda.empty_cache()
+        raise UserError(
+            "--compare transformers needs the transformers package (pip install transformers)"
+        ) from None
+    return transformers
 
 
-class _TokenClock:
-    """A transformers streamer that only notes when each token arrives (first put: the prompt)."""
+class TokenClock:
+    """A transformers streamer that notes when each put arrives (the first put is the prompt)."""
 
-    def __init__(self):
-        self.times: list[float] = []
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
 
     def put(self, value) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
         pass
+
+
+def peer_generation(
+    model, ids: torch.Tensor, new_tokens: int, pad_id: int, static: bool = False
+) -> tuple[float, list[float]]:
+    """transformers' greedy generate of exactly new_tokens after `ids` [1, T] (no pad id in it):
+    (seconds to the first new token, host times of the new tokens)."""
+    clock = TokenClock(ids.device)
+    extra = {"cache_implementation": "static"} if static else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),  # all ones: transformers takes SDPA's causal path
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            streamer=clock,
+            **extra,
+        )
+    new = clock.times[1:]
+    return new[0] - start, new
+
+
+def _run_peer(model, peer: str, ids: torch.Tensor, settings: BenchSettings, pad_id: int) -> PeerResult:
+    result = PeerResult(peer, "")
+    device, length = ids.device, ids.shape[1]
+    new_tokens = 1 + settings.repeats * settings.window
+    static = peer == "compiled"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        if static:  # the first calls compile the decode step for this cache size: timed apart
+            t0 = time.perf_counter()
+            for _ in range(2):
+                peer_generation(model, ids, new_tokens, pad_id, static=True)
+            result.compile_warmup_seconds = time.perf_counter() - t0
+        first, times = peer_generation(model, ids, new_tokens, pad_id, static=static)
+        prefill = [first]
+        if not static and length <= settings.prefill_repeat_max_tokens:
+            prefill += [peer_generation(model, ids, 1, pad_id)[0] for _ in range(settings.repeats - 1)]
+        result.prefill_seconds = Spread.of(prefill)
+        result.decode_tokens_per_s = Spread.of(window_rates(times, settings.window))
+    except torch.OutOfMemoryError as e:
+        result.error = out_of_memory_message(e)
+    if device.type == "cuda":
+        result.peak_memory_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    return result
+
+
+def out_of_memory_message(error: BaseException) -> str:
+    asked = re.search(r"Tried to allocate [\d.]+ \w+", str(error))
+    return "out of memory" + (f" ({asked.group(0).lower()})" if asked else "")
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def hf_config(llm: LLM):
@@ -229,56 +464,91 @@ def transformers_peer(llm: LLM):
     return model.eval()
 
 
-def format_table(rows: list[BenchRow], bandwidth: float) -> str:
-    head = (
-        "| prompt | prefill s | prefill tok/s | TTFT s | decode tok/s | roofline tok/s | % roofline "
-        "| GB/s | peak GiB |"
-    )
-    lines = [head, "|" + " --- |" * 9]
-    for r in rows:
+# ---- output --------------------------------------------------------------------------------------
+def finite_or_none(value):
+    """`value` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def format_tables(results: list[LengthResult], ceilings: Ceilings) -> str:
+    """Markdown tables: minidecode against the roofline, then each peer with the speedups."""
+    lines = [
+        "| prompt | prefill s | decode tok/s | read roofline tok/s | % of read ceiling | GB/s | peak GiB |",
+        "|" + " --- |" * 7,
+    ]
+    for r in results:
+        peak = "-" if r.peak_memory_gib is None else f"{r.peak_memory_gib:.1f}"
         lines.append(
-            f"| {r.prompt_tokens:,} | {r.prefill_seconds:.2f} | {r.prefill_tokens_per_s:,.0f} | "
-            f"{r.time_to_first_token:.2f} | {r.decode_tokens_per_s:.1f} | {r.roofline_tokens_per_s:.0f} | "
-            f"{r.percent_of_roofline:.0f}% | {r.achieved_gb_per_s:.0f} | {r.peak_memory_gib:.1f} |"
+            f"| {r.prompt_tokens:,} | {r.prefill_seconds.format(2)} | {r.decode_tokens_per_s.format()} | "
+            f"{r.roofline_tokens_per_s.median:,.0f} | {r.percent_of_read_ceiling.format(0)} | "
+            f"{r.achieved_gb_per_s.median:,.0f} | {peak} |"
         )
-    if any(r.peer for r in rows):
+    for peer, title in PEERS.items():
+        rows = [(r, p) for r in results for p in r.peers if p.peer == peer]
+        if not rows:
+            continue
         lines += [
             "",
-            f"| prompt | {rows[0].peer} prefill s | decode tok/s | decode speedup | prefill speedup |",
-            "|" + " --- |" * 5,
+            f"| prompt | {title} {rows[0][1].version}: prefill s | decode tok/s | compile warm-up s "
+            "| decode speedup | prefill speedup |",
+            "|" + " --- |" * 6,
         ]
-        for r in rows:
-            if r.peer_error:
-                lines.append(f"| {r.prompt_tokens:,} | {r.peer_error} | - | - | - |")
-            else:
-                lines.append(
-                    f"| {r.prompt_tokens:,} | {r.peer_prefill_seconds:.2f} | "
-                    f"{r.peer_decode_tokens_per_s:.1f} | {r.decode_speedup:.1f}x | {r.prefill_speedup:.1f}x |"
-                )
-    lines.append("")
-    lines.append(f"bandwidth ceiling (device copy, measured in this run): {bandwidth / 1e12:.2f} TB/s")
+        for r, p in rows:
+            if p.error:
+                lines.append(f"| {r.prompt_tokens:,} | {p.error} | - | - | - | - |")
+                continue
+            warm = "-" if p.compile_warmup_seconds is None else f"{p.compile_warmup_seconds:.0f}"
+            lines.append(
+                f"| {r.prompt_tokens:,} | {p.prefill_seconds.format(2)} | {p.decode_tokens_per_s.format()} | "
+                f"{warm} | {r.decode_tokens_per_s.median / p.decode_tokens_per_s.median:.2f}x | "
+                f"{p.prefill_seconds.median / r.prefill_seconds.median:.2f}x |"
+            )
+    lines += [
+        "",
+        f"read ceiling (sum over {ceilings.buffer_bytes / 2**30:.2f} GiB, best of several, this run): "
+        f"{ceilings.read_bytes_per_s / 1e9:,.0f} GB/s; copy (read + write): "
+        f"{ceilings.copy_bytes_per_s / 1e9:,.0f} GB/s",
+        "figures: median (min-max) n=samples; speedups are ratios of medians",
+    ]
     return "\n".join(lines)
 
 
-def plot(rows: list[BenchRow], path: str, title: str) -> None:
-    """Decode tokens/s and the roofline vs context (matplotlib, imported only here)."""
+def plot(results: list[LengthResult], path: str, title: str) -> None:
+    """Decode tokens/s (median, min-max bars) and the read roofline vs context."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [r.prompt_tokens for r in rows]
+    def bars(spreads):
+        return [[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]]
+
+    x = [r.prompt_tokens for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(x, [r.roofline_tokens_per_s for r in rows], "k--", label="roofline (bandwidth)")
-    ax.plot(x, [r.decode_tokens_per_s for r in rows], "o-", label="minidecode")
-    peer = [(r.prompt_tokens, r.peer_decode_tokens_per_s) for r in rows if r.peer_decode_tokens_per_s]
-    if peer:
-        ax.plot(*zip(*peer, strict=True), "s-", label=rows[0].peer)
+    ax.plot(x, [r.roofline_tokens_per_s.median for r in results], "k--", label="read roofline")
+    ours = [r.decode_tokens_per_s for r in results]
+    ax.errorbar(x, [s.median for s in ours], yerr=bars(ours), fmt="o-", capsize=3, label="minidecode")
+    for peer, title_ in PEERS.items():
+        points = [
+            (r.prompt_tokens, p.decode_tokens_per_s) for r in results for p in r.peers if p.peer == peer
+        ]
+        points = [(n, s) for n, s in points if s is not None]
+        if points:
+            xs, spreads = zip(*points, strict=True)
+            ax.errorbar(
+                xs, [s.median for s in spreads], yerr=bars(spreads), fmt="s-", capsize=3, label=title_
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode tokens/s (batch 1)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -65,6 +65,22 @@ def test_linear_residual(dtype, B, N, K, bias):
     assert (out.double() - (residual.double() + proj.double())).abs().max() <= bound
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("triton", [False, True])
+def test_linear_residual_rounds_like_transformers(dtype, triton):
+    """transformers computes `h + proj(x)`: the projection is rounded to the model dtype, then the
+    sum is (two roundings). One fp32 add rounded once differs in many elements."""
+    torch.manual_seed(5)
+    B, N, K = 3, 48, 520
+    x = torch.randn(B, K, dtype=dtype, device=DEVICE)
+    w = torch.randn(N, K, dtype=dtype, device=DEVICE) / K**0.5
+    residual = torch.randn(B, N, dtype=dtype, device=DEVICE) * 8
+    proj = linear(x, w, None, triton=triton)  # [B, N], rounded to dtype
+    out = residual.clone()
+    linear_residual(x, w, None, out, triton=triton)
+    assert torch.equal(out, residual + proj)
+
+
 def test_gemv_rejects_too_many_rows_and_falls_back():
     x = torch.randn(17, 32, device=DEVICE)
     w = torch.randn(16, 32, device=DEVICE)

@@ -1,0 +1,201 @@
+"""The benchmark's arithmetic and its transformers peer (CPU): the bytes a decode step reads, the
+decode windows, the prompts the peer sees, and the command's checks before it runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from minidecode import LLM
+from minidecode.bench import (
+    BenchSettings,
+    Spread,
+    benchmark_prompt,
+    finite_or_none,
+    pad_id_for,
+    peer_generation,
+    special_token_ids,
+    step_bytes,
+    timed_generation,
+    transformers_peer,
+    window_contexts,
+    window_rates,
+)
+from minidecode.models.presets import preset_config
+from minidecode_cli.cli import app
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def load(model_dir) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32")
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+def test_step_bytes_read_one_embedding_row_and_a_tied_table_once(checkpoint_factory, family):
+    llm = load(checkpoint_factory(family, "default"))
+    named = dict(llm.model.named_parameters())  # a tied lm_head is the embedding itself: listed once
+    hidden = llm.config.hidden_size
+    if family == "llama-tied":
+        assert "lm_head.weight" not in named
+        expected = sum(p.numel() for p in named.values())  # the whole table, as lm_head
+    else:
+        expected = sum(p.numel() for n, p in named.items() if n != EMBEDDING) + hidden  # one row
+    got = step_bytes(llm.config, 4)
+    assert got.weights == 4 * expected
+    cfg = llm.config
+    assert got.kv_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def test_step_bytes_of_llama_3_8b():
+    # Llama-3-8B has 8,030,261,248 parameters; its 128,256 x 4,096 embedding table is read one row
+    # per step, its (untied) lm_head whole. KV: 32 layers x 8 heads x 128 x (K, V) x 2 bytes.
+    got = step_bytes(preset_config("llama-3-8b"), 2)
+    assert got.weights == (8_030_261_248 - 128_256 * 4096 + 4096) * 2
+    assert got.kv_per_token == 128 * 1024
+
+
+def test_window_mean_context_and_its_kv_bytes():
+    # Prompt 100: new token k (k >= 1) is made by a step attending over 100 + k positions.
+    assert window_contexts(100, 4, 2) == [102.5, 106.5]
+    per_step = step_bytes(preset_config("llama-3-8b"), 2)
+    window_bytes = sum(per_step.weights + per_step.kv_per_token * (100 + k) for k in range(5, 9)) / 4
+    assert per_step.at(window_contexts(100, 4, 2)[1]) == window_bytes
+
+
+def test_decode_rate_excludes_the_first_token():
+    # The first token arrives after a 10 s prefill; then one token every 0.1 s.
+    times = [10.0 + 0.1 * i for i in range(9)]
+    assert window_rates(times, 4) == pytest.approx([10.0, 10.0])
+    assert window_rates(times[:8], 4) == pytest.approx([10.0])  # a partial window is not counted
+
+
+def test_timed_generation_makes_every_token(tiny_llama):
+    llm = load(tiny_llama)
+    ids = benchmark_prompt(llm.config.vocab_size, 30, 0, special_token_ids(llm))
+    stats, times = timed_generation(llm, ids, 9, 64)
+    assert len(times) == stats.new_tokens == 9 and times == sorted(times)
+
+
+def test_spread_median_and_range():
+    s = Spread.of([3.0, 1.0, 2.0, 10.0])
+    assert (s.median, s.low, s.high, s.n) == (2.5, 1.0, 10.0, 4)
+    assert Spread.of([4.0]).format() == "4.0 n=1"
+
+
+def test_prompt_has_no_special_or_pad_ids(tiny_llama, hf):
+    llm = load(tiny_llama)
+    tok = hf.tokenizer(tiny_llama)
+    special = set(tok.all_special_ids) | {t for t, a in tok.added_tokens_decoder.items() if a.special}
+    assert special and special <= special_token_ids(llm)
+    pad = pad_id_for(special_token_ids(llm))
+    ids = benchmark_prompt(llm.config.vocab_size, 20_000, 5, special_token_ids(llm) | {pad})
+    assert not (set(ids) & (special | {pad}))
+    assert set(ids) == set(range(llm.config.vocab_size)) - special - {pad}  # every other id drawn
+
+
+def _sdpa_calls(monkeypatch) -> list[dict]:
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append({"mask": attn_mask, "causal": is_causal, "q_len": q.shape[-2]})
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("old_method", [False, True])
+def test_peer_sees_no_mask(tiny_llama, monkeypatch, old_method):
+    llm = load(tiny_llama)
+    special = special_token_ids(llm)
+    pad = pad_id_for(special)
+    prompt = benchmark_prompt(llm.config.vocab_size, 40, 3, special | {pad})
+    model = transformers_peer(llm)
+    calls = _sdpa_calls(monkeypatch)
+    if old_method:  # the spy's control: a prompt holding the pad id, no mask given -> a masked SDPA
+        prompt[7] = pad
+        with torch.inference_mode():
+            model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, pad_token_id=pad)
+    else:
+        peer_generation(model, torch.tensor([prompt]), 3, pad)
+    assert calls and calls[0]["q_len"] == 40
+    masked = [c for c in calls if c["mask"] is not None]
+    if old_method:
+        assert masked
+    else:
+        assert not masked and calls[0]["causal"]
+
+
+def test_json_has_no_nan():
+    data = finite_or_none({"a": math.nan, "b": [math.inf, 1.5, {"c": -math.inf}], "d": "x"})
+    assert data == {"a": None, "b": [None, 1.5, {"c": None}], "d": "x"}
+    json.dumps(data, allow_nan=False)
+
+
+def test_bench_on_cpu_writes_strict_json(tiny_llama, tmp_path):
+    out = tmp_path / "e2e"
+    result = invoke(
+        "bench", tiny_llama, "--prompt-tokens", 20, "--new-tokens", 3, "--repeats", 2, "--out", out, "--json"
+    )
+    assert result.exit_code == 0, result.output
+    assert "nan" not in result.output.lower()
+
+    def refuse(name):
+        raise AssertionError(f"{name} in the JSON")
+
+    data = json.loads(out.with_suffix(".json").read_text(), parse_constant=refuse)
+    assert "| prompt" in out.with_suffix(".md").read_text()
+    assert json.loads(result.stdout, parse_constant=refuse) == data  # --json: the same object on stdout
+    assert data["dtype"] == "float32" and data["device"] == "CPU" and data["formula"]
+    assert data["command"].startswith("minidecode bench") and data["commit"] and data["date"]
+    assert data["read_ceiling_bytes_per_s"] > 0
+    (row,) = data["results"]
+    assert row["decode_tokens_per_s"]["n"] == 2 and row["prefill_seconds"]["n"] == 2
+    assert row["percent_of_read_ceiling"]["median"] > 0
+
+
+def test_json_into_a_missing_folder_fails_before_running(tmp_path):
+    # synthetic:llama-3-8b would need 15 GiB: the check must come before the model loads
+    result = invoke("bench", "synthetic:llama-3-8b", "--out", tmp_path / "missing" / "e2e")
+    assert result.exit_code == 2
+    assert "does not exist" in result.output and "GiB" not in result.output
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)
+    )
+    result = invoke("bench", "synthetic:llama-3-8b", "--out", tmp_path / "e2e", "--plot")
+    assert result.exit_code == 2
+    assert 'pip install "minidecode[bench]"' in result.output
+
+
+def test_ctrl_c_during_bench_is_one_line_and_exit_130(tiny_llama, monkeypatch):
+    import minidecode.bench
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(minidecode.bench, "run_bench", interrupted)
+    result = invoke("bench", tiny_llama, "--prompt-tokens", 8)
+    assert result.exit_code == 130
+    assert result.output.strip().splitlines()[-1] == "error: interrupted"
+
+
+def test_peer_limits():
+    settings = BenchSettings(
+        [1024], peers=["eager", "compiled"], peer_max_tokens=4096, compiled_max_tokens=1024
+    )
+    assert settings.peer_runs("eager", 4096) and not settings.peer_runs("eager", 8192)
+    assert settings.peer_runs("compiled", 1024) and not settings.peer_runs("compiled", 4096)
