@@ -146,7 +146,19 @@ def _rope_cache_kernel(
 
 
 def rope_and_cache(
-    qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, use_pdl, k_scale=None, v_scale=None
+    qkv,
+    cos,
+    sin,
+    positions,
+    k_cache,
+    v_cache,
+    num_heads,
+    q_norm,
+    k_norm,
+    eps,
+    use_pdl,
+    k_scale=None,
+    v_scale=None,
 ):
     """FP8: k_cache / v_cache float8_e4m3fn [B, Hkv, S, D] and k_scale / v_scale float32
     [B, Hkv, S] (kernels/quant.py's scheme, computed here per written row)."""
@@ -158,8 +170,14 @@ def rope_and_cache(
         if k_scale is None or v_scale is None:
             raise ValueError("an FP8 cache needs k_scale and v_scale ([B, Hkv, S] float32)")
         if k_scale.shape != (B, Hkv, S) or k_scale.dtype != torch.float32 or k_scale.stride(-1) != 1:
-            raise ValueError(f"k_scale must be [B, Hkv, S] = {[B, Hkv, S]} float32, got {list(k_scale.shape)}")
-        if v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride() or v_scale.dtype != torch.float32:
+            raise ValueError(
+                f"k_scale must be [B, Hkv, S] = {[B, Hkv, S]} float32, got {list(k_scale.shape)}"
+            )
+        if (v_scale.shape, v_scale.stride(), v_scale.dtype) != (
+            k_scale.shape,
+            k_scale.stride(),
+            torch.float32,
+        ):
             raise ValueError("v_scale must match k_scale (shape, dtype, strides)")
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:

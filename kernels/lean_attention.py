@@ -483,7 +483,9 @@ def lean_attention(
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if k_cache.dtype != v_cache.dtype or not (fp8 or k_cache.dtype == q.dtype):
-        raise ValueError(f"K and V must share q's dtype or be float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"K and V must share q's dtype or be float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}"
+        )
     if fp8:
         if k_scale is None or v_scale is None:
             raise ValueError("an FP8 (float8_e4m3fn) cache needs k_scale and v_scale ([B, Hkv, S] float32)")

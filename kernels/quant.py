@@ -46,7 +46,9 @@ def quantize_fp8(x: torch.Tensor, static_scale: float | None = None) -> tuple[to
     return x_fp8, scale
 
 
-def dequantize_fp8(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8(
+    x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """(x_fp8 [..., D] float8_e4m3fn, scale [...] float32) -> x_fp8 * scale in `dtype`
     (the product is formed in float32, then rounded once)."""
     if x_fp8.dtype != FP8_DTYPE:

@@ -15,7 +15,7 @@ from minidecode.kernels.reference import decode_attention_reference
 
 INTERPRETED = isinstance(la._lean_decode_kernel, InterpretedFunction)
 CPU = pytest.param(
-    "cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="the kernel is compiled for the GPU in this process")
+    "cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="kernel compiled for the GPU in this process")
 )
 CUDA = pytest.param(
     "cuda",
@@ -254,7 +254,8 @@ def test_fp8_ragged_batch(device, num_ctas):
 def test_fp8_llama_shape(device):
     lengths = [3 * BLOCK + 17] if device == "cpu" else [131_072 + 5, 999]
     for dtype in fp8_dtypes(device):
-        check_fp8(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=5 if device == "cpu" else None, dtype=dtype)
+        num_ctas = 5 if device == "cpu" else None
+        check_fp8(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=num_ctas, dtype=dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -329,7 +330,8 @@ def test_cuda_graph_growing_context(start, fp8):
             new_k = torch.randn_like(q[b, :8], dtype=torch.float32)  # [Hkv, D]
             new_v = torch.randn_like(new_k)
             if fp8:
-                (kc[b, :, n], k[1][b, :, n]), (vc[b, :, n], v[1][b, :, n]) = quantize_fp8(new_k), quantize_fp8(new_v)
+                kc[b, :, n], k[1][b, :, n] = quantize_fp8(new_k)
+                vc[b, :, n], v[1][b, :, n] = quantize_fp8(new_v)
             else:
                 kc[b, :, n], vc[b, :, n] = new_k.to(kc.dtype), new_v.to(vc.dtype)
         lens += 1

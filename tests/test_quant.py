@@ -102,9 +102,23 @@ def test_rope_and_cache_fp8_needs_scales():
     cos = sin = torch.ones(1, 64, device=DEVICE)
     k8 = torch.zeros(1, 1, 4, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
     with pytest.raises(ValueError, match="k_scale"):
-        rope_and_cache(qkv, cos, sin, torch.tensor([0], device=DEVICE), k8, k8.clone(), 2, None, None, 1e-6, False)
+        rope_and_cache(
+            qkv, cos, sin, torch.tensor([0], device=DEVICE), k8, k8.clone(), 2, None, None, 1e-6, False
+        )
     bad = torch.zeros(1, 1, 3, device=DEVICE)
     with pytest.raises(ValueError, match="k_scale must be"):
         rope_and_cache(
-            qkv, cos, sin, torch.tensor([0], device=DEVICE), k8, k8.clone(), 2, None, None, 1e-6, False, bad, bad
+            qkv,
+            cos,
+            sin,
+            torch.tensor([0], device=DEVICE),
+            k8,
+            k8.clone(),
+            2,
+            None,
+            None,
+            1e-6,
+            False,
+            bad,
+            bad,
         )
