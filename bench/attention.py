@@ -527,7 +527,8 @@ def markdown(env: dict, rows: list[dict], summ: dict) -> str:
         lines.append(
             f"- {name}: over the bf16-cache lean {f['min_speedup_vs_bf16_lean_128k_up']:.2f}x at least "
             f"from 128k up ({f['min_gbs_128k_up']:.0f} GB/s at least), "
-            f"{f['min_speedup_vs_bf16_lean']:.2f}x at least in any case; largest error against the unquantized cache {f['max_rel_err_vs_unquantized']:.1e}"
+            f"{f['min_speedup_vs_bf16_lean']:.2f}x at least in any case; largest error against the "
+            f"unquantized cache {f['max_rel_err_vs_unquantized']:.1e}"
         )
     beaten = [
         f"{r['case']}: {n} {r['paths'][n]['us']:.1f} us against lean {r['paths']['lean']['us']:.1f}"
