@@ -140,7 +140,7 @@ def read_ceiling_gbs(n_bytes: int = 2 << 30) -> float:
     """A read-only reduction (torch.sum) over n_bytes of bf16, GB/s: the in-run read ceiling."""
     buf = [torch.randn(n_bytes // 2, device="cuda", dtype=torch.bfloat16)]
     out = torch.empty((), device="cuda", dtype=torch.float32)
-    t = time_graph([lambda: torch.sum(buf[0], dtype=torch.float32, out=out)], target_us=20000.0)
+    t = time_graph([lambda: torch.sum(buf[0], dim=0, dtype=torch.float32, out=out)], target_us=20000.0)
     buf.clear()
     torch.cuda.empty_cache()
     return n_bytes / t.median / 1e3
@@ -451,7 +451,9 @@ def summary(rows: list[dict]) -> dict:
 
 
 def fmt(x: float | None, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
+    if x is None:
+        return format("—", ">" + spec.split(".")[0]) if spec[:1].isdigit() else "—"
+    return format(x, spec)
 
 
 def path_names(rows: list[dict]) -> list[str]:
@@ -494,7 +496,7 @@ def markdown(env: dict, rows: list[dict], summ: dict) -> str:
         + " | lean GB/s (%) | lean vs flash | "
         + " | ".join(f"{n} GB/s (%) · x bf16 lean · err" for n in names if n.startswith("lean_fp8"))
         + " | lean (repeat) us | grid | tiles/CTA | max splits/head |",
-        "| --- " * (len(names) + 6 + sum(n.startswith("lean_fp8") for n in names)) + "|",
+        "| --- " * (len(names) + 7 + sum(n.startswith("lean_fp8") for n in names)) + "|",
     ]
     for r in rows:
         p, sch = r["paths"], r["schedule"]
