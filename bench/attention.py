@@ -1,24 +1,29 @@
-"""Decode-attention benchmark: lean attention against PyTorch's SDPA flash and cuDNN paths and
-flex_attention, all timed under CUDA graphs in the same run.
+"""Decode-attention benchmark: lean attention (bf16 cache and FP8 e4m3 cache) against PyTorch's
+SDPA flash and cuDNN paths and flex_attention, all timed under CUDA graphs in the same run.
 
 One decode step of attention per call: one new query per sequence over its cached context,
-K/V in the runtime's `[B, Hkv, S, D]` layout. Bytes = K + V read once. Each path is checked
-against an fp32 reference (and lean against flash) before it is timed; small cases rotate over
-several input sets so that repeated calls do not measure the L2 cache.
+K/V in the runtime's `[B, Hkv, S, D]` layout. Bytes = K + V read once (FP8: e4m3 K + V plus
+their float32 per-(token, head) scales). Each path is checked against a reference before it is
+timed; small cases rotate over several input sets so that repeated calls do not measure the L2
+cache. The read ceiling is measured in the same run: a read-only reduction over 2 GiB, and the
+fastest stream any path reached.
 
-    python bench/attention.py                 # all cases, writes bench/results/attention.{md,json,png}
-    python bench/attention.py --quick         # a few batch-1 lengths, prints only
+    python bench/attention.py --out bench/results/attention   # all cases, .md/.json/.png
+    python bench/attention.py --quick                         # a few batch-1 lengths, prints only
+    python bench/attention.py --quick --fp8-variants          # times every FP8 dequantization
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -30,14 +35,16 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minidecode.kernels.lean_attention import DEFAULT_CONFIGS, LeanConfig, lean_attention, lean_schedule
+from minidecode.kernels import lean_attention as la
+from minidecode.kernels.lean_attention import LeanConfig, default_config, lean_attention, lean_schedule
+from minidecode.kernels.quant import dequantize_fp8, quantize_fp8
 from minidecode.kernels.reference import decode_attention_reference
 
-CEILING_GBS = 4400.0  # practical K/V read ceiling of the H200 (shared/docs/baselines.md)
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
 ROTATE_BYTES = 256 << 20  # rotate input sets until ~4x the 60 MB L2 is touched per round
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "attention"
+FP8_VARIANTS = {"cvt": la.DEQUANT_CVT, "bits": la.DEQUANT_BITS}  # the first is the default
 K = 1024
 
 
@@ -55,6 +62,11 @@ class Case:
     @property
     def kv_bytes(self) -> int:
         return 2 * sum(self.lengths) * self.hkv * HEAD_DIM * DTYPE.itemsize
+
+    @property
+    def fp8_bytes(self) -> int:
+        """e4m3 K + V and their float32 scales, one per (position, KV head) each."""
+        return 2 * sum(self.lengths) * self.hkv * (HEAD_DIM + 4)
 
     @property
     def uniform(self) -> bool:
@@ -82,8 +94,16 @@ BATCH1_GQA = [c.name for c in CASES[:8]]
 # ---- timing ---------------------------------------------------------------------------------
 
 
-def time_graph(calls: list[Callable[[], object]], target_us: float = 3000.0, replays: int = 15) -> float:
-    """Median microseconds per call: `calls` (one per input set) cycled inside one CUDA graph."""
+@dataclass(frozen=True)
+class Timing:
+    median: float  # microseconds per call, over the replays
+    low: float
+    high: float
+
+
+def time_graph(calls: list[Callable[[], object]], target_us: float = 3000.0, replays: int = 15) -> Timing:
+    """Microseconds per call, median and min-max of `replays` replays: `calls` (one per input set)
+    cycled inside one CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture: compilation, workspaces, plans
@@ -113,7 +133,17 @@ def time_graph(calls: list[Callable[[], object]], target_us: float = 3000.0, rep
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / n_calls)
     del graph
-    return statistics.median(times)
+    return Timing(statistics.median(times), min(times), max(times))
+
+
+def read_ceiling_gbs(n_bytes: int = 2 << 30) -> float:
+    """A read-only reduction (torch.sum) over n_bytes of bf16, GB/s: the in-run read ceiling."""
+    buf = [torch.randn(n_bytes // 2, device="cuda", dtype=torch.bfloat16)]
+    out = torch.empty((), device="cuda", dtype=torch.float32)
+    t = time_graph([lambda: torch.sum(buf[0], dim=0, dtype=torch.float32, out=out)], target_us=20000.0)
+    buf.clear()
+    torch.cuda.empty_cache()
+    return n_bytes / t.median / 1e3
 
 
 # ---- inputs and paths -----------------------------------------------------------------------
@@ -126,6 +156,7 @@ class InputSet:
     v: torch.Tensor
     lengths: torch.Tensor  # [B] int32
     out: torch.Tensor  # [B, Hq, D] lean's output buffer
+    fp8: tuple | None = None  # (k_e4m3, k_scale, v_e4m3, v_scale), the FP8 cache of the same K/V
 
 
 def make_sets(case: Case, gen: torch.Generator) -> list[InputSet]:
@@ -139,6 +170,21 @@ def make_sets(case: Case, gen: torch.Generator) -> list[InputSet]:
         lengths = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
         sets.append(InputSet(q, k, v, lengths, torch.empty_like(q)))
     return sets
+
+
+def add_fp8(sets: list[InputSet]) -> None:
+    for x in sets:
+        (k8, ks), (v8, vs) = quantize_fp8(x.k), quantize_fp8(x.v)
+        x.fp8 = (k8, ks, v8, vs)
+
+
+def fp8_call(
+    x: InputSet, scale: float, config: LeanConfig | None, variant: int
+) -> Callable[[], torch.Tensor]:
+    k8, ks, v8, vs = x.fp8
+    return lambda: lean_attention(
+        x.q, k8, v8, x.lengths, scale, k_scale=ks, v_scale=vs, config=config, out=x.out, fp8_dequant=variant
+    )
 
 
 def lean_call(x: InputSet, scale: float, config: LeanConfig | None = None) -> Callable[[], torch.Tensor]:
@@ -238,6 +284,12 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
     paths: dict[str, Callable[[InputSet], Callable[[], torch.Tensor]]] = {
         "lean": lambda x: lean_call(x, scale, config),
     }
+    if not args.no_fp8:
+        add_fp8(sets)
+        for name in args.fp8_variants:
+            paths[f"lean_fp8_{name}" if len(args.fp8_variants) > 1 else "lean_fp8"] = (
+                lambda x, v=FP8_VARIANTS[name]: fp8_call(x, scale, config, v)
+            )
     notes = {}
     if case.uniform:
         paths["flash"] = lambda x: sdpa_call(case, x, scale, SDPBackend.FLASH_ATTENTION)
@@ -264,8 +316,15 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
     # Build every path and check it on input set 0 against an fp32 reference before timing it.
     x0 = sets[0]
     ref = decode_attention_reference(x0.q, x0.k, x0.v, x0.lengths, scale).float()
+    ref_dequant = None
+    if x0.fp8 is not None:
+        k8, ks, v8, vs = x0.fp8
+        kd, vd = dequantize_fp8(k8, ks, torch.float32), dequantize_fp8(v8, vs, torch.float32)
+        ref_dequant = decode_attention_reference(x0.q.float(), kd, vd, x0.lengths, scale).float()
+        del kd, vd
     outs = {}
-    for name in ["lean", "flash", "flash_varlen", "cudnn", "flex"]:
+    fp8_names = [n for n in paths if n.startswith("lean_fp8")]
+    for name in ["lean", *fp8_names, "flash", "flash_varlen", "cudnn", "flex"]:
         if name not in paths:
             continue
         try:
@@ -285,19 +344,29 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
             raise SystemExit(
                 f"{case.name}: lean differs from the reference, relative error {entry['rel_err']:.2e}"
             )
+        if name.startswith("lean_fp8"):
+            # rel_err: against the unquantized cache; rel_err_dequant: the kernel's own error
+            entry["rel_err_dequant"] = rel_err(outs[name], ref_dequant)
+            if not entry["rel_err_dequant"] < args.max_err:
+                raise SystemExit(f"{case.name}: {name} differs from the dequantized reference: {entry}")
         if name == "flash":
             row["paths"]["lean"]["rel_err_vs_flash"] = rel_err(outs["lean"], outs["flash"])
         try:
-            us = time_graph(calls)
-            entry.update(us=us, gbs=case.kv_bytes / us / 1e3)
-            entry["pct_ceiling"] = 100 * entry["gbs"] / CEILING_GBS
+            t = time_graph(calls)
+            n_bytes = case.fp8_bytes if name.startswith("lean_fp8") else case.kv_bytes
+            entry.update(
+                us=t.median, us_min=t.low, us_max=t.high, bytes=n_bytes, gbs=n_bytes / t.median / 1e3
+            )
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         if name in notes:
             entry["note"] = notes[name]
         row["paths"][name] = entry
     if "us" in row["paths"].get("lean", {}):  # time lean twice: the spread is the noise floor
-        row["paths"]["lean"]["us_repeat"] = time_graph([lean_call(x, scale, config) for x in sets])
+        row["paths"]["lean"]["us_repeat"] = time_graph([lean_call(x, scale, config) for x in sets]).median
+    for name in fp8_names:
+        if "us" in row["paths"].get(name, {}) and "us" in row["paths"]["lean"]:
+            row["paths"][name]["speedup_vs_bf16_lean"] = row["paths"]["lean"]["us"] / row["paths"][name]["us"]
     flash_times = [row["paths"].get(n, {}).get("us") for n in ("flash", "flash_varlen")]
     flash_us = min((t for t in flash_times if t), default=None)
     row["flash_us"] = flash_us
@@ -356,65 +425,126 @@ def summary(rows: list[dict]) -> dict:
         for peer in ("cudnn", "flex"):
             if "us" in r["paths"].get(peer, {}):
                 vs_slow[peer] = r["paths"][peer]["us"] / r["paths"]["lean"]["us"]
+    fp8 = {}
+    for name in sorted({n for r in rows for n in r["paths"] if n.startswith("lean_fp8")}):
+        ups = [
+            (r, r["paths"][name]["speedup_vs_bf16_lean"])
+            for r in rows
+            if "speedup_vs_bf16_lean" in r["paths"].get(name, {})
+        ]
+        long = [(r, x) for r, x in ups if min(r["lengths"]) >= 128 * K]
+        fp8[name] = {
+            "min_speedup_vs_bf16_lean": min((x for _, x in ups), default=float("nan")),
+            "min_speedup_vs_bf16_lean_128k_up": min((x for _, x in long), default=float("nan")),
+            "min_gbs_128k_up": min((r["paths"][name]["gbs"] for r, _ in long), default=float("nan")),
+            "max_rel_err_vs_unquantized": max(
+                (r["paths"][name]["rel_err"] for r, _ in ups), default=float("nan")
+            ),
+        }
     return {
         "geomean_speedup_batch1": geomean(speedups("lean", BATCH1_GQA)),
         "min_speedup_any_case": min(speedups("lean"), default=float("nan")),
         "min_lean_gbs_256k_up": min(lean_gbs_long, default=float("nan")),
         "lean_speedup_at_512k_over": vs_slow,
+        "fp8": fp8,
     }
 
 
 def fmt(x: float | None, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
+    if x is None:
+        return format("—", ">" + spec.split(".")[0]) if spec[:1].isdigit() else "—"
+    return format(x, spec)
+
+
+def path_names(rows: list[dict]) -> list[str]:
+    order = ["lean", "flash", "flash_varlen", "cudnn", "flex"]
+    fp8 = sorted({n for r in rows for n in r["paths"] if n.startswith("lean_fp8")})
+    return [n for n in order[:1] + fp8 + order[1:] if any(n in r["paths"] for r in rows)]
+
+
+def cell(entry: dict) -> str:
+    """`median [min-max]` microseconds, or why there is none."""
+    if "us" in entry:
+        return f"{entry['us']:.1f} [{entry['us_min']:.1f}-{entry['us_max']:.1f}]"
+    return "error" if "error" in entry else "—"
 
 
 def markdown(env: dict, rows: list[dict], summ: dict) -> str:
+    ceiling = env["ceiling_gbs"]
+    names = path_names(rows)
     lines = [
-        "# Decode attention: lean vs PyTorch peers",
+        "# Decode attention: lean (bf16 and FP8 cache) vs PyTorch peers",
         "",
         f"Device: {env['device']} ({env['sms']} SMs) · date {env['date']} · commit {env['commit']} · "
-        f"torch {env['torch']} · triton {env['triton']} · {env['dtype']}, head_dim {env['head_dim']} · "
+        f"torch {env['torch']} · triton {env['triton']} · {env['dtype']} q, head_dim {env['head_dim']} · "
         f"lean config {env['lean_config']}",
         "",
-        "Each path timed under a CUDA graph (many calls per replay, median of 15 replays), fresh random "
-        "inputs, rotated over several input sets when they would fit in L2. GB/s counts K + V read once; "
-        f"% of {CEILING_GBS / 1000:.1f} TB/s. Flash and cuDNN get the GQA group packed into the query axis. "
-        "lean (repeat) is a second timing of lean in the same run: its spread is the noise floor.",
+        f"Command: `{env['command']}`",
         "",
-        "| case | lean us | lean GB/s | % of 4.4 TB/s | flash us | lean vs flash | cuDNN us | flex us "
-        "| lean (repeat) us | grid | tiles/CTA | max splits/head |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Each path timed under a CUDA graph (many calls per replay), fresh random inputs, rotated over "
+        "several input sets when they would fit in L2; times are the median [min-max] of 15 replays, "
+        "in microseconds. GB/s counts the bytes a call reads: K + V once (bf16), or e4m3 K + V plus "
+        "their float32 scales (FP8). Read ceiling, measured in this run: a read-only reduction over "
+        f"2 GiB reads {env['reduction_gbs']:.0f} GB/s, the fastest path of any case "
+        f"{env['best_stream_gbs']:.0f} GB/s; % is of the higher, {ceiling:.0f} GB/s. Flash and cuDNN get "
+        "the GQA group packed into the query axis. lean (repeat) is a second timing of lean in the same "
+        "run: its spread is the noise floor. FP8 error: relative L2 error against the reference on the "
+        "unquantized bf16 cache (and, in the JSON, against the dequantized cache).",
+        "",
+        "| case | "
+        + " | ".join(f"{n} us" for n in names)
+        + " | lean GB/s (%) | lean vs flash | "
+        + " | ".join(f"{n} GB/s (%) · x bf16 lean · err" for n in names if n.startswith("lean_fp8"))
+        + " | lean (repeat) us | grid | tiles/CTA | max splits/head |",
+        "| --- " * (len(names) + 7 + sum(n.startswith("lean_fp8") for n in names)) + "|",
     ]
     for r in rows:
-        p, s = r["paths"], r["schedule"]
+        p, sch = r["paths"], r["schedule"]
         lean = p.get("lean", {})
+        fp8_cells = [
+            f"{fmt(e.get('gbs'), '.0f')} ({fmt(e.get('gbs', 0) * 100 / ceiling, '.0f')}%) · "
+            f"{fmt(e.get('speedup_vs_bf16_lean'), '.2f')}x · {fmt(e.get('rel_err'), '.1e')}"
+            for n, e in ((n, p.get(n, {})) for n in names)
+            if n.startswith("lean_fp8")
+        ]
         lines.append(
-            f"| {r['case']} | {fmt(lean.get('us'), '.1f')} | {fmt(lean.get('gbs'), '.0f')} "
-            f"| {fmt(lean.get('pct_ceiling'), '.0f')}% | {fmt(r.get('flash_us'), '.1f')} "
-            f"| {fmt(lean.get('speedup_vs_flash'), '.2f')}x | {fmt(p.get('cudnn', {}).get('us'), '.1f')} "
-            f"| {fmt(p.get('flex', {}).get('us'), '.1f')} | {fmt(lean.get('us_repeat'), '.1f')} "
-            f"| {s['grid']} | {s['tiles_per_cta']} | {s['max_splits_per_head']} |"
+            f"| {r['case']} | "
+            + " | ".join(cell(p.get(n, {})) for n in names)
+            + f" | {fmt(lean.get('gbs'), '.0f')} ({fmt(lean.get('gbs', 0) * 100 / ceiling, '.0f')}%)"
+            + f" | {fmt(lean.get('speedup_vs_flash'), '.2f')}x | "
+            + "".join(c + " | " for c in fp8_cells)
+            + f"{fmt(lean.get('us_repeat'), '.1f')} | {sch['grid']} | {sch['tiles_per_cta']} | "
+            f"{sch['max_splits_per_head']} |"
         )
     lines += [
         "",
-        f"- Geometric-mean speedup over SDPA flash, batch-1 32/8 at 1k-1M: "
+        f"- Geometric-mean speedup of lean over SDPA flash, batch-1 32/8 at 1k-1M: "
         f"**{summ['geomean_speedup_batch1']:.2f}x**",
-        f"- Slowest case relative to flash: {summ['min_speedup_any_case']:.2f}x",
+        f"- Slowest case of lean relative to flash: {summ['min_speedup_any_case']:.2f}x",
         f"- Lowest lean bandwidth at 256k and above (batch 1, 32/8): {summ['min_lean_gbs_256k_up']:.0f} GB/s",
         "- Lean speedup at 512k over "
         + ", ".join(f"{k}: {v:.1f}x" for k, v in summ["lean_speedup_at_512k_over"].items()),
+    ]
+    for name, f in summ["fp8"].items():
+        lines.append(
+            f"- {name}: over the bf16-cache lean {f['min_speedup_vs_bf16_lean_128k_up']:.2f}x at least "
+            f"from 128k up ({f['min_gbs_128k_up']:.0f} GB/s at least), "
+            f"{f['min_speedup_vs_bf16_lean']:.2f}x at least in any case; largest error against the "
+            f"unquantized cache {f['max_rel_err_vs_unquantized']:.1e}"
+        )
+    beaten = [
+        f"{r['case']}: {n} {r['paths'][n]['us']:.1f} us against lean {r['paths']['lean']['us']:.1f}"
+        for r in rows
+        for n in ("flash", "flash_varlen", "cudnn", "flex")
+        if r["paths"].get(n, {}).get("us", math.inf) < r["paths"]["lean"].get("us", 0.0)
+    ]
+    lines += [f"- A peer is faster than lean (bf16 cache): {b}" for b in beaten] or [
+        "- No peer is faster than lean (bf16 cache) in any case of this run"
     ]
     notes = sorted({f"{n}: {e['note']}" for r in rows for n, e in r["paths"].items() if "note" in e})
     errors = [f"{r['case']} {n}: {e['error']}" for r in rows for n, e in r["paths"].items() if "error" in e]
     skipped = [r["case"] for r in rows if "flex" not in r["paths"]]
     lines += [f"- Ragged batch, {n}" for n in notes]
-    for r in rows:
-        if "flash_varlen" in r["paths"]:
-            p = r["paths"]
-            lines.append(
-                f"- {r['case']}: flash per sequence {fmt(p['flash'].get('us'), '.1f')} us, flash varlen "
-                f"{fmt(p['flash_varlen'].get('us'), '.1f')} us; the table's flash is the faster"
-            )
     if skipped:
         lines.append(
             "- flex_attention not run for: " + ", ".join(skipped) + " (compile time / decode path limits)"
@@ -423,7 +553,7 @@ def markdown(env: dict, rows: list[dict], summ: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], env: dict, path: Path) -> None:
     try:
         import matplotlib
 
@@ -434,68 +564,72 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     series = [r for r in rows if r["case"] in BATCH1_GQA]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, label in [
-        ("lean", "lean (Triton)"),
-        ("flash", "SDPA flash"),
-        ("cudnn", "SDPA cuDNN"),
-        ("flex", "flex"),
-    ]:
+    for name in path_names(rows):
         pts = [
             (r["lengths"][0], r["paths"][name]["gbs"]) for r in series if "gbs" in r["paths"].get(name, {})
         ]
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-    ax.axhline(CEILING_GBS, color="gray", linestyle="--", linewidth=1, label="4.4 TB/s read ceiling")
+            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    ax.axhline(env["ceiling_gbs"], color="gray", linestyle="--", linewidth=1, label="read ceiling (this run)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (positions)")
-    ax.set_ylabel("K+V read GB/s")
-    ax.set_title("Decode attention, batch 1, 32 q / 8 KV heads, head_dim 128, bf16")
+    ax.set_ylabel("cache GB/s read")
+    ax.set_title("Decode attention, batch 1, 32 q / 8 KV heads, head_dim 128")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def short_table(rows: list[dict], summ: dict) -> str:
-    head = ("case", "lean us", "flash us", "x flash", "GB/s", "%4.4", "grid/tpc/split")
-    out = ["{:<24} {:>9} {:>9} {:>8} {:>6} {:>5} {:>15}".format(*head)]
+def short_table(rows: list[dict], summ: dict, env: dict) -> str:
+    names = path_names(rows)
+    out = [f"read ceiling: reduction {env['reduction_gbs']:.0f} GB/s, best {env['best_stream_gbs']:.0f} GB/s"]
+    out.append(f"{'case':<24}" + "".join(f"{n[:14]:>15}" for n in names) + "  fp8: x bf16-lean/GB/s/err")
     for r in rows:
-        lean, s = r["paths"]["lean"], r["schedule"]
-        sched = f"{s['grid']}/{s['tiles_per_cta']}/{s['max_splits_per_head']}"
+        p = r["paths"]
+        extra = [
+            f"{fmt(e.get('speedup_vs_bf16_lean'), '.2f')}x/{fmt(e.get('gbs'), '.0f')}/"
+            f"{fmt(e.get('rel_err'), '.1e')}"
+            for n, e in ((n, p.get(n, {})) for n in names)
+            if n.startswith("lean_fp8") and n in p
+        ]
         out.append(
-            f"{r['case']:<24} {fmt(lean.get('us'), '9.1f')} {fmt(r.get('flash_us'), '9.1f')} "
-            f"{fmt(lean.get('speedup_vs_flash'), '8.2f')} {fmt(lean.get('gbs'), '6.0f')} "
-            f"{fmt(lean.get('pct_ceiling'), '5.0f')} {sched:>15}"
+            f"{r['case']:<24}"
+            + "".join(f"{fmt(p.get(n, {}).get('us'), '15.1f')}" for n in names)
+            + "  "
+            + " ".join(extra)
         )
     out.append(
-        f"geomean x flash (batch 1): {summ['geomean_speedup_batch1']:.2f}   min x flash: "
-        f"{summ['min_speedup_any_case']:.2f}   min GB/s >=256k: {summ['min_lean_gbs_256k_up']:.0f}   "
-        f"512k: {summ['lean_speedup_at_512k_over']}"
+        f"geomean lean x flash (batch 1): {summ['geomean_speedup_batch1']:.2f}   min x flash: "
+        f"{summ['min_speedup_any_case']:.2f}   min GB/s >=256k: {summ['min_lean_gbs_256k_up']:.0f}"
     )
+    for name, f in summ["fp8"].items():
+        out.append(f"{name}: {f}")
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="batch-1 1k, 64k, 512k only; write nothing")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for attention.{md,json,png}")
+    ap.add_argument("--quick", action="store_true", help="batch-1 16k, 128k, 512k, 1M only; write nothing")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="path prefix of the .md/.json/.png results")
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-cache lean column")
+    ap.add_argument("--fp8-variants", action="store_true", help="time every FP8 dequantization variant")
     ap.add_argument("--flex-max-len", type=int, default=64 * K, help="longest context flex is run at")
     ap.add_argument("--flex-budget-s", type=float, default=150.0, help="stop compiling flex after this")
-    ap.add_argument("--max-err", type=float, default=2e-2, help="lean vs flash relative error allowed")
+    ap.add_argument("--max-err", type=float, default=2e-2, help="lean vs reference relative error allowed")
     ap.add_argument("--commit", default=os.environ.get("MINIDECODE_COMMIT"), help="commit to record")
-    ap.add_argument("--config-json", type=Path, help="tune_attention.py's tune.json: time its best config")
     args = ap.parse_args()
+    args.fp8_variants = list(FP8_VARIANTS) if args.fp8_variants else list(FP8_VARIANTS)[:1]
 
-    cases = (
-        [c for c in CASES if c.name in ("B1 32/8 1k", "B1 32/8 64k", "B1 32/8 512k")] if args.quick else CASES
-    )
-    args.config = DEFAULT_CONFIGS[HEAD_DIM]
-    if args.config_json:
-        args.config = LeanConfig(*json.loads(args.config_json.read_text())["best_config"])
+    quick = ("B1 32/8 16k", "B1 32/8 128k", "B1 32/8 512k", "B1 32/8 1024k")
+    cases = [c for c in CASES if c.name in quick] if args.quick else CASES
+    args.config = default_config(HEAD_DIM, DTYPE)
     env = environment(args.commit)
-    env["lean_config"] = vars(args.config) if hasattr(args.config, "__dict__") else str(args.config)
-    print(json.dumps(env))
+    env["lean_config"] = dataclasses.asdict(args.config)
+    env["command"] = "python3 bench/attention.py " + " ".join(sys.argv[1:])
+    env["reduction_gbs"] = read_ceiling_gbs()
+    print(json.dumps(env), flush=True)
     rows, flex_state = [], {"compile_s": 0.0}
     for case in cases:
         t0 = time.perf_counter()
@@ -503,15 +637,17 @@ def main() -> None:
         rows.append(row)
         brief = {n: round(e["us"], 1) for n, e in row["paths"].items() if "us" in e}
         print(f"{case.name}: {brief} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    env["best_stream_gbs"] = max(e["gbs"] for r in rows for e in r["paths"].values() if "gbs" in e)
+    env["ceiling_gbs"] = max(env["reduction_gbs"], env["best_stream_gbs"])
     summ = summary(rows)
     if not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "attention.json").write_text(
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(
             json.dumps({"env": env, "summary": summ, "rows": rows}, indent=1)
         )
-        (args.out / "attention.md").write_text(markdown(env, rows, summ))
-        plot(rows, args.out / "attention.png")
-    print(short_table(rows, summ))
+        args.out.with_suffix(".md").write_text(markdown(env, rows, summ))
+        plot(rows, env, args.out.with_suffix(".png"))
+    print(short_table(rows, summ, env))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant import FP8_DTYPE, SCALE_FLOOR
+
 
 @triton.jit
 def _rms_norm_kernel(X, W, Out, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
@@ -59,6 +61,26 @@ def _head(Row, head, offs, partner, W, eps, D: tl.constexpr, HAS_NORM: tl.conste
 
 
 @triton.jit
+def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr):
+    """x [D] float32 -> (uint8 e4m3 bit patterns [D], float32 scale), as kernels/quant.py's
+    quantize_fp8: scale = max(amax / 448, floor), e4m3(x / scale) rounded to nearest even.
+
+    Integer and float32 ops only (no float8 cast), so the interpreter and any GPU compute the
+    same bits: |y| is rounded to the e4m3 grid of its binade by adding and subtracting
+    1.5 * 2^23 * step (the sum's ulp is the step), then re-encoded through fp16, which holds
+    every e4m3 value times 2^-8 exactly (see lean_attention's _e4m3_to_fp16)."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), SCALE_FLOOR)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    y_abs = tl.abs(y)
+    binade = tl.maximum((y_abs.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 2^-6: subnormal step
+    magic = (((binade + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^23 * step
+    r = (y_abs + magic) - magic
+    h = (r * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)  # r * 2^-8, exact
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return (sign | ((h >> 7) & 0x7F)).to(tl.uint8), scale
+
+
+@triton.jit
 def _rope_cache_kernel(
     QKV,
     Cos,
@@ -67,6 +89,8 @@ def _rope_cache_kernel(
     Q,
     KC,
     VC,
+    KS,
+    VS,
     QW,
     KW,
     eps,
@@ -74,12 +98,17 @@ def _rope_cache_kernel(
     HKV,
     cache_stride_b,
     cache_stride_h,
+    scale_stride_b,
+    scale_stride_h,
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Program (b, h): h < HQ rotates query head h into Q [B, HQ, D]; otherwise KV head h - HQ is
-    # rotated (k) and copied (v) into the caches [B, HKV, S, D] at position Pos[b].
+    # rotated (k) and copied (v) into the caches [B, HKV, S, D] at position Pos[b]. FP8: the caches
+    # are uint8 views of e4m3, and each row's scale goes to KS / VS [B, HKV, S] float32.
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, D)
@@ -100,14 +129,59 @@ def _rope_cache_kernel(
         j = h - HQ
         dst = b * cache_stride_b + j * cache_stride_h + pos * D + offs
         k, kp = _head(row, HQ + j, offs, partner, KW, eps, D, HAS_NORM)
-        tl.store(KC + dst, (k * cos + sign * kp * sin).to(KC.dtype.element_ty))
-        tl.store(VC + dst, tl.load(row + (HQ + HKV + j) * D + offs))
+        k = k * cos + sign * kp * sin
+        v = tl.load(row + (HQ + HKV + j) * D + offs)
+        if FP8:
+            # quantize the rows the model-dtype cache would hold (k rounded to qkv's dtype first)
+            k8, k_scale = _quantize_e4m3(k.to(v.dtype).to(tl.float32), SCALE_FLOOR)
+            v8, v_scale = _quantize_e4m3(v.to(tl.float32), SCALE_FLOOR)
+            tl.store(KC + dst, k8)
+            tl.store(VC + dst, v8)
+            s_dst = b * scale_stride_b + j * scale_stride_h + pos
+            tl.store(KS + s_dst, k_scale)
+            tl.store(VS + s_dst, v_scale)
+        else:
+            tl.store(KC + dst, k.to(KC.dtype.element_ty))
+            tl.store(VC + dst, v)
 
 
-def rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, use_pdl):
+def rope_and_cache(
+    qkv,
+    cos,
+    sin,
+    positions,
+    k_cache,
+    v_cache,
+    num_heads,
+    q_norm,
+    k_norm,
+    eps,
+    use_pdl,
+    k_scale=None,
+    v_scale=None,
+):
+    """FP8: k_cache / v_cache float8_e4m3fn [B, Hkv, S, D] and k_scale / v_scale float32
+    [B, Hkv, S] (kernels/quant.py's scheme, computed here per written row)."""
     B = qkv.shape[0]
-    Hkv, D = k_cache.shape[1], k_cache.shape[3]
+    Hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.stride(2) == D
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an FP8 cache needs k_scale and v_scale ([B, Hkv, S] float32)")
+        if k_scale.shape != (B, Hkv, S) or k_scale.dtype != torch.float32 or k_scale.stride(-1) != 1:
+            raise ValueError(
+                f"k_scale must be [B, Hkv, S] = {[B, Hkv, S]} float32, got {list(k_scale.shape)}"
+            )
+        if (v_scale.shape, v_scale.stride(), v_scale.dtype) != (
+            k_scale.shape,
+            k_scale.stride(),
+            torch.float32,
+        ):
+            raise ValueError("v_scale must match k_scale (shape, dtype, strides)")
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = k_cache  # unused pointers
     q = torch.empty(B, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
     _rope_cache_kernel[(B, num_heads + Hkv)](
@@ -118,6 +192,8 @@ def rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         q_norm if has_norm else qkv,
         k_norm if has_norm else qkv,
         eps,
@@ -125,8 +201,12 @@ def rope_and_cache(qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm
         Hkv,
         k_cache.stride(0),
         k_cache.stride(1),
+        k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(1) if fp8 else 0,
         D=D,
         HAS_NORM=has_norm,
+        FP8=fp8,
+        SCALE_FLOOR=SCALE_FLOOR,
         USE_PDL=use_pdl,
         num_warps=1,
         **({"launch_pdl": True} if use_pdl else {}),

@@ -43,34 +43,69 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class LeanConfig:
-    """Launch parameters: positions per tile, warps, pipeline depth, CTAs per SM."""
+    """Launch parameters: positions per tile, warps, pipeline depth, CTAs per SM, partials
+    merged per round (a power of 2)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     ctas_per_sm: int
-    min_tiles: int = 1  # fewest tiles a working CTA takes (short contexts split heads fewer ways)
-    # partials merged per round (power of 2); None: as many as fit 4096 fp32 values a CTA
-    merge_chunk: int | None = None
+    merge_chunk: int
 
 
-# head_dim 128: the best of a sweep on an H200 (bench/NOTES-attention.md). One CTA per SM keeps
+# The best of a sweep on an H200 at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps
 # the splits per head, and so the merge, small; 2 x 64 KiB tiles in flight still stream K/V at
 # ~4.4 TB/s; 8 warps leave registers to spare (182, no spills); 4 partials a merge round keep
-# the merge's code small, and it runs cold once per launch. head_dim 64 was not swept.
-DEFAULT_CONFIGS = {
-    64: LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4),
-    128: LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4),
-}
+# the merge's code small, and it runs cold once per launch. head_dim 64 uses the same config
+# (not swept separately: its tiles are half the bytes, well within the same limits).
+DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> LeanConfig:
     """The tuned config; fp32 K/V tiles are twice the bytes, so half the positions per tile and
     two stages keep them within shared memory (fp32 is for tests, not speed)."""
-    config = DEFAULT_CONFIGS[head_dim]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if dtype == torch.float32:
-        return dataclasses.replace(config, block_n=config.block_n // 2, num_stages=2)
-    return config
+        return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
+    return DEFAULT_CONFIG
+
+
+# FP8 dequantization (kernel constexpr DEQUANT), timed in bench/attention.py --fp8-variants. On a
+# GPU the hardware conversion is the faster (bench/NOTES-attention.md); the interpreter has no
+# float8 casts, so the CPU runs the integer decode, which gives the same fp16 values times 2^-8.
+DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
+DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
+DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
+DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # e4m3 value / fp16 value
+
+
+@triton.jit
+def _e4m3_to_fp16(x, DEQUANT: tl.constexpr):
+    """x: uint8 e4m3 bit patterns -> fp16, equal to the e4m3 value / DEQUANT_UNIT, exactly.
+    DEQUANT 2 is the hardware conversion; DEQUANT 1 decodes with integer ops:
+
+    The bit trick: e4m3 is s.eeee.mmm (bias 7), fp16 s.eeeee.mmmmmmmmmm (bias 15). Placing the
+    sign at bit 15 and eeee.mmm at bits 13..7 gives an fp16 whose exponent is e (bias 15 instead
+    of 7) and whose mantissa starts with mmm: the e4m3 value times 2^-8, subnormals included
+    (e = 0 is an fp16 subnormal with the same mantissa). e4m3 NaN (0x7F) is never written."""
+    if DEQUANT == 1:
+        u = x.to(tl.uint16)
+        return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    else:
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _pow2_exponent(x):
+    """Biased float32 exponent of x >= 0 (x = 2^(e - 127) * 1.f): integer ops, exact."""
+    return (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def _pow2(e):
+    """2^(e - 127) as float32, for a biased exponent e (clamped to the normal range)."""
+    return (tl.minimum(tl.maximum(e, 1), 254) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -174,8 +209,10 @@ def _ticket_and_merge(
 @triton.jit
 def _lean_decode_kernel(
     Q,  # [B, Hq, D]
-    K,  # [B, Hkv, S, D], last dim contiguous
+    K,  # [B, Hkv, S, D], last dim contiguous (FP8: the uint8 view of the e4m3 cache)
     V,  # [B, Hkv, S, D]
+    KScale,  # FP8: [B, Hkv, S] float32, last dim contiguous, K row = e4m3 row * scale
+    VScale,  # FP8: [B, Hkv, S] float32
     Out,  # [B, Hq, D]
     Lengths,  # [B] int32
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
@@ -193,6 +230,8 @@ def _lean_decode_kernel(
     stride_vb,
     stride_vh,
     stride_vn,
+    stride_sb,
+    stride_sh,
     stride_ob,
     stride_oh,
     BLOCK_B: tl.constexpr,
@@ -203,7 +242,8 @@ def _lean_decode_kernel(
     G_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
-    MIN_TILES: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    UNIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     cta = tl.program_id(0)
@@ -215,12 +255,8 @@ def _lean_decode_kernel(
     seq_blocks = tl.cdiv(seq_len, BLOCK_N)  # [BLOCK_B] tiles per KV head of each sequence
     seq_end = tl.cumsum(seq_blocks * Hkv, 0)  # [BLOCK_B] one past the last tile of sequence b
     total = tl.max(seq_end, 0)
-    # Deal the tiles to `used` CTAs, each taking at least MIN_TILES when there are that many: at
-    # short context fewer, longer ranges split each head fewer ways (a shorter merge). The
-    # ranges of the used CTAs differ by at most one tile; the other CTAs exit at once.
-    used = tl.maximum(tl.minimum(n_ctas, total // MIN_TILES), 1)
-    per = tl.cdiv(total, used)
-    big = total - (per - 1) * used
+    per = tl.cdiv(total, n_ctas)  # CTAs [0, big) take per tiles, the others per - 1
+    big = total - (per - 1) * n_ctas
     range_lo = tl.minimum(_range_start(cta, per, big), total)
     range_hi = tl.minimum(_range_start(cta + 1, per, big), total)
     if USE_PDL:
@@ -255,6 +291,7 @@ def _lean_decode_kernel(
         q_b = Q + b * stride_qb
         k_b = K + b.to(tl.int64) * stride_kb  # 64-bit: one layer's cache passes 2^31 elements
         v_b = V + b.to(tl.int64) * stride_vb
+        s_b = b.to(tl.int64) * stride_sb
         for t in range(tile, stop):
             h = (t - seq_lo) // n_blk
             seg_lo = seq_lo + h * n_blk
@@ -266,8 +303,22 @@ def _lean_decode_kernel(
             k = tl.load(
                 k_b + h.to(tl.int64) * stride_kh + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0
             )
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
-            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+            if DEQUANT == 0:
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
+                qk = qk * qk_scale
+            else:
+                # fp16 dot of the dequantized bit patterns (e4m3 / UNIT) with q pre-scaled by a
+                # power of two that takes each row's largest |q| into [128, 256): within fp16's
+                # range whatever q's dtype. Both factors and the per-position K scale multiply the
+                # [G_PAD, BLOCK_N] score tile, not the K elements.
+                qf = q.to(tl.float32)
+                q_exp = _pow2_exponent(tl.max(tl.abs(qf), 1))  # [G_PAD]
+                q16 = (qf * _pow2(127 + 134 - q_exp)[:, None]).to(tl.float16)
+                row_scale = qk_scale * UNIT * _pow2(q_exp - 7)  # [G_PAD] undoes the pre-scale
+                k_scale = tl.load(KScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
+                qk = tl.dot(q16, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
+                qk = qk * row_scale[:, None] * k_scale[None, :]
+            qk = tl.where(valid[None, :], qk, float("-inf"))
             # Every block holds a valid position, so m_new is finite and alpha is 0 on a
             # segment's first block (m_i = -inf there).
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -277,7 +328,17 @@ def _lean_decode_kernel(
             v = tl.load(
                 v_b + h.to(tl.int64) * stride_vh + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            if DEQUANT == 0:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                # The per-position V scale multiplies p, relative to the tile's largest scale so
+                # that p stays in [0, 1] in fp16; that largest scale (and UNIT) multiplies the
+                # tile's fp32 result. fp32 accumulation across tiles, never fp16/fp8.
+                v_scale = tl.load(VScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
+                v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
+                p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
+                pv = tl.dot(p16, _e4m3_to_fp16(v, DEQUANT))  # [G_PAD, HEAD_DIM] fp32
+                acc = acc * alpha[:, None] + pv * (v_top * UNIT)
             m_i = m_new
 
             seg_hi = seg_lo + n_blk
@@ -365,12 +426,19 @@ def lean_attention(
     lengths: torch.Tensor,  # [B] int32 on q's device, 1 <= lengths[b] <= S
     scale: float,
     *,
+    k_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32, with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32
     num_ctas: int | None = None,
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
+    fp8_dequant: int = DEQUANT_CVT,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
     """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
+
+    K/V share q's dtype (fp16 / bf16 / fp32), or are float8_e4m3fn with per-(sequence, KV head,
+    position) float32 scales `k_scale` / `v_scale` (kernels/quant.py: row = e4m3 row * scale).
+    An FP8 cache is dequantized in registers; softmax and accumulation stay in fp32.
 
     One kernel launch, no host sync: safe to capture in a CUDA graph (after one eager call, which
     allocates the cached workspace) and replay as `lengths` grows in place. Calls that share a
@@ -381,19 +449,35 @@ def lean_attention(
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
     B, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
     if k_cache.shape[0] != B or k_cache.shape[3] != D:
         raise ValueError(f"q {tuple(q.shape)} does not match K/V {tuple(k_cache.shape)}")
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {D}")
     if Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-    ):
-        raise ValueError(f"q, K and V must share one of fp16/bf16/fp32, got {q.dtype}, {k_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if k_cache.dtype != v_cache.dtype or not (fp8 or k_cache.dtype == q.dtype):
+        raise ValueError(
+            f"K and V must share q's dtype or be float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an FP8 (float8_e4m3fn) cache needs k_scale and v_scale ([B, Hkv, S] float32)")
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s.shape != (B, Hkv, S) or s.dtype != torch.float32 or s.stride(-1) != 1:
+                raise ValueError(
+                    f"{name} must be [B, Hkv, S] = {[B, Hkv, S]} float32 with a contiguous last dim, "
+                    f"got {list(s.shape)} {s.dtype}"
+                )
+        if k_scale.stride() != v_scale.stride():
+            raise ValueError("k_scale and v_scale must have the same strides")
+        if fp8_dequant not in DEQUANT_UNIT:
+            raise ValueError(f"unknown FP8 dequantization variant {fp8_dequant}")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale are for a float8_e4m3fn cache, not {k_cache.dtype}")
     if lengths.shape != (B,):
         raise ValueError(f"lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -412,11 +496,21 @@ def lean_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
-    merge_chunk = config.merge_chunk or max(1, 4096 // (triton.next_power_of_2(G) * D))
+    if fp8:
+        # uint8 views: the kernel decodes the e4m3 bits itself (the Triton interpreter has no
+        # float8 tensors, and the integer decode needs no FP8 conversion hardware).
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        if q.device.type != "cuda":
+            fp8_dequant = DEQUANT_BITS  # the interpreter has no float8 casts
+    else:
+        k_scale = v_scale = k_cache  # unused pointers
+        fp8_dequant = DEQUANT_NONE
     _lean_decode_kernel[(grid,)](
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         out,
         lengths,
         ws.part_o,
@@ -434,6 +528,8 @@ def lean_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scale.stride(0) if fp8 else 0,
+        k_scale.stride(1) if fp8 else 0,
         out.stride(0),
         out.stride(1),
         BLOCK_B=triton.next_power_of_2(B),
@@ -442,9 +538,10 @@ def lean_attention(
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         G_MERGE=triton.next_power_of_2(G),
-        MERGE_CHUNK=merge_chunk,
+        MERGE_CHUNK=config.merge_chunk,
         COUNTER_STRIDE=_COUNTER_STRIDE,
-        MIN_TILES=config.min_tiles,
+        DEQUANT=fp8_dequant,
+        UNIT=DEQUANT_UNIT.get(fp8_dequant, 1.0),
         USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -479,15 +576,14 @@ def lean_schedule(
     kernel's arithmetic). `device` defaults to the current CUDA device, else the CPU grid."""
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.tolist()
-    config = config or DEFAULT_CONFIGS[head_dim]
+    config = config or default_config(head_dim, torch.bfloat16)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     grid = _grid_size(torch.device(device), config, num_ctas)
     seg_tiles = [math.ceil(n / config.block_n) for n in lengths for _ in range(num_kv_heads)]
     total = sum(seg_tiles)
-    used = max(min(grid, total // config.min_tiles), 1)
-    per = -(-total // used)
-    big = total - (per - 1) * used
+    per = -(-total // grid)
+    big = total - (per - 1) * grid
 
     def owner(tile: int) -> int:
         split = big * per

@@ -1,160 +1,207 @@
-"""Lean attention under the Triton interpreter (CPU), against a float64 reference.
+"""Lean attention against a float64 reference, on the CPU (Triton interpreter, fp16/fp32: its tl.dot
+returns garbage for bf16, triton-lang/triton#11584) and on a GPU (bf16/fp16/fp32, marked gpu),
+with a model-dtype or an FP8 (e4m3) cache.
 
-fp16 and fp32 only: the interpreter's tl.dot returns garbage for bf16 (triton-lang/triton#11584).
-The GPU twin of this file is tests/test_lean_attention_gpu.py.
+tests/conftest.py picks the interpreter when no GPU is present; with a GPU the CPU cases skip.
 """
 
-import os
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
 
-# Before triton is imported: the kernel must be built for the interpreter.
-os.environ["TRITON_INTERPRET"] = "1"
+from minidecode.kernels import lean_attention as la
+from minidecode.kernels.quant import dequantize_fp8, quantize_fp8
+from minidecode.kernels.reference import decode_attention_reference
 
-import dataclasses  # noqa: E402
-import importlib  # noqa: E402
+INTERPRETED = isinstance(la._lean_decode_kernel, InterpretedFunction)
+CPU = pytest.param(
+    "cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="kernel compiled for the GPU in this process")
+)
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+DEVICES = [CPU, CUDA]
+BLOCK = la.DEFAULT_CONFIG.block_n  # positions per tile (fp16 / bf16)
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # relative norm error
+DTYPES = {"cpu": [torch.float16, torch.float32], "cuda": [torch.bfloat16, torch.float16]}
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from minidecode.kernels import lean_attention as la  # noqa: E402
-from minidecode.kernels.reference import decode_attention_reference  # noqa: E402
-
-if not isinstance(la._lean_decode_kernel, InterpretedFunction):  # imported earlier, compiled for a GPU
-    la = importlib.reload(la)
-
-BLOCK_64 = la.DEFAULT_CONFIGS[64].block_n  # positions per tile at head_dim 64
-TOL = {torch.float16: 2e-3, torch.float32: 2e-5}
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def make_inputs(lengths, hq, hkv, head_dim=64, dtype=torch.float16, seed=0, slack=3):
-    """Random q, K, V with K/V positions past each length poisoned: reading them gives NaN."""
-    gen = torch.Generator().manual_seed(seed)
+def make_inputs(device, lengths, hq, hkv, head_dim=64, dtype=torch.float16, seed=0, slack=3, fp8=False):
+    """Random q, K, V; K/V positions past each length are NaN (FP8: NaN scales), so reading them
+    shows. FP8 returns the e4m3 cache, its scales and the unquantized K/V as well."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     batch, capacity = len(lengths), max(lengths) + slack
-    q = torch.randn(batch, hq, head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, hkv, capacity, head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, hkv, capacity, head_dim, generator=gen).to(dtype)
+    q = torch.randn(batch, hq, head_dim, generator=gen, device=device).to(dtype)
+    k = torch.randn(batch, hkv, capacity, head_dim, generator=gen, device=device).to(dtype)
+    v = torch.randn(batch, hkv, capacity, head_dim, generator=gen, device=device).to(dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if not fp8:
+        for b, n in enumerate(lengths):
+            k[b, :, n:] = float("nan")
+            v[b, :, n:] = float("nan")
+        return q, k, v, lens
+    k = k * torch.logspace(-1, 1, hkv, device=device)[:, None, None].to(dtype)  # heads of different size
+    (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
     for b, n in enumerate(lengths):
-        k[b, :, n:] = float("nan")
-        v[b, :, n:] = float("nan")
-    return q, k, v, torch.tensor(lengths, dtype=torch.int32)
+        ks[b, :, n:] = float("nan")
+        vs[b, :, n:] = float("nan")
+    return q, (k8, ks), (v8, vs), lens, (k, v)
 
 
 def reference(q, k, v, lengths, scale):
-    """float64 inputs, float64 math, float64 output (not rounded back to q's dtype)."""
+    """float64 inputs, math and output (not rounded back to q's dtype); K/V may be (e4m3, scale)
+    pairs, dequantized in float64."""
+    if isinstance(k, tuple):
+        k, v = dequantize_fp8(*k, torch.float64), dequantize_fp8(*v, torch.float64)
     return decode_attention_reference(q.double(), k.double(), v.double(), lengths, scale, torch.float64)
 
 
-def run_lean(q, k, v, lengths, scale, num_ctas):
+def counters_zero() -> bool:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return all(ws.counters.eq(0).all().item() for ws in la._WORKSPACES.values())
+
+
+def run_lean(q, k, v, lengths, scale, num_ctas=None, **kw):
     """Run into a NaN-poisoned output, then check it is fully written and the counters are zero."""
+    if isinstance(k, tuple):
+        (k, kw["k_scale"]), (v, kw["v_scale"]) = k, v
     out = torch.full_like(q, float("nan"))
-    la.lean_attention(q, k, v, lengths, scale, num_ctas=num_ctas, out=out)
+    la.lean_attention(q, k, v, lengths, scale, num_ctas=num_ctas, out=out, **kw)
     assert not out.isnan().any(), "output not fully written (or NaN computed)"
-    for ws in la._WORKSPACES.values():
-        assert ws.counters.eq(0).all(), "ticket counters not reset"
+    assert counters_zero(), "ticket counters not reset"
     return out
 
 
-def check(lengths, hq, hkv, num_ctas, head_dim=64, dtype=torch.float16, scale=None, seed=0):
-    q, k, v, lens = make_inputs(lengths, hq, hkv, head_dim, dtype, seed)
+def check(device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=torch.float16, scale=None, seed=0):
+    q, k, v, lens = make_inputs(device, lengths, hq, hkv, head_dim, dtype, seed)
     scale = head_dim**-0.5 if scale is None else scale
     out = run_lean(q, k, v, lens, scale, num_ctas)
-    ref = reference(q, k, v, lens, scale)
-    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    return out
+    err = rel_err(out, reference(q, k, v, lens, scale))
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+    return q, k, v, lens, out
 
 
-def test_length_one():
-    check([1], hq=4, hkv=1, num_ctas=4)
-    check([1, 1, 1], hq=8, hkv=2, num_ctas=2, dtype=torch.float32)
+# ---- model-dtype cache ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [BLOCK_64 - 1, BLOCK_64, BLOCK_64 + 1, 2 * BLOCK_64 + 1])
-@pytest.mark.parametrize("num_ctas", [1, 3])
-def test_block_edges(n, num_ctas):
-    check([n], hq=8, hkv=2, num_ctas=num_ctas)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 1])
+@pytest.mark.parametrize("num_ctas", [1, 3, None])
+def test_block_edges(device, n, num_ctas):
+    for dtype in DTYPES[device]:
+        check(device, [n], hq=8, hkv=2, num_ctas=num_ctas, dtype=dtype)
 
 
-def test_fewer_tiles_than_ctas():
-    sched = la.lean_schedule([5, 40], num_kv_heads=2, head_dim=64, num_ctas=16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fewer_tiles_than_ctas(device):
+    sched = la.lean_schedule([5, 40], num_kv_heads=2, head_dim=64, device=device, num_ctas=16)
     assert sched.total_tiles < sched.grid
-    check([5, 40], hq=4, hkv=2, num_ctas=16)
+    check(device, [5, 40], hq=4, hkv=2, num_ctas=16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "lengths, hkv, num_ctas",
     [
-        ([3 * BLOCK_64], 4, 5),  # CTAs start mid-segment and hold two partial segments
-        ([2 * BLOCK_64], 8, 3),  # whole segments in the middle of a range, split ones at its ends
-        ([9 * BLOCK_64 - 7], 2, 4),  # long ranges, each head split over several CTAs
+        ([3 * BLOCK], 4, 5),  # CTAs start mid-segment and hold two partial segments
+        ([2 * BLOCK], 8, 3),  # whole segments in the middle of a range, split ones at its ends
+        ([9 * BLOCK - 7], 2, 4),  # long ranges, each head split over several CTAs
     ],
 )
-def test_many_tiles_per_cta(lengths, hkv, num_ctas):
-    sched = la.lean_schedule(lengths, hkv, head_dim=64, num_ctas=num_ctas)
+def test_many_tiles_per_cta(device, lengths, hkv, num_ctas):
+    sched = la.lean_schedule(lengths, hkv, head_dim=64, device=device, num_ctas=num_ctas)
     assert sched.tiles_per_cta > 1 and sched.partial_segments > 0
-    check(lengths, hq=2 * hkv, hkv=hkv, num_ctas=num_ctas)
+    check(device, lengths, hq=2 * hkv, hkv=hkv, num_ctas=num_ctas)
 
 
-def test_merge_in_several_chunks():
-    """Group 16 at head_dim 128 merges two partials per step: a segment split four ways takes two."""
-    sched = la.lean_schedule([700], 2, head_dim=128, num_ctas=7)
-    assert sched.max_splits_per_head > 2
-    check([700], hq=32, hkv=2, num_ctas=7, head_dim=128)
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_in_several_rounds(device):
+    """A head split over more CTAs than a merge round holds takes several rounds."""
+    sched = la.lean_schedule([14 * BLOCK + 5], 2, head_dim=128, device=device, num_ctas=12)
+    assert sched.max_splits_per_head > la.DEFAULT_CONFIG.merge_chunk
+    check(device, [14 * BLOCK + 5, 3 * BLOCK], hq=32, hkv=2, num_ctas=12, head_dim=128)
 
 
-def test_ragged_batch():
-    lengths = [1, BLOCK_64 + 2, 5 * BLOCK_64 + 3, 64, 2 * BLOCK_64]
-    sched = la.lean_schedule(lengths, 2, head_dim=64, num_ctas=7)
+@pytest.mark.parametrize("device", DEVICES)
+def test_ragged_batch(device):
+    lengths = [1, BLOCK + 2, 5 * BLOCK + 3, 64, 2 * BLOCK]
+    if device == "cuda":
+        lengths += [1000, 5000, 100_000, 262_144]
+    sched = la.lean_schedule(lengths, 2, head_dim=64, device=device, num_ctas=7)
     assert sched.max_splits_per_head > 1  # ranges cross sequence boundaries and split heads
-    check(lengths, hq=8, hkv=2, num_ctas=7)
-    check(lengths, hq=8, hkv=2, num_ctas=7, dtype=torch.float32, seed=1)
+    for dtype in DTYPES[device]:
+        check(device, lengths, hq=8, hkv=2, num_ctas=7, dtype=dtype)
+        check(device, lengths, hq=32, hkv=8, head_dim=128, dtype=dtype, seed=1)
 
 
-@pytest.mark.parametrize(
-    "hq, hkv", [(4, 4), (4, 2), (8, 2), (16, 2), (32, 2), (16, 1), (4, 1)], ids=lambda x: str(x)
-)
-def test_gqa_groups(hq, hkv):
-    check([BLOCK_64 + 9, 2 * BLOCK_64 + 1], hq=hq, hkv=hkv, num_ctas=3)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2), (16, 2), (32, 2), (16, 1), (128, 8)], ids=str)
+def test_gqa_groups(device, hq, hkv):
+    check(device, [BLOCK + 9, 2 * BLOCK + 1], hq=hq, hkv=hkv, num_ctas=3)
 
 
-def test_head_dim_128():
-    check([130, 700], hq=8, hkv=2, num_ctas=5, head_dim=128, dtype=torch.float32)
-    check([1, 257], hq=4, hkv=4, num_ctas=3, head_dim=128)
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_dim_128(device):
+    check(device, [130, 700], hq=8, hkv=2, num_ctas=5, head_dim=128, dtype=torch.float32)
+    check(device, [1, 257], hq=4, hkv=4, num_ctas=3, head_dim=128)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_peaked_logits(dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_peaked_logits(device):
     # scores spread over hundreds of nats: a naive exp overflows, the softmax is nearly one-hot
-    check([3 * BLOCK_64 + 5], hq=8, hkv=2, num_ctas=4, dtype=dtype, scale=40.0)
+    for dtype in [*DTYPES[device], torch.float32]:
+        check(device, [3 * BLOCK + 5, 33], hq=8, hkv=2, num_ctas=4, dtype=dtype, scale=40.0)
 
 
-def test_bitwise_repeatable():
-    q, k, v, lens = make_inputs([7 * BLOCK_64 + 3, BLOCK_64 - 2], 8, 2)
-    first = run_lean(q, k, v, lens, 0.125, num_ctas=5)
-    second = run_lean(q, k, v, lens, 0.125, num_ctas=5)
-    assert torch.equal(first, second)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitwise_repeatable(device):
+    lengths = [7 * BLOCK + 3, BLOCK - 2] if device == "cpu" else [123_457, 999]
+    q, k, v, lens, first = check(device, lengths, hq=8, hkv=2, num_ctas=5 if device == "cpu" else None)
+    for _ in range(2):
+        assert torch.equal(first, run_lean(q, k, v, lens, 0.125, num_ctas=5 if device == "cpu" else None))
 
 
-def test_growing_context_reuses_workspace():
+@pytest.mark.parametrize("device", DEVICES)
+def test_growing_context_reuses_workspace(device):
     """As in a replayed CUDA graph: lengths grow in place, the workspace is reused every step."""
-    q, k, v, lens = make_inputs([BLOCK_64 - 2], 8, 2, slack=4)
+    q, k, v, lens = make_inputs(device, [BLOCK - 2], 8, 2, slack=4)
     for _ in range(4):
         k[:, :, lens[0]] = torch.randn_like(k[:, :, 0])  # the new token's K and V
         v[:, :, lens[0]] = torch.randn_like(v[:, :, 0])
         lens += 1
         out = run_lean(q, k, v, lens, 0.125, num_ctas=3)
-        ref = reference(q, k, v, lens, 0.125)
-        torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+        assert rel_err(out, reference(q, k, v, lens, 0.125)) < TOL[q.dtype]
 
 
-@pytest.mark.parametrize("head_dim", [32, 80, 96, 256])
-def test_rejects_other_head_dims(head_dim):
-    q, k, v, lens = make_inputs([4], 4, 2, head_dim=head_dim)
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[1_048_576], [1_048_576, 3]], ids=str)
+def test_one_million_positions(lengths):
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    check("cuda", lengths, hq=32, hkv=8, head_dim=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_rejects_other_head_dims(device, head_dim):
+    q, k, v, lens = make_inputs(device, [4], 4, 2, head_dim=head_dim)
     with pytest.raises(ValueError, match="head_dim"):
         la.lean_attention(q, k, v, lens, 0.1)
 
 
-def test_rejects_bad_group():
-    q, k, v, lens = make_inputs([4], 6, 4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rejects_bad_group(device):
+    q, k, v, lens = make_inputs(device, [4], 6, 4)
     with pytest.raises(ValueError, match="multiple"):
         la.lean_attention(q, k, v, lens, 0.1)
 
@@ -168,28 +215,131 @@ def test_schedule_is_even():
         assert sum(sizes) == sched.total_tiles and max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("min_tiles", [2, 3, 5])
-@pytest.mark.parametrize("lengths", [[1], [4 * BLOCK_64 + 7], [3 * BLOCK_64, 1, 9 * BLOCK_64 + 2]], ids=str)
-def test_min_tiles_per_cta(min_tiles, lengths):
-    """Fewer, longer ranges at short context: same result, counters left at zero."""
-    q, k, v, lens = make_inputs(lengths, 8, 2)
-    config = dataclasses.replace(la.default_config(64, q.dtype), min_tiles=min_tiles)
-    out = la.lean_attention(q, k, v, lens, 64**-0.5, num_ctas=6, config=config)
-    torch.testing.assert_close(
-        out.double(), reference(q, k, v, lens, 64**-0.5), atol=TOL[q.dtype], rtol=TOL[q.dtype]
-    )
-    assert all(int(ws.counters.abs().sum()) == 0 for ws in la._WORKSPACES.values())
-    schedule = la.lean_schedule(lens, 2, 64, num_ctas=6, config=config)
-    assert schedule.total_tiles < min_tiles or schedule.tiles_per_cta >= min_tiles
+# ---- FP8 (e4m3) cache -----------------------------------------------------------------------
+
+# Against the dequantized cache: the kernel's own error (q and the dot operands in fp16, fp32
+# accumulation). Against the unquantized cache: e4m3's 3 mantissa bits (~2^-5 a value), amplified
+# by peaked scores (K heads up to 10x larger); a loose bound that a mis-scaled cache (a wrong
+# head's or position's scale) fails by far. bench/attention.py reports the measured error.
+FP8_TOL = {torch.float16: 2e-3, torch.float32: 2e-3, torch.bfloat16: 1e-2}
+FP8_VS_UNQUANTIZED = 0.25
 
 
-@pytest.mark.parametrize("merge_chunk", [1, 2, 32])
-def test_merge_chunk_sizes(merge_chunk):
-    """Partials merged 1, 2 or 32 at a time (heads split over many CTAs): same result."""
-    q, k, v, lens = make_inputs([14 * BLOCK_64 + 5, 3 * BLOCK_64], 8, 2)
-    config = dataclasses.replace(la.default_config(64, q.dtype), merge_chunk=merge_chunk)
-    out = la.lean_attention(q, k, v, lens, 64**-0.5, num_ctas=12, config=config)
-    torch.testing.assert_close(
-        out.double(), reference(q, k, v, lens, 64**-0.5), atol=TOL[q.dtype], rtol=TOL[q.dtype]
-    )
-    assert la.lean_schedule(lens, 2, 64, num_ctas=12, config=config).max_splits_per_head > 2
+def check_fp8(device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=torch.float16, scale=None):
+    q, k, v, lens, (k_raw, v_raw) = make_inputs(device, lengths, hq, hkv, head_dim, dtype, fp8=True)
+    scale = head_dim**-0.5 if scale is None else scale
+    out = run_lean(q, k, v, lens, scale, num_ctas)
+    err = rel_err(out, reference(q, k, v, lens, scale))
+    assert err < FP8_TOL[dtype], f"relative error {err:.2e} against the dequantized cache"
+    err_raw = rel_err(out, reference(q, k_raw, v_raw, lens, scale))
+    assert err_raw < FP8_VS_UNQUANTIZED, f"relative error {err_raw:.2e} against the unquantized cache"
+    return q, k, v, lens, out
+
+
+def fp8_dtypes(device):
+    return [torch.float16] if device == "cpu" else [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_ctas", [1, 3, 7])
+def test_fp8_ragged_batch(device, num_ctas):
+    lengths = [1, BLOCK - 1, 2 * BLOCK + 3, 37]  # ragged, lengths not multiples of BLOCK_N
+    if device == "cuda":
+        lengths += [5000, 100_001]
+    for dtype in fp8_dtypes(device):
+        check_fp8(device, lengths, hq=8, hkv=2, num_ctas=num_ctas, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_llama_shape(device):
+    lengths = [3 * BLOCK + 17] if device == "cpu" else [131_072 + 5, 999]
+    for dtype in fp8_dtypes(device):
+        num_ctas = 5 if device == "cpu" else None
+        check_fp8(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=num_ctas, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_fp32_query(device):
+    check_fp8(device, [BLOCK + 5, 9], hq=8, hkv=2, num_ctas=3, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_peaked_logits(device):
+    """Scores over hundreds of nats: the softmax is nearly one-hot."""
+    check_fp8(device, [3 * BLOCK + 5, 33], hq=8, hkv=2, num_ctas=4, dtype=fp8_dtypes(device)[0], scale=4.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_query_beyond_fp16_range(device):
+    """|q| up to ~4e5 (fp16 holds 65504) with moderate scores: the power-of-two pre-scale of q
+    keeps the fp16 dot finite, and undoing it exactly keeps the scores right."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, lens, _ = make_inputs(device, [3 * BLOCK + 5], 8, 2, dtype=dtype, fp8=True)
+    q = q * 1e5
+    out = run_lean(q, k, v, lens, 1e-6, num_ctas=4)
+    assert rel_err(out, reference(q, k, v, lens, 1e-6)) < FP8_TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_bitwise_repeatable(device):
+    q, k, v, lens, first = check_fp8(device, [5 * BLOCK + 1, 77], hq=8, hkv=2, num_ctas=5)
+    assert torch.equal(first, run_lean(q, k, v, lens, 64**-0.5, num_ctas=5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_rejects_bad_input(device):
+    q, (k8, ks), (v8, vs), lens, _ = make_inputs(device, [5], 4, 2, fp8=True)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        la.lean_attention(q, k8, v8, lens, 0.1)
+    with pytest.raises(ValueError, match=r"k_scale must be \[B, Hkv, S\]"):
+        la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks[:, :1], v_scale=vs)
+    with pytest.raises(ValueError, match="v_scale must be"):
+        la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks, v_scale=vs.half())
+    with pytest.raises(ValueError, match="q must be"):
+        la.lean_attention(q.to(torch.float8_e4m3fn), k8, v8, lens, 0.1, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="for a float8_e4m3fn cache"):
+        la.lean_attention(q, k8.half(), v8.half(), lens, 0.1, k_scale=ks, v_scale=vs)
+
+
+# ---- CUDA graphs ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("start", [BLOCK * 64 - 3, 200_001], ids=str)
+def test_cuda_graph_growing_context(start, fp8):
+    """Capture once at `start`, then replay while the context grows one token a step."""
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    steps, lengths = 6, [start, start // 3, 5]
+    inputs = make_inputs("cuda", lengths, 32, 8, 128, torch.bfloat16, slack=steps + 1, fp8=fp8)
+    q, k, v, lens = inputs[:4]
+    kw = {"k_scale": k[1], "v_scale": v[1]} if fp8 else {}
+    kc, vc = (k[0], v[0]) if fp8 else (k, v)
+    out = torch.empty_like(q)
+    la.lean_attention(q, kc, vc, lens, 128**-0.5, out=out, **kw)  # eager: compile, allocate workspace
+    n_workspaces = len(la._WORKSPACES)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        la.lean_attention(q, kc, vc, lens, 128**-0.5, out=out, **kw)
+    assert len(la._WORKSPACES) == n_workspaces  # capture allocated no workspace
+    for _ in range(steps):
+        # Write the new token's K/V at each sequence's end, grow the lengths in place, replay.
+        for b in range(len(lengths)):
+            n = int(lens[b])
+            new_k = torch.randn_like(q[b, :8], dtype=torch.float32)  # [Hkv, D]
+            new_v = torch.randn_like(new_k)
+            if fp8:
+                kc[b, :, n], k[1][b, :, n] = quantize_fp8(new_k)
+                vc[b, :, n], v[1][b, :, n] = quantize_fp8(new_v)
+            else:
+                kc[b, :, n], vc[b, :, n] = new_k.to(kc.dtype), new_v.to(vc.dtype)
+        lens += 1
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        err = rel_err(out, reference(q, k if fp8 else kc, v if fp8 else vc, lens, 128**-0.5))
+        assert err < TOL[torch.bfloat16], f"relative error {err:.2e} at lengths {lens.tolist()}"
+        assert counters_zero()
