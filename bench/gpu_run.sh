@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 if [[ $STAGES == *tests* ]]; then
-  for f in tests/test_lean_attention_gpu.py tests/test_fused_kernels.py tests/test_prefill_attention.py tests/test_parity_gpu.py; do
+  for f in tests/test_lean_attention.py tests/test_quant.py tests/test_fused_kernels.py tests/test_prefill_attention.py tests/test_parity_gpu.py; do
     [ -f "$f" ] || continue
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" >"$LOG_DIR/gpu-test.tmp" 2>&1
     cat "$LOG_DIR/gpu-test.tmp" >>"$LOG_DIR/gpu-tests.log"

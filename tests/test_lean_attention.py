@@ -7,6 +7,7 @@ tests/conftest.py picks the interpreter when no GPU is present; with a GPU the C
 
 import pytest
 import torch
+from helpers import rel_err
 from triton.runtime.interpreter import InterpretedFunction
 
 from minidecode.kernels import lean_attention as la
@@ -28,11 +29,6 @@ DEVICES = [CPU, CUDA]
 BLOCK = la.DEFAULT_CONFIG.block_n  # positions per tile (fp16 / bf16)
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # relative norm error
 DTYPES = {"cpu": [torch.float16, torch.float32], "cuda": [torch.bfloat16, torch.float16]}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64."""
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def make_inputs(device, lengths, hq, hkv, head_dim=64, dtype=torch.float16, seed=0, slack=3, fp8=False):
