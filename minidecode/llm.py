@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
@@ -50,13 +51,63 @@ class GenerationResult:
 
 @dataclass
 class Stream:
-    """Iterate for text pieces as they are decoded; `.result` holds the full result afterwards."""
+    """Iterate for text pieces as they are decoded; `.result` holds the full result afterwards.
+
+    A stream holds its model from creation until it is exhausted or closed (`close()`, or use it
+    as a context manager): other threads' calls on that model wait their turn meanwhile."""
 
     _pieces: Generator[str, None, GenerationResult]
+    _release: Callable[[], None]
     result: GenerationResult | None = field(default=None, init=False)
 
     def __iter__(self) -> Iterator[str]:
-        self.result = yield from self._pieces
+        try:
+            self.result = yield from self._pieces
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop generating (if still running) and give the model to the next caller."""
+        self._pieces.close()
+        self._release()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # an abandoned stream must not hold the model forever
+        self.close()
+
+
+class _Turns:
+    """One caller at a time on a model: other threads wait for their turn; the thread that holds
+    the model (an open stream) and calls again is refused, since waiting would never end."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holder: int | None = None
+
+    def acquire(self) -> Callable[[], None]:
+        """Wait for the model; -> the function that gives it back (idempotent)."""
+        if self._holder == threading.get_ident():
+            raise UserError(
+                "this model is still generating: finish or close the previous stream first "
+                "(stream.close(), or `with llm.stream(...) as stream:`)"
+            )
+        self._lock.acquire()
+        self._holder = threading.get_ident()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._holder = None
+                self._lock.release()
+
+        return release
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -133,6 +184,7 @@ class LLM:
         self.model.setup_rope(self.device)
         self.model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
         self.engine = Engine(self.model, self.device, self.dtype, prefill_chunk, use_cuda_graph=cuda_graph)
+        self._turns = _Turns()  # calls from several threads take turns on the one cache
 
     def _generation_config(self) -> tuple[SamplingParams, set[int]]:
         eos = set(self.config.eos_token_ids)
@@ -228,8 +280,13 @@ class LLM:
             # Synthetic models are noise at any length: only their speed matters, so no position limit.
             allow_extrapolation=allow_extrapolation or self.synthetic,
         )
-        generation = self.engine.generate(request, on_prefill_progress, t_request)  # refuses a bad request
-        return Stream(self._pieces(generation))
+        release = self._turns.acquire()  # waits while another thread generates
+        try:
+            generation = self.engine.generate(request, on_prefill_progress, t_request)  # refuses a bad one
+        except BaseException:
+            release()
+            raise
+        return Stream(self._pieces(generation), release)
 
     def _pieces(self, generation: Generation) -> Generator[str, None, GenerationResult]:
         request = generation.request
@@ -273,14 +330,18 @@ class LLM:
         """Generate a continuation of `prompt` (or of `token_ids=`, or a chat reply to
         `messages=`). Sampling defaults come from the checkpoint's generation_config.json
         (greedy when it does not sample); temperature=0 is greedy."""
-        stream = self.stream(prompt, **kwargs)
-        for _ in stream:
-            pass
+        with self.stream(prompt, **kwargs) as stream:
+            for _ in stream:
+                pass
         return stream.result
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""
-        return self.engine.score(token_ids)
+        release = self._turns.acquire()
+        try:
+            return self.engine.score(token_ids)
+        finally:
+            release()
 
 
 def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
@@ -289,7 +350,8 @@ def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
     return min(hits) if hits else None
 
 
-_default_llm: LLM | None = None
+_default: tuple[tuple, LLM] | None = None  # (load arguments, model) of the one-call function
+_default_lock = threading.Lock()
 
 
 def generate(
@@ -302,12 +364,13 @@ def generate(
 ) -> GenerationResult:
     """One-call convenience: load `model` (kept for the next call with the same arguments) and
     generate. `minidecode.generate("def fib(n):")` uses the shipped model."""
-    global _default_llm
+    global _default
     key = (str(model), device, dtype)
-    if _default_llm is None or getattr(_default_llm, "_key", None) != key:
-        _default_llm = LLM(model, device=device, dtype=dtype)
-        _default_llm._key = key
-    return _default_llm.generate(prompt, **kwargs)
+    with _default_lock:  # two threads' first calls load one model, not two
+        if _default is None or _default[0] != key:
+            _default = (key, LLM(model, device=device, dtype=dtype))
+        llm = _default[1]
+    return llm.generate(prompt, **kwargs)
 
 
 def synthetic_config(name: str) -> ModelConfig:

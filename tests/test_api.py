@@ -437,3 +437,57 @@ def test_long_prompt_encoded_in_pieces_equals_whole(tmp_path, variant):
         for piece_chars in (1, 7, 64, 1000):
             got = ours.encode_long(text, add_special_tokens=add_special_tokens, piece_chars=piece_chars)
             assert got == ref, (piece_chars, add_special_tokens)
+
+
+# ---- several threads on one model -------------------------------------------------------------
+
+
+def test_threads_take_turns_and_never_corrupt_each_other(llama, prompt_ids):
+    """4 threads mixing generate and stream on one LLM: every output equals a single-threaded
+    run (before the fix, a stream started mid-generation reallocated the cache under it)."""
+    import threading
+
+    llm = load(llama)
+    prompts = [prompt_ids(20 + 7 * i, seed=40 + i) for i in range(8)]
+    expected = [llm.generate(token_ids=p, max_new_tokens=12, temperature=0).token_ids for p in prompts]
+    got: dict[tuple[int, int], list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for r in range(6):
+                i = (w * 3 + r) % len(prompts)
+                kw = dict(token_ids=prompts[i], max_new_tokens=12, temperature=0)
+                if (w + r) % 2:
+                    out = llm.generate(**kw)
+                else:
+                    # a longer context on every other stream: forces the cache to be reallocated
+                    with llm.stream(**kw, max_context=200 + 50 * w) as stream:
+                        for _ in stream:
+                            pass
+                    out = stream.result
+                got[w, r] = (i, out.token_ids)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(got) == 24
+    for i, tokens in got.values():
+        assert tokens == expected[i]
+
+
+def test_a_closed_or_abandoned_stream_frees_the_model(llama, prompt_ids):
+    llm = load(llama)
+    ids = prompt_ids(30, seed=50)
+    ref = llm.generate(token_ids=ids, max_new_tokens=8, temperature=0).token_ids
+    stream = llm.stream(token_ids=ids, max_new_tokens=8, temperature=0)
+    next(iter(stream))
+    stream.close()  # stopped early: the next call runs at once
+    assert llm.generate(token_ids=ids, max_new_tokens=8, temperature=0).token_ids == ref
+    llm.stream(token_ids=ids, max_new_tokens=8, temperature=0)  # never iterated, dropped at once
+    assert llm.generate(token_ids=ids, max_new_tokens=8, temperature=0).token_ids == ref
