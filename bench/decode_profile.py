@@ -2,8 +2,9 @@
 
 Usage: python bench/decode_profile.py [synthetic:llama-3-8b] [context]
 Prints the step time with the CUDA graph (with and without programmatic dependent launch
-between the step's kernels) and eager, the weight+KV roofline for the same step (measured copy
-bandwidth), and the top kernels of one step by total time and launch count.
+between the step's kernels) and eager, the read roofline of the same step (the bytes
+minidecode.bench.step_bytes counts, over the read ceiling measured in this run), and the top
+kernels of one step by total time and launch count.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ import sys
 import torch
 
 from minidecode import LLM
-from minidecode.bench import copy_bandwidth
-from minidecode.kernels import fused
+from minidecode.bench import measure_ceilings, step_bytes
 
 
 def step_ms(llm: LLM, steps: int = 64) -> float:
-    engine = llm.engine
-    step = engine._prepare_decode(engine._params, False)
+    """Milliseconds per `engine.step()`: the last request's decode step, run on from where it ended."""
     for _ in range(3):
-        step()
+        llm.engine.step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        step()
+        llm.engine.step()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / steps
@@ -35,30 +34,27 @@ def step_ms(llm: LLM, steps: int = 64) -> float:
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "synthetic:llama-3-8b"
     context = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
-    bandwidth = copy_bandwidth(torch.device("cuda"))
+    ceiling = measure_ceilings(torch.device("cuda")).read_bytes_per_s
     rows = []
     for graph, pdl in ((True, True), (True, False), (False, True)):
-        fused.PDL = pdl
         llm = LLM(name, cuda_graph=graph)
+        llm.engine.pdl = pdl
         llm.generate(
             token_ids=llm.random_prompt(context), max_new_tokens=4, temperature=0, max_context=context + 256
         )
         ms = step_ms(llm)
-        weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
-        kv = llm.config.kv_bytes_per_token(llm.dtype.itemsize) * context
-        floor = (weights + kv) / bandwidth * 1e3
+        floor = step_bytes(llm.config, llm.dtype.itemsize).at(context + 70) / ceiling * 1e3
         rows.append((graph, pdl, ms, floor))
         if not graph:
-            engine = llm.engine
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                engine._decode_step()
+                llm.engine.step()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
             print("kernels per step:", sum(e.count for e in events))
         del llm
         torch.cuda.empty_cache()
-    print(f"bandwidth {bandwidth / 1e12:.2f} TB/s; {name} at context {context}")
+    print(f"read ceiling {ceiling / 1e12:.2f} TB/s; {name} at context {context}")
     print("| mode | step ms | floor ms | % of floor |")
     for graph, pdl, ms, floor in rows:
         mode = ("cuda graph" if graph else "eager") + (", PDL" if pdl else ", no PDL")

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from attention import time_graph  # bench/attention.py: run as a script, bench/ is on the import path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import time_graph  # noqa: E402
-
-from minidecode.kernels.gemv import GemvConfig, gemv  # noqa: E402
+from minidecode.kernels.gemv import GemvConfig, gemv
 
 LAYERS = 32
 SHAPES = {  # name: (N, K, fusion) for Llama-3-8B
