@@ -415,11 +415,11 @@ def bench(
     peers = [p.strip() for p in peer.split(",") if p.strip()] if compare else []
     command = command_line(ctx)
     try:
+        from minidecode import LLM, UserError
+        from minidecode.bench import BenchSettings, run_bench
         from minidecode.validate import check_kv_cache_dtype_name
 
         check_kv_cache_dtype_name(kv_cache_dtype)
-        from minidecode import LLM, UserError
-        from minidecode.bench import BenchSettings, run_bench
 
         settings = BenchSettings(
             prompt_lengths=lengths,
