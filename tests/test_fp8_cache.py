@@ -43,10 +43,10 @@ def _rope_inputs(dtype, B=2, Hq=4, Hkv=2, D=16):
     return qkv, angles.cos().float(), angles.sin().float(), torch.tensor([3, 9], device=DEVICE)
 
 
-@pytest.mark.parametrize("static", [None, (0.02, 0.05)])
 BF16_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.gpu)  # the interpreter's bf16 rounds wrongly
 
 
+@pytest.mark.parametrize("static", [None, (0.02, 0.05)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_GPU])
 def test_rope_and_cache_twin_writes_quantize_fp8_of_the_rotated_rows(dtype, static):
     """The twin's FP8 write is exactly quantize_fp8 of what the model-dtype cache would hold (k
@@ -132,7 +132,8 @@ def decode_logits(llm: LLM, ids: list[int], prefix: int, kv_dtype: torch.dtype, 
     for i in range(steps):
         token = int(logits[-1].argmax()) if greedy else ids[prefix + i]
         fed.append(token)
-        hidden = model.decode(torch.tensor([token], device=device), torch.tensor([prefix + i], device=device), cache)
+        position = torch.tensor([prefix + i], device=device)
+        hidden = model.decode(torch.tensor([token], device=device), position, cache)
         logits.append(model.logits(hidden)[0])
     return torch.stack(logits), fed
 
@@ -175,8 +176,9 @@ def test_fp8_perplexity_through_decode_within_one_percent(llm, heldout_ids):
 NEAR_TIE = 0.5
 
 
-def first_divergence(ref_logits: torch.Tensor, ref_tokens: list[int], tokens: list[int]) -> tuple[int, float, int]:
-    """(first step where tokens differ or len, the reference's top-2 gap there, first near-tie)."""
+def first_divergence(ref_logits: torch.Tensor, ref_tokens: list[int], tokens: list[int]):
+    """-> (first step where tokens differ, else len; the reference's top-2 gap there; the first
+    step where that gap is a near-tie)."""
     top2 = ref_logits.topk(2, dim=-1).values  # [steps + 1, 2]
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     step = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens, strict=True)) if a != b), len(tokens))
@@ -206,7 +208,8 @@ def test_fp8_greedy_agrees_with_model_dtype_up_to_the_first_near_tie(llm):
 
 
 # ---- checkpoint scales -------------------------------------------------------------------------
-def with_kv_scales(src: Path, dst: Path, layers: range, scales=(0.03, 0.02), config: dict | None = None) -> Path:
+def with_kv_scales(src: Path, dst: Path, layers: range, scales=(0.03, 0.02), config: dict | None = None):
+    """A copy of checkpoint `src` with k_scale / v_scale tensors for `layers` (and config keys)."""
     shutil.copytree(src, dst)
     (weights,) = dst.glob("*.safetensors")
     tensors = load_file(weights)
@@ -223,7 +226,8 @@ def with_kv_scales(src: Path, dst: Path, layers: range, scales=(0.03, 0.02), con
 def test_checkpoint_kv_scales_are_loaded_and_used(tiny_llama, tmp_path):
     model_dir = with_kv_scales(tiny_llama, tmp_path / "scaled", range(2))
     llm = LLM(model_dir, device="cpu", kv_cache_dtype="fp8")
-    assert [layer.self_attn.kv_static_scales for layer in llm.model.model.layers] == [(0.03, 0.02)] * 2
+    as_stored = (torch.tensor(0.03).item(), torch.tensor(0.02).item())  # float32 in the file
+    assert [layer.self_attn.kv_static_scales for layer in llm.model.model.layers] == [as_stored] * 2
     result = llm.generate(token_ids=[5, 6, 7, 8], max_new_tokens=4, temperature=0, ignore_eos=True)
     assert len(result.token_ids) == 4 and result.stats.kv_cache_dtype == "fp8_e4m3"
     cache = llm.engine.cache
@@ -259,10 +263,11 @@ def test_memory_plan_stats_and_json_name_the_cache_dtype(tiny_llama):
     plan = llm.engine.plan(1000, 10)
     assert plan.kv_cache_dtype == "fp8_e4m3"
     assert plan.kv_cache_bytes == 1000 * 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
-    result = cli("generate", str(tiny_llama), "-p", "hi", "-n", "3", "--device", "cpu", "--kv-cache-dtype", "fp8", "--json")
+    args = ["generate", str(tiny_llama), "-p", "hi", "-n", "3", "--device", "cpu", "--kv-cache-dtype", "fp8"]
+    result = cli(*args, "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["stats"]["kv_cache_dtype"] == "fp8_e4m3"
-    result = cli("generate", str(tiny_llama), "-p", "hi", "-n", "3", "--device", "cpu", "--kv-cache-dtype", "fp8")
+    result = cli(*args)
     assert result.exit_code == 0 and result.stderr.strip().endswith("KV cache fp8_e4m3"), result.stderr
     result = cli("info", str(tiny_llama), "--context", "1024", "--device", "cpu", "--kv-cache-dtype", "fp8")
     assert result.exit_code == 0, result.stderr
