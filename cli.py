@@ -62,6 +62,16 @@ DtypeOpt = Annotated[
     str | None, typer.Option(help="bfloat16, float16 or float32 (default: bf16 on GPU, fp32 on CPU)")
 ]
 
+KvCacheDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache-dtype",
+        metavar="[auto|fp8]",
+        help="KV cache storage: auto (the model's dtype) or fp8 (e4m3 with a scale per token and KV "
+        "head: half the bytes, slightly less accurate)",
+    ),
+]
+
 
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
@@ -158,12 +168,20 @@ def check_generate_args(
     max_context: int | None,
     device: str | None,
     dtype: str | None,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Every argument of `generate` that can be checked without the model (and without torch)."""
-    from minidecode.validate import check_device_name, check_dtype_name, check_request, check_text
+    from minidecode.validate import (
+        check_device_name,
+        check_dtype_name,
+        check_kv_cache_dtype_name,
+        check_request,
+        check_text,
+    )
 
     check_device_name(device)
     check_dtype_name(dtype)
+    check_kv_cache_dtype_name(kv_cache_dtype)
     check_request(max_new_tokens, temperature, top_k, top_p, seed, stops)
     if max_context is not None and max_context < 1:
         raise UserError(f"--max-context must be >= 1, got {max_context}")
@@ -229,6 +247,7 @@ def generate(
     ] = True,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     json_output: Annotated[
         bool,
         typer.Option("--json", metavar="", help="Print one JSON object (text, token ids, stats) to stdout"),
@@ -244,11 +263,11 @@ def generate(
             fail("--prompt-tokens replaces --prompt / --prompt-file")
         check_generate_args(
             model, text, prompt_tokens, chat, max_new_tokens, temperature, top_k, top_p, seed,
-            stops, max_context, device, dtype,
+            stops, max_context, device, dtype, kv_cache_dtype,
         )  # fmt: skip
         from minidecode.llm import LLM
 
-        llm = LLM(model, device=device, dtype=dtype, cuda_graph=graph)
+        llm = LLM(model, device=device, dtype=dtype, cuda_graph=graph, kv_cache_dtype=kv_cache_dtype)
         if llm.synthetic:
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
         request = {}
@@ -311,18 +330,21 @@ def info(
     ] = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
 ) -> None:
     """Architecture, parameter count, context length and the memory plan, without loading weights."""
     try:
-        from minidecode.validate import check_device_name, check_dtype_name
+        from minidecode.validate import check_device_name, check_dtype_name, check_kv_cache_dtype_name
 
         check_device_name(device)
         check_dtype_name(dtype)
+        check_kv_cache_dtype_name(kv_cache_dtype)
         if context is not None and context < 1:
             raise UserError(f"context must be >= 1, got {context}")
         from minidecode.llm import describe
 
-        typer.echo(describe(model, context=context, dtype=dtype, device=device))
+        plan = describe(model, context=context, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        typer.echo(plan)
     except UserError as e:
         fail(str(e))
 
@@ -364,6 +386,7 @@ def bench(
     ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the results as one JSON object on stdout (like generate)")
     ] = False,
@@ -394,6 +417,9 @@ def bench(
     try:
         from minidecode import LLM, UserError
         from minidecode.bench import BenchSettings, run_bench
+        from minidecode.validate import check_kv_cache_dtype_name
+
+        check_kv_cache_dtype_name(kv_cache_dtype)
 
         settings = BenchSettings(
             prompt_lengths=lengths,
@@ -405,7 +431,7 @@ def bench(
             compiled_max_tokens=compiled_max_tokens,
         )
         settings.validate()
-        llm = LLM(model, device=device, dtype=dtype)
+        llm = LLM(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
         if llm.synthetic:
             typer.echo(f"note: {llm.name} has random weights (speed only)", err=True)
         results, ceilings = run_bench(llm, settings, log=lambda m: typer.echo(m, err=True))
@@ -451,7 +477,8 @@ def write_bench_results(llm, settings, results, ceilings, command, json_output, 
 
     about = bench_metadata(llm, command)
     header = (
-        f"{llm.name} on {about['device']}, {about['dtype']}, batch 1; {about['date']}, "
+        f"{llm.name} on {about['device']}, {about['dtype']}, KV cache {about['kv_cache_dtype']}, batch 1; "
+        f"{about['date']}, "
         f"commit {about['commit']}; torch {about['torch']}"
     )
     tables = format_tables(results, ceilings)
@@ -486,6 +513,8 @@ def bench_metadata(llm, command: str) -> dict:
 
     import torch
 
+    from minidecode.engine import kv_dtype_name
+
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
@@ -503,6 +532,7 @@ def bench_metadata(llm, command: str) -> dict:
         "model": llm.name,
         "device": torch_device_name(llm.device),
         "dtype": str(llm.dtype).removeprefix("torch."),
+        "kv_cache_dtype": kv_dtype_name(llm.engine.kv_dtype),
         "prefill_backend": getattr(llm.engine, "prefill_backend", None),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit,

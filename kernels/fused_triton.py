@@ -61,15 +61,19 @@ def _head(Row, head, offs, partner, W, eps, D: tl.constexpr, HAS_NORM: tl.conste
 
 
 @triton.jit
-def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr):
+def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr, static_scale, STATIC: tl.constexpr):
     """x [D] float32 -> (uint8 e4m3 bit patterns [D], float32 scale), as kernels/quant.py's
-    quantize_fp8: scale = max(amax / 448, floor), e4m3(x / scale) rounded to nearest even.
+    quantize_fp8: scale = max(amax / 448, floor) (or `static_scale` when STATIC), e4m3(x / scale)
+    rounded to nearest even.
 
     Integer and float32 ops only (no float8 cast), so the interpreter and any GPU compute the
     same bits: |y| is rounded to the e4m3 grid of its binade by adding and subtracting
     1.5 * 2^23 * step (the sum's ulp is the step), then re-encoded through fp16, which holds
     every e4m3 value times 2^-8 exactly (see lean_attention's _e4m3_to_fp16)."""
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), SCALE_FLOOR)
+    if STATIC:
+        scale = static_scale
+    else:
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), SCALE_FLOOR)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
     y_abs = tl.abs(y)
     binade = tl.maximum((y_abs.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 2^-6: subnormal step
@@ -94,6 +98,8 @@ def _rope_cache_kernel(
     QW,
     KW,
     eps,
+    k_static,
+    v_static,
     HQ,
     HKV,
     cache_stride_b,
@@ -103,6 +109,7 @@ def _rope_cache_kernel(
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8: tl.constexpr,
+    STATIC: tl.constexpr,
     SCALE_FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -133,8 +140,8 @@ def _rope_cache_kernel(
         v = tl.load(row + (HQ + HKV + j) * D + offs)
         if FP8:
             # quantize the rows the model-dtype cache would hold (k rounded to qkv's dtype first)
-            k8, k_scale = _quantize_e4m3(k.to(v.dtype).to(tl.float32), SCALE_FLOOR)
-            v8, v_scale = _quantize_e4m3(v.to(tl.float32), SCALE_FLOOR)
+            k8, k_scale = _quantize_e4m3(k.to(v.dtype).to(tl.float32), SCALE_FLOOR, k_static, STATIC)
+            v8, v_scale = _quantize_e4m3(v.to(tl.float32), SCALE_FLOOR, v_static, STATIC)
             tl.store(KC + dst, k8)
             tl.store(VC + dst, v8)
             s_dst = b * scale_stride_b + j * scale_stride_h + pos
@@ -159,9 +166,11 @@ def rope_and_cache(
     use_pdl,
     k_scale=None,
     v_scale=None,
+    static_scales=None,
 ):
     """FP8: k_cache / v_cache float8_e4m3fn [B, Hkv, S, D] and k_scale / v_scale float32
-    [B, Hkv, S] (kernels/quant.py's scheme, computed here per written row)."""
+    [B, Hkv, S] (kernels/quant.py's scheme, computed here per written row, or the checkpoint's
+    `static_scales` (k, v) floats)."""
     B = qkv.shape[0]
     Hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.stride(2) == D
@@ -197,6 +206,7 @@ def rope_and_cache(
         q_norm if has_norm else qkv,
         k_norm if has_norm else qkv,
         eps,
+        *(static_scales or (1.0, 1.0)),  # read only when STATIC
         num_heads,
         Hkv,
         k_cache.stride(0),
@@ -206,6 +216,7 @@ def rope_and_cache(
         D=D,
         HAS_NORM=has_norm,
         FP8=fp8,
+        STATIC=static_scales is not None,
         SCALE_FLOOR=SCALE_FLOOR,
         USE_PDL=use_pdl,
         num_warps=1,

@@ -25,6 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .quant import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from .reference import decode_attention_reference
 
 
@@ -110,6 +111,9 @@ def rope_and_cache(
     eps: float = 1e-6,
     triton: bool | None = None,
     pdl: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    static_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """One new token per sequence.
 
@@ -117,13 +121,18 @@ def rope_and_cache(
     k_cache/v_cache [B, Hkv, S, D]. Optionally RMS-normalises each q/k head first (Qwen3), rotates
     q and k (rotate-half layout, float32 math), writes k and v at each sequence's position, and
     returns q [B, Hq, D].
+
+    FP8 cache (float8_e4m3fn): the rows written are quantize_fp8 of the model-dtype k and v, their
+    scales go to k_scale / v_scale [B, Hkv, S] float32; `static_scales` (k, v) are a checkpoint's
+    calibrated scales, used instead of each row's own.
     """
     if _triton(qkv, triton):
         from . import fused_triton
 
         return fused_triton.rope_and_cache(
-            qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, _pdl(qkv, pdl)
-        )
+            qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, _pdl(qkv, pdl),
+            k_scale, v_scale, static_scales,
+        )  # fmt: skip
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
     q, k, v = qkv.view(B, num_heads + 2 * Hkv, D).split([num_heads, Hkv, Hkv], dim=1)
@@ -132,6 +141,13 @@ def rope_and_cache(
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     batch = torch.arange(B, device=qkv.device)
     # index_put with device-side positions: no host sync, safe inside a CUDA graph.
+    if k_cache.dtype == FP8_DTYPE:
+        k_static, v_static = static_scales or (None, None)
+        k, k_row_scale = quantize_fp8(k, k_static)  # [B, Hkv, D] e4m3, [B, Hkv] float32
+        v, v_row_scale = quantize_fp8(v, v_static)
+        k_scale[batch, :, positions] = k_row_scale
+        v_scale[batch, :, positions] = v_row_scale
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))  # index_put: no fp8
     k_cache[batch, :, positions] = k
     v_cache[batch, :, positions] = v
     return q
@@ -155,13 +171,23 @@ def decode_attention(
     scale: float,
     triton: bool | None = None,
     pdl: bool = False,
+    k_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32, with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """One decode step of attention: each sequence's single new query over its cached context
-    (the lean stream-K kernel; the twin loops over the batch on the host, so it is not graph-safe)."""
+    (the lean stream-K kernel, which dequantizes an FP8 cache in registers; the twin dequantizes
+    the valid positions to float32 first, and loops over the batch on the host, so it is not
+    graph-safe)."""
     if _triton(q, triton):
         from .lean_attention import lean_attention
 
-        return lean_attention(q, k_cache, v_cache, lengths, scale, use_pdl=_pdl(q, pdl))
+        return lean_attention(
+            q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, use_pdl=_pdl(q, pdl)
+        )
+    if k_cache.dtype == FP8_DTYPE:
+        n = int(lengths.max())
+        k_cache = dequantize_fp8(k_cache[:, :, :n], k_scale[:, :, :n])  # [B, Hkv, n, D] float32
+        v_cache = dequantize_fp8(v_cache[:, :, :n], v_scale[:, :, :n])
     return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
 
 

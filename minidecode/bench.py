@@ -35,7 +35,8 @@ from .llm import LLM
 FORMULA = (
     "bytes per decode step = (all weights - embedding table + one embedding row) * dtype bytes "
     "[tied lm_head: all weights, the table counted once, as lm_head] "
-    "+ KV bytes per token * context (the step's attention length); "
+    "+ KV bytes per token * context (the step's attention length; an fp8_e4m3 cache: 1 byte per "
+    "K/V element plus a 4-byte float32 scale per token, KV head and K or V); "
     "roofline tok/s = read ceiling / bytes per step"
 )
 PEERS = {
@@ -55,14 +56,16 @@ class StepBytes:
         return self.weights + self.kv_per_token * context
 
 
-def step_bytes(cfg: ModelConfig, dtype_bytes: int) -> StepBytes:
+def step_bytes(cfg: ModelConfig, dtype_bytes: int, kv_bytes_per_token: int | None = None) -> StepBytes:
     """The roofline's byte count (FORMULA): a step reads one row of the embedding table, not all
-    of it; a tied lm_head reads the whole table, which then counts once."""
+    of it; a tied lm_head reads the whole table, which then counts once. kv_bytes_per_token: the
+    cache's (Engine.kv_bytes_per_token, scales included); default, a cache in the model dtype."""
     table = cfg.vocab_size * cfg.hidden_size
     params = cfg.num_parameters()
     if not cfg.tie_word_embeddings:
         params += cfg.hidden_size - table
-    return StepBytes(params * dtype_bytes, cfg.kv_bytes_per_token(dtype_bytes))
+    kv = cfg.kv_bytes_per_token(dtype_bytes) if kv_bytes_per_token is None else kv_bytes_per_token
+    return StepBytes(params * dtype_bytes, kv)
 
 
 def window_contexts(prompt_tokens: int, window: int, count: int) -> list[float]:
@@ -266,7 +269,7 @@ def run_bench(
         f"read ceiling {ceilings.read_bytes_per_s / 1e9:,.0f} GB/s, "
         f"copy {ceilings.copy_bytes_per_s / 1e9:,.0f} GB/s (read + write)"
     )
-    per_step = step_bytes(llm.config, llm.dtype.itemsize)
+    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.kv_bytes_per_token)
     special = special_token_ids(llm)
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}

@@ -58,6 +58,9 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # compressed-tensors' quantization_config.kv_cache_scheme: the checkpoint ships calibrated
+    # FP8 KV scales (k_scale / v_scale per layer) unless it says dynamic
+    kv_cache_scheme: dict[str, Any] | None = None
 
     @property
     def group_size(self) -> int:
@@ -114,6 +117,8 @@ class ModelConfig:
                 rope=_rope_config(cfg),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
+                kv_cache_scheme=(cfg.get("quantization_config") or {}).get("kv_cache_scheme")
+                or cfg.get("kv_cache_scheme"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"config.json is missing or has a bad value for {e}") from None

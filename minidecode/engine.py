@@ -14,7 +14,7 @@ from minidecode.kernels.prefill import BLOCK as PREFILL_BLOCK
 from minidecode.kernels.prefill import choose_backend
 from minidecode.models.llama import Transformer, weight_bytes
 
-from .cache import KVCache
+from .cache import FP8, KVCache
 from .config import ModelConfig
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
@@ -50,13 +50,14 @@ class GenerationStats:
     decode_seconds: float = 0.0  # first new token to last: prefill excluded
     decode_tokens_per_s: float = 0.0
     peak_memory_bytes: int = 0
+    kv_cache_dtype: str = ""  # what the KV cache stored: the model's dtype, or "fp8_e4m3"
 
     def summary(self) -> str:
         return (
             f"prompt {self.prompt_tokens} tok, prefill {self.prefill_seconds:.2f} s "
             f"({self.prefill_tokens_per_s:,.0f} tok/s), TTFT {self.time_to_first_token:.3f} s | "
             f"{self.new_tokens} new tok, decode {self.decode_tokens_per_s:.1f} tok/s | "
-            f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB"
+            f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB | KV cache {self.kv_cache_dtype}"
         )
 
 
@@ -67,6 +68,7 @@ class MemoryPlan:
     activation_bytes: int
     free_bytes: int  # available to this process before the cache and activations are allocated
     device: str
+    kv_cache_dtype: str = ""  # kv_dtype_name of the cache the plan is for
 
     @property
     def needed_bytes(self) -> int:
@@ -92,15 +94,30 @@ def free_memory(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """How plans, stats and results name a cache dtype: "bfloat16", ..., or "fp8_e4m3"."""
+    return "fp8_e4m3" if dtype == FP8 else str(dtype).removeprefix("torch.")
+
+
 def activation_bytes(
-    cfg: ModelConfig, prompt_len: int, chunk: int, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig,
+    prompt_len: int,
+    chunk: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Peak temporaries of the layer-major prefill (an estimate with margin): the residual stream
     and the q / attention-output buffer over the whole prompt, one head group's attention output,
     and one chunk's projections and MLP intermediates; one query block's blocked-attention
-    temporaries (kernels/prefill.py); plus a decode step's logits."""
+    temporaries (kernels/prefill.py); plus a decode step's logits. An FP8 cache (kv_dtype) adds
+    one layer's unquantized K and V over the prompt (the staging buffer) and one chunk's float32
+    quantization temporaries."""
     T, c = prompt_len, min(chunk, prompt_len)
     whole_prompt = T * (cfg.hidden_size + cfg.num_heads * cfg.head_dim + cfg.group_size * cfg.head_dim)
+    if kv_dtype == FP8:
+        whole_prompt += T * 2 * cfg.num_kv_heads * cfg.head_dim
+        whole_prompt += c * cfg.num_kv_heads * cfg.head_dim * 8 // dtype.itemsize  # float32 copies
     per_row = (
         4 * cfg.hidden_size
         + 3 * cfg.intermediate_size
@@ -161,8 +178,10 @@ class Engine:
         prefill_chunk: int | None = None,
         use_cuda_graph: bool = True,
         pdl: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model, self.device, self.dtype = model, device, dtype
+        self.kv_dtype = kv_dtype or dtype  # the cache's: the model dtype, or FP8 (e4m3 + scales)
         self.config = model.config
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(device)
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
@@ -187,13 +206,23 @@ class Engine:
     # ---- memory -------------------------------------------------------------------------
     def plan(self, max_context: int, prompt_len: int) -> MemoryPlan:
         cfg = self.config
-        kv = KVCache.bytes_needed(cfg.num_layers, cfg.num_kv_heads, max_context, cfg.head_dim, self.dtype)
+        kv = max_context * self.kv_bytes_per_token
         free = free_memory(self.device)
-        activations = activation_bytes(cfg, prompt_len, self.prefill_chunk, self.dtype, self.device)
-        return MemoryPlan(weight_bytes(self.model), kv, activations, free, str(self.device))
+        activations = activation_bytes(
+            cfg, prompt_len, self.prefill_chunk, self.dtype, self.device, self.kv_dtype
+        )
+        return MemoryPlan(
+            weight_bytes(self.model), kv, activations, free, str(self.device), kv_dtype_name(self.kv_dtype)
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes of one position, all layers (FP8: e4m3 rows plus their float32 scales)."""
+        cfg = self.config
+        return KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
 
     def _cache_fits(self, max_context: int) -> bool:
-        return self.cache is not None and self.cache.fits(max_context, self.dtype, self.device)
+        return self.cache is not None and self.cache.fits(max_context, self.kv_dtype, self.device)
 
     def ensure_cache(self, max_context: int) -> KVCache:
         """A cache of at least max_context positions, with its decode buffers (reused if it fits)."""
@@ -204,7 +233,7 @@ class Engine:
 
     def _new_cache(self, max_len: int) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
+        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.kv_dtype, self.device)
 
     def release(self) -> None:
         """Free the cache, its decode buffers and the captured graph (the next request allocates)."""
@@ -242,15 +271,15 @@ class Engine:
         if self._cache_fits(context):
             plan.kv_cache_bytes = 0  # already allocated
         elif self.cache is not None:
-            plan.free_bytes += 2 * self.cache.k.nbytes  # freed before the new one is allocated
+            plan.free_bytes += self.cache.nbytes  # freed before the new one is allocated
         if not plan.fits:
-            per_token = cfg.kv_bytes_per_token(self.dtype.itemsize)
+            per_token = self.kv_bytes_per_token
             fit_tokens = max(0, (plan.free_bytes - plan.activation_bytes) // per_token)
             raise UserError(
                 f"KV cache for {context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
                 f"{_gib(plan.activation_bytes)} of activations, but only {_gib(plan.free_bytes)} is free on "
                 f"{plan.device}; lower the prompt length, max_new_tokens or --max-context "
-                f"(about {fit_tokens:,} tokens fit)"
+                f"(about {fit_tokens:,} tokens fit with a {plan.kv_cache_dtype} cache)"
             )
 
     def generate(
@@ -333,6 +362,7 @@ class Engine:
         else:
             self._generator.manual_seed(params.seed)
         n = stats.prompt_tokens = len(request.prompt_ids)
+        stats.kv_cache_dtype = kv_dtype_name(self.kv_dtype)
         t0 = time.perf_counter()
         # Layer-major prefill: progress counts chunks of every layer, scaled to prompt tokens.
         report = None if on_progress is None else (lambda done, total: on_progress(n * done // total, n))

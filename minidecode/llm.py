@@ -14,6 +14,7 @@ import torch
 
 from minidecode.models.llama import Transformer
 
+from .cache import FP8, KVCache
 from .config import ModelConfig
 from .engine import (
     Engine,
@@ -24,12 +25,13 @@ from .engine import (
     activation_bytes,
     default_prefill_chunk,
     free_memory,
+    kv_dtype_name,
 )
 from .errors import UserError
 from .loading import DEFAULT_MODEL, load_weights, resolve_model_dir
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
-from .validate import check_request, check_text, check_token_ids, check_vocab
+from .validate import check_kv_cache_dtype_name, check_request, check_text, check_token_ids, check_vocab
 
 SYNTHETIC = "synthetic:"
 DTYPES = {  # name -> dtype, with short aliases
@@ -138,6 +140,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """`auto` -> the model's dtype; `fp8` -> float8_e4m3fn, which a CUDA GPU must be able to
+    convert (compute capability 8.9+: Ada, Hopper and later)."""
+    if check_kv_cache_dtype_name(kv_cache_dtype) == "auto":
+        return dtype
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise UserError(
+                f"an FP8 KV cache needs a GPU with FP8 conversion (compute capability 8.9 or newer); "
+                f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use --kv-cache-dtype auto"
+            )
+    return FP8
+
+
 class LLM:
     """A loaded model. `LLM()` with no model uses the small model shipped with minidecode."""
 
@@ -149,9 +166,11 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         prefill_chunk: int | None = None,
         cuda_graph: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.device, self.dtype)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.name = str(model) if model is not None else "stdlib-tiny (shipped with minidecode)"
@@ -179,11 +198,15 @@ class LLM:
         if self.synthetic:
             init_random_weights(self.model, self.device, self.dtype)
         else:
-            load_weights(self.model, self.model_dir, self.device, self.dtype)
+            kv_scales = load_weights(self.model, self.model_dir, self.device, self.dtype)
+            for layer, scales in zip(self.model.model.layers, kv_scales or [], strict=False):
+                layer.self_attn.kv_static_scales = scales  # the checkpoint's calibrated FP8 scales
         self.model.fuse_projections()
         self.model.setup_rope(self.device)
         self.model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
-        self.engine = Engine(self.model, self.device, self.dtype, prefill_chunk, use_cuda_graph=cuda_graph)
+        self.engine = Engine(
+            self.model, self.device, self.dtype, prefill_chunk, cuda_graph, kv_dtype=self.kv_dtype
+        )
         self._turns = _Turns()  # calls from several threads take turns on the one cache
 
     def _generation_config(self) -> tuple[SamplingParams, set[int]]:
@@ -401,10 +424,12 @@ def describe(
     dtype: str | None = None,
     device: str | None = None,
     prefill_chunk: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> str:
     """What `minidecode info` prints: architecture, size, context and a memory plan (no weights loaded)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    kv_dt = resolve_kv_cache_dtype(kv_cache_dtype, dev, dt)
     if model is not None and str(model).startswith(SYNTHETIC):
         cfg, source = synthetic_config(str(model)), "random weights (synthetic)"
     else:
@@ -414,9 +439,10 @@ def describe(
     if context < 1:
         raise UserError(f"context must be >= 1, got {context}")
     weights = cfg.num_parameters() * dt.itemsize
-    kv = cfg.kv_bytes_per_token(dt.itemsize) * context
+    kv_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dt)
+    kv = kv_per_token * context
     chunk = prefill_chunk or default_prefill_chunk(dev)
-    act = activation_bytes(cfg, context, chunk, dt, dev)
+    act = activation_bytes(cfg, context, chunk, dt, dev, kv_dt)
     free = free_memory(dev)
     rope = cfg.rope.rope_type + (f" x{cfg.rope.factor:g}" if cfg.rope.factor else "")
     lines = [
@@ -428,7 +454,7 @@ def describe(
         f"context      {cfg.max_position_embeddings:,} positions; RoPE {rope}, theta {cfg.rope.theta:g}"
         + (f"; sliding window {cfg.sliding_window:,}" if cfg.sliding_window else ""),
         f"memory plan  at {context:,} tokens on {dev}: weights {_gib(weights)} + KV cache {_gib(kv)} "
-        f"({cfg.kv_bytes_per_token(dt.itemsize) // 1024} KiB/token) + activations {_gib(act)} "
+        f"in {kv_dtype_name(kv_dt)} ({kv_per_token / 1024:g} KiB/token) + activations {_gib(act)} "
         f"= {_gib(weights + kv + act)}; free now {_gib(free)} -> "
         + ("fits" if weights + kv + act <= free else "DOES NOT FIT"),
     ]

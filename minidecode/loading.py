@@ -4,6 +4,8 @@ safetensors, loaded tensor by tensor straight to the target device and dtype."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +30,9 @@ HUB_FILES = [
 ]
 # Tensors some checkpoints carry that the model recomputes or shares: skipped quietly.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Calibrated FP8 KV-cache scales (compressed-tensors / vLLM checkpoints): one scalar per layer for
+# K and one for V, named self_attn.k_scale / v_scale (older: k_proj / v_proj.output_scale).
+KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)")
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -70,8 +75,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
-    """Fill `model` (built on the meta device) with the checkpoint's tensors.
+def load_weights(
+    model: nn.Module, model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> list[tuple[float, float]] | None:
+    """Fill `model` (built on the meta device) with the checkpoint's tensors; return the
+    checkpoint's FP8 KV-cache scales, (k, v) per layer, or None where it ships none.
 
     Each tensor is read from its file straight onto `device` and cast to `dtype`, so an 8B model
     never has a full copy in host memory. Every expected tensor must be present with the right
@@ -82,6 +90,7 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype:
     expected = {name: p.shape for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
     unexpected, misshapen, misshapen_names = [], [], set()
+    kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" or "v") -> scale
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for file in weight_files(model_dir):
         try:
@@ -90,6 +99,10 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype:
             with safe_open(str(file), framework="pt", device=where) as f:
                 for name in f.keys():
                     if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                        continue
+                    if (match := KV_SCALE.fullmatch(name)) is not None:
+                        layer, which = int(match[1]), match[2] or match[3]
+                        kv_scales[layer, which] = _scale(name, f.get_tensor(name))
                         continue
                     if name not in expected:
                         unexpected.append(name)
@@ -115,6 +128,38 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, dtype:
     if problems:
         raise UserError(f"checkpoint in {model_dir} does not match its config.json: " + "; ".join(problems))
     model.load_state_dict(loaded, strict=True, assign=True)
+    return _kv_scales_per_layer(kv_scales, model, model_dir)
+
+
+def _scale(name: str, tensor: torch.Tensor) -> float:
+    if tensor.numel() != 1 or not math.isfinite(value := float(tensor.float().reshape(()))) or value <= 0:
+        raise UserError(f"KV-cache scale {name} must be one positive finite number, got {tensor.tolist()}")
+    return value
+
+
+def _kv_scales_per_layer(
+    found: dict[tuple[int, str], float], model: nn.Module, model_dir: Path
+) -> list[tuple[float, float]] | None:
+    """(k, v) scales for every layer, or None: a checkpoint that declares a static
+    `kv_cache_scheme` must ship them, and scales for only some layers are refused (a layer left
+    without its calibrated scale would silently quantize differently)."""
+    cfg = model.config
+    if not found:
+        scheme = cfg.kv_cache_scheme
+        if isinstance(scheme, dict) and not scheme.get("dynamic", False):
+            raise UserError(
+                f"config.json in {model_dir} declares a static kv_cache_scheme but the checkpoint has no "
+                "self_attn.k_scale / v_scale tensors"
+            )
+        return None
+    missing = [f"{i}.{kv}" for i in range(cfg.num_layers) for kv in "kv" if (i, kv) not in found]
+    extra = [f"{i}.{kv}" for i, kv in found if i >= cfg.num_layers]
+    if missing or extra:
+        raise UserError(
+            f"the checkpoint in {model_dir} ships KV-cache scales for some layers only: "
+            + (f"missing layer.k/v {_names(missing)}" if missing else f"beyond the model: {_names(extra)}")
+        )
+    return [(found[i, "k"], found[i, "v"]) for i in range(cfg.num_layers)]
 
 
 def _names(names: list[str], most: int = 5) -> str:

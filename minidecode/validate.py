@@ -12,6 +12,7 @@ from typing import Any
 from .errors import UserError
 
 DTYPE_NAMES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 with per-row scales
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 
@@ -92,6 +93,12 @@ def check_device_name(device: str | None) -> None:
 def check_dtype_name(dtype: str | None) -> None:
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+
+
+def check_kv_cache_dtype_name(kv_cache_dtype: Any) -> str:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UserError(f"unknown KV cache dtype {kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype
 
 
 def check_vocab(tokenizer_vocab: int, model_vocab: int) -> None:

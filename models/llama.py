@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidecode.cache import KVCache
+from minidecode.cache import KVCache, LayerKV
 from minidecode.config import ModelConfig
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import causal_attention
+from minidecode.kernels.quant import quantize_fp8
 
 from .rope import RotaryEmbedding
 
@@ -43,6 +44,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm, self.norm_eps = cfg.qk_norm, cfg.rms_norm_eps
+        # (k, v) FP8 cache scales a checkpoint calibrated (set by the loader), else None: each
+        # row then gets its own scale when written (kernels/quant.py).
+        self.kv_static_scales: tuple[float, float] | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -70,20 +74,23 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         positions: torch.Tensor,
         lengths: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerKV,
         pdl: bool,
     ) -> None:
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
         in place. cos/sin [B, D]; positions [B] int64 where the new token goes; lengths [B] int32
         = positions + 1; pdl chains the kernels (kernels/ops.py)."""
         B = x.shape[0]
-        k_cache, v_cache = kv  # [B, Hkv, S, D]
+        k_cache, v_cache, k_scale, v_scale = kv  # [B, Hkv, S, D]; FP8: scales [B, Hkv, S]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         q = ops.rope_and_cache(
-            qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl
-        )
-        out = ops.decode_attention(q, k_cache, v_cache, lengths, self.scale, pdl=pdl)  # [B, Hq, D]
+            qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
+            k_scale=k_scale, v_scale=v_scale, static_scales=self.kv_static_scales,
+        )  # fmt: skip
+        out = ops.decode_attention(
+            q, k_cache, v_cache, lengths, self.scale, pdl=pdl, k_scale=k_scale, v_scale=v_scale
+        )  # [B, Hq, D]
         ops.linear_residual(out.view(B, -1), self.o_proj.weight, self.o_proj.bias, x, pdl=pdl)
 
 
@@ -182,6 +189,9 @@ class Transformer(nn.Module):
         Hopper, and its output overwrites that head group's queries. Beyond the weights and
         cache this holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out.
         Dynamic / long RoPE scale for T positions (transformers: longest position + 1).
+
+        FP8 cache: attention reads the layer's unquantized K/V from a model-dtype staging buffer
+        (so the output is exactly the model-dtype cache's), which is then quantized into the cache.
         """
         cfg = self.config
         B, T = tokens.shape
@@ -189,9 +199,12 @@ class Transformer(nn.Module):
         seq_len = torch.tensor(T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
         q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
+        quantized = cache.k_scale is not None
+        if quantized:  # one layer's unquantized K and V, [B, Hkv, T, D] each, reused by every layer
+            staging = [torch.empty(B, cfg.num_kv_heads, T, D, dtype=x.dtype, device=x.device) for _ in "kv"]
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            k_cache, v_cache = cache.layer(i)  # [B, Hkv, S, D]
+            k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or T, D]
             for s in range(0, T, chunk):
                 e = min(s + chunk, T)
                 positions = torch.arange(s, e, device=x.device).expand(B, e - s)
@@ -204,6 +217,8 @@ class Transformer(nn.Module):
                 group = q_all[:, h * G : (h + 1) * G]  # [B, G, T, D]
                 keys, values = k_cache[:, h : h + 1, :T], v_cache[:, h : h + 1, :T]  # [B, 1, T, D]
                 group.copy_(causal_attention(group, keys, values, attn.scale, backend))
+            if quantized:
+                _quantize_into(cache.layer(i), staging, chunk, attn.kv_static_scales)
             for s in range(0, T, chunk):
                 e = min(s + chunk, T)
                 out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
@@ -235,6 +250,19 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+
+def _quantize_into(
+    kv: LayerKV, staging: list[torch.Tensor], chunk: int, static_scales: tuple[float, float] | None
+) -> None:
+    """Quantize a layer's prompt K and V (staging [B, Hkv, T, D], model dtype) into its FP8 cache
+    positions 0..T-1, `chunk` positions at a time (bounded float32 temporaries)."""
+    T = staging[0].shape[2]
+    statics = static_scales or (None, None)
+    for cache, scales, stage, static in zip(kv[:2], kv[2:], staging, statics, strict=True):
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
+            cache[:, :, s:e], scales[:, :, s:e] = quantize_fp8(stage[:, :, s:e], static)
 
 
 def weight_bytes(model: nn.Module) -> int:
