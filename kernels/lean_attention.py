@@ -61,23 +61,33 @@ class LeanConfig:
 DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> LeanConfig:
-    """The tuned config; fp32 K/V tiles are twice the bytes, so half the positions per tile and
-    two stages keep them within shared memory (fp32 is for tests, not speed)."""
+def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> LeanConfig:
+    """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
+    twice the bytes, so half the positions per tile and two stages keep them within shared
+    memory (fp32 is for tests, not speed)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if fp8:
+        return FP8_CONFIG
     if dtype == torch.float32:
         return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
     return DEFAULT_CONFIG
 
 
-# FP8 dequantization (kernel constexpr DEQUANT), timed in bench/attention.py --fp8-variants. On a
-# GPU the hardware conversion is the faster (bench/NOTES-attention.md); the interpreter has no
-# float8 casts, so the CPU runs the integer decode, which gives the same fp16 values times 2^-8.
+# FP8 dequantization (kernel constexpr DEQUANT), timed in bench/attention.py --fp8-variants
+# (bench/NOTES-attention.md). The interpreter has no float8 casts and no inline asm, so the CPU
+# runs the integer decode, which gives the same fp16 values times 2^-8.
 DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
 DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
-DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
-DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # e4m3 value / fp16 value
+DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion through Triton's cast (value * 1)
+DEQUANT_ASM = 3  # the same conversion as non-pure inline asm, kept in the load layout (value * 1)
+DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_ASM: 1.0}  # e4m3 value / fp16 value
+
+# FP8 cache (GPU default, DEQUANT_ASM): an e4m3 tile is half the bytes of a bf16 one, so twice
+# the positions per tile keep the same bytes in flight (2 x 64 KiB a CTA at 3 stages, 204 KiB of
+# shared memory with the fp16 operand copies, one CTA per SM), and the per-tile softmax, scale
+# and loop work is spread over twice the bytes. Offline compile (sm_90): 255 registers, no spills.
+FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
 
 @triton.jit
@@ -88,12 +98,44 @@ def _e4m3_to_fp16(x, DEQUANT: tl.constexpr):
     The bit trick: e4m3 is s.eeee.mmm (bias 7), fp16 s.eeeee.mmmmmmmmmm (bias 15). Placing the
     sign at bit 15 and eeee.mmm at bits 13..7 gives an fp16 whose exponent is e (bias 15 instead
     of 7) and whose mantissa starts with mmm: the e4m3 value times 2^-8, subnormals included
-    (e = 0 is an fp16 subnormal with the same mantissa). e4m3 NaN (0x7F) is never written."""
+    (e = 0 is an fp16 subnormal with the same mantissa). e4m3 NaN (0x7F) is never written.
+
+    DEQUANT 3 is the hardware conversion as inline asm. Why asm: Triton moves a pure cast of a
+    loaded tile past the conversion to the dot operand layout, so it converts in that layout;
+    for V (the P.V operand: positions are its reduction axis, head_dim is contiguous) that
+    layout is read from shared memory one byte per element (64 LDS.U8 a thread a 128 x 128
+    tile; sm_90 has no 8-bit transposing ldmatrix). A non-pure asm stays where it is: the tile
+    is read in wide loads, converted, and its fp16 copy reaches the dot through ldmatrix as a
+    bf16 tile does (bench/NOTES-attention.md has the SASS counts). pack=4: $2 holds 4 e4m3
+    bytes, element i in byte i; cvt.rn.f16x2.e4m3x2 puts the upper byte of its 16-bit source
+    in the upper half of its result, so $0 holds elements 0 and 1."""
     if DEQUANT == 1:
         u = x.to(tl.uint16)
         return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    else:
+    elif DEQUANT == 2:
         return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r",
+            [x],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+
+
+@triton.jit
+def _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT: tl.constexpr):
+    """The fp16 q.k operand of query heads q_rows: q [G_PAD, D] times a power of two that takes
+    each row's largest |q| into [128, 256) (exact; within fp16's range whatever q's dtype), and
+    the [G_PAD] factor that undoes it (and the softmax scale, and UNIT) on the scores."""
+    q = tl.load(q_b + q_rows[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    qf = q.to(tl.float32)
+    q_exp = _pow2_exponent(tl.max(tl.abs(qf), 1))  # [G_PAD]
+    q16 = (qf * _pow2(127 + 134 - q_exp)[:, None]).to(tl.float16)
+    return q16, qk_scale * UNIT * _pow2(q_exp - 7)
 
 
 @triton.jit
@@ -292,12 +334,21 @@ def _lean_decode_kernel(
         k_b = K + b.to(tl.int64) * stride_kb  # 64-bit: one layer's cache passes 2^31 elements
         v_b = V + b.to(tl.int64) * stride_vb
         s_b = b.to(tl.int64) * stride_sb
+        if DEQUANT != 0:
+            # q's fp16 operand depends only on the head: made once per segment, not per tile
+            q_h, row_scale = _fp8_query(
+                q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, UNIT
+            )
         for t in range(tile, stop):
             h = (t - seq_lo) // n_blk
             seg_lo = seq_lo + h * n_blk
             n0 = (t - seg_lo) * BLOCK_N
             q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
-            q = tl.load(q_b + q_rows[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            if DEQUANT == 0:
+                q_ptrs = q_b + q_rows[:, None] * stride_qh + offs_d[None, :]
+                q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            elif (t == seg_lo) & (t != tile):  # a new head starts inside our range
+                q_h, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
             valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
             # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
             k = tl.load(
@@ -307,16 +358,11 @@ def _lean_decode_kernel(
                 qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
                 qk = qk * qk_scale
             else:
-                # fp16 dot of the dequantized bit patterns (e4m3 / UNIT) with q pre-scaled by a
-                # power of two that takes each row's largest |q| into [128, 256): within fp16's
-                # range whatever q's dtype. Both factors and the per-position K scale multiply the
+                # fp16 dot of the dequantized values (e4m3 / UNIT) with q's pre-scaled operand
+                # (_fp8_query); its undoing factor and the per-position K scale multiply the
                 # [G_PAD, BLOCK_N] score tile, not the K elements.
-                qf = q.to(tl.float32)
-                q_exp = _pow2_exponent(tl.max(tl.abs(qf), 1))  # [G_PAD]
-                q16 = (qf * _pow2(127 + 134 - q_exp)[:, None]).to(tl.float16)
-                row_scale = qk_scale * UNIT * _pow2(q_exp - 7)  # [G_PAD] undoes the pre-scale
                 k_scale = tl.load(KScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
-                qk = tl.dot(q16, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
+                qk = tl.dot(q_h, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
                 qk = qk * row_scale[:, None] * k_scale[None, :]
             qk = tl.where(valid[None, :], qk, float("-inf"))
             # Every block holds a valid position, so m_new is finite and alpha is 0 on a
@@ -432,7 +478,7 @@ def lean_attention(
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
-    fp8_dequant: int = DEQUANT_CVT,
+    fp8_dequant: int = DEQUANT_ASM,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
     """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
 
@@ -487,7 +533,7 @@ def lean_attention(
     if lengths.dtype != torch.int32:
         lengths = lengths.to(torch.int32)
 
-    config = config or default_config(D, q.dtype)
+    config = config or default_config(D, q.dtype, fp8)
     grid = _grid_size(q.device, config, num_ctas)
     G = Hq // Hkv
     g_pad = _group_pad(G)
@@ -501,7 +547,7 @@ def lean_attention(
         # float8 tensors, and the integer decode needs no FP8 conversion hardware).
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         if q.device.type != "cuda":
-            fp8_dequant = DEQUANT_BITS  # the interpreter has no float8 casts
+            fp8_dequant = DEQUANT_BITS  # the interpreter has no float8 casts and no inline asm
     else:
         k_scale = v_scale = k_cache  # unused pointers
         fp8_dequant = DEQUANT_NONE
