@@ -74,19 +74,18 @@ def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> Lean
     return DEFAULT_CONFIG
 
 
-# FP8 dequantization (kernel constexpr DEQUANT), timed in bench/attention.py --fp8-variants
-# (bench/NOTES-attention.md). The interpreter has no float8 casts and no inline asm, so the CPU
-# runs the integer decode, which gives the same fp16 values times 2^-8.
+# FP8 dequantization (kernel constexpr DEQUANT), timed in bench/attention.py --fp8-variants. On a
+# GPU the hardware conversion is the faster (bench/NOTES-attention.md); the interpreter has no
+# float8 casts, so the CPU runs the integer decode, which gives the same fp16 values times 2^-8.
 DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
 DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
-DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion through Triton's cast (value * 1)
-DEQUANT_ASM = 3  # the same conversion as non-pure inline asm, kept in the load layout (value * 1)
-DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_ASM: 1.0}  # e4m3 value / fp16 value
+DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
+DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # e4m3 value / fp16 value
 
-# FP8 cache (GPU default, DEQUANT_ASM): an e4m3 tile is half the bytes of a bf16 one, so twice
-# the positions per tile keep the same bytes in flight (2 x 64 KiB a CTA at 3 stages, 204 KiB of
-# shared memory with the fp16 operand copies, one CTA per SM), and the per-tile softmax, scale
-# and loop work is spread over twice the bytes. Offline compile (sm_90): 255 registers, no spills.
+# FP8 cache: an e4m3 tile is half the bytes of a bf16 one, so twice the positions per tile keep
+# the bf16 config's bytes in flight (2 x 64 KiB a CTA at 3 stages) and spread the per-tile
+# softmax, scale and loop work over twice the bytes: 1.30-1.34x faster than the bf16 config
+# from 128k up (H200, bench/NOTES-attention.md). 204 KiB of shared memory, one CTA per SM.
 FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
 
@@ -98,32 +97,12 @@ def _e4m3_to_fp16(x, DEQUANT: tl.constexpr):
     The bit trick: e4m3 is s.eeee.mmm (bias 7), fp16 s.eeeee.mmmmmmmmmm (bias 15). Placing the
     sign at bit 15 and eeee.mmm at bits 13..7 gives an fp16 whose exponent is e (bias 15 instead
     of 7) and whose mantissa starts with mmm: the e4m3 value times 2^-8, subnormals included
-    (e = 0 is an fp16 subnormal with the same mantissa). e4m3 NaN (0x7F) is never written.
-
-    DEQUANT 3 is the hardware conversion as inline asm. Why asm: Triton moves a pure cast of a
-    loaded tile past the conversion to the dot operand layout, so it converts in that layout;
-    for V (the P.V operand: positions are its reduction axis, head_dim is contiguous) that
-    layout is read from shared memory one byte per element (64 LDS.U8 a thread a 128 x 128
-    tile; sm_90 has no 8-bit transposing ldmatrix). A non-pure asm stays where it is: the tile
-    is read in wide loads, converted, and its fp16 copy reaches the dot through ldmatrix as a
-    bf16 tile does (bench/NOTES-attention.md has the SASS counts). pack=4: $2 holds 4 e4m3
-    bytes, element i in byte i; cvt.rn.f16x2.e4m3x2 puts the upper byte of its 16-bit source
-    in the upper half of its result, so $0 holds elements 0 and 1."""
+    (e = 0 is an fp16 subnormal with the same mantissa). e4m3 NaN (0x7F) is never written."""
     if DEQUANT == 1:
         u = x.to(tl.uint16)
         return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    elif DEQUANT == 2:
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r",
-            [x],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
 
 @triton.jit
@@ -478,7 +457,7 @@ def lean_attention(
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
-    fp8_dequant: int = DEQUANT_ASM,
+    fp8_dequant: int = DEQUANT_CVT,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
     """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
 
@@ -547,7 +526,7 @@ def lean_attention(
         # float8 tensors, and the integer decode needs no FP8 conversion hardware).
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         if q.device.type != "cuda":
-            fp8_dequant = DEQUANT_BITS  # the interpreter has no float8 casts and no inline asm
+            fp8_dequant = DEQUANT_BITS  # the interpreter has no float8 casts
     else:
         k_scale = v_scale = k_cache  # unused pointers
         fp8_dequant = DEQUANT_NONE

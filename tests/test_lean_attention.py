@@ -254,12 +254,10 @@ def _convert_kernel(X, Y, DEQUANT: tl.constexpr):
     [
         pytest.param(la.DEQUANT_BITS, id="bits"),
         pytest.param(la.DEQUANT_CVT, id="cvt", marks=CUDA.marks),
-        pytest.param(la.DEQUANT_ASM, id="asm", marks=CUDA.marks),
     ],
 )
 def test_e4m3_to_fp16_every_byte(dequant):
-    """Each of the 256 e4m3 bit patterns decodes to torch's value / UNIT, in its own position
-    (the asm converts 4 bytes a register: a byte-order slip swaps neighbours)."""
+    """Each of the 256 e4m3 bit patterns decodes to torch's value / UNIT, in its own position."""
     device = "cpu" if INTERPRETED else "cuda"
     x = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
     y = torch.empty(256, dtype=torch.float16, device=device)
