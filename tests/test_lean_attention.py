@@ -7,6 +7,8 @@ tests/conftest.py picks the interpreter when no GPU is present; with a GPU the C
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import rel_err
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -27,6 +29,7 @@ CUDA = pytest.param(
 )
 DEVICES = [CPU, CUDA]
 BLOCK = la.DEFAULT_CONFIG.block_n  # positions per tile (fp16 / bf16)
+BLOCK_FP8 = la.FP8_CONFIG.block_n  # positions per tile (FP8 cache)
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # relative norm error
 DTYPES = {"cpu": [torch.float16, torch.float32], "cuda": [torch.bfloat16, torch.float16]}
 
@@ -236,10 +239,34 @@ def fp8_dtypes(device):
     return [torch.float16] if device == "cpu" else [torch.bfloat16, torch.float16]
 
 
+@triton.jit
+def _convert_kernel(X, Y, DEQUANT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(Y + offs, la._e4m3_to_fp16(tl.load(X + offs), DEQUANT))
+
+
+@pytest.mark.parametrize(
+    "dequant",
+    [
+        pytest.param(la.DEQUANT_BITS, id="bits"),
+        pytest.param(la.DEQUANT_CVT, id="cvt", marks=CUDA.marks),
+    ],
+)
+def test_e4m3_to_fp16_every_byte(dequant):
+    """Each of the 256 e4m3 bit patterns decodes to torch's value / UNIT, in its own position."""
+    device = "cpu" if INTERPRETED else "cuda"
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    y = torch.empty(256, dtype=torch.float16, device=device)
+    _convert_kernel[(1,)](x, y, DEQUANT=dequant)
+    want = x.view(torch.float8_e4m3fn).float() / la.DEQUANT_UNIT[dequant]
+    nan = want.isnan()  # 0x7F and 0xFF: never written by the quantizer
+    assert torch.equal(y.float()[~nan], want[~nan])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_ctas", [1, 3, 7])
 def test_fp8_ragged_batch(device, num_ctas):
-    lengths = [1, BLOCK - 1, 2 * BLOCK + 3, 37]  # ragged, lengths not multiples of BLOCK_N
+    lengths = [1, BLOCK_FP8 - 1, 2 * BLOCK_FP8 + 3, 37]  # ragged, lengths not multiples of BLOCK_N
     if device == "cuda":
         lengths += [5000, 100_001]
     for dtype in fp8_dtypes(device):
@@ -248,7 +275,7 @@ def test_fp8_ragged_batch(device, num_ctas):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_llama_shape(device):
-    lengths = [3 * BLOCK + 17] if device == "cpu" else [131_072 + 5, 999]
+    lengths = [3 * BLOCK_FP8 + 17] if device == "cpu" else [131_072 + 5, 999]
     for dtype in fp8_dtypes(device):
         num_ctas = 5 if device == "cpu" else None
         check_fp8(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=num_ctas, dtype=dtype)
@@ -256,12 +283,13 @@ def test_fp8_llama_shape(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_fp32_query(device):
-    check_fp8(device, [BLOCK + 5, 9], hq=8, hkv=2, num_ctas=3, dtype=torch.float32)
+    check_fp8(device, [BLOCK_FP8 + 5, 9], hq=8, hkv=2, num_ctas=3, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_peaked_logits(device):
-    """Scores over hundreds of nats: the softmax is nearly one-hot."""
+    """Scores over hundreds of nats: the softmax is nearly one-hot. The bf16 case's lengths: at
+    these scores e4m3's error against the unquantized cache grows with the context."""
     check_fp8(device, [3 * BLOCK + 5, 33], hq=8, hkv=2, num_ctas=4, dtype=fp8_dtypes(device)[0], scale=4.0)
 
 
@@ -270,7 +298,7 @@ def test_fp8_query_beyond_fp16_range(device):
     """|q| up to ~4e5 (fp16 holds 65504) with moderate scores: the power-of-two pre-scale of q
     keeps the fp16 dot finite, and undoing it exactly keeps the scores right."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    q, k, v, lens, _ = make_inputs(device, [3 * BLOCK + 5], 8, 2, dtype=dtype, fp8=True)
+    q, k, v, lens, _ = make_inputs(device, [3 * BLOCK_FP8 + 5], 8, 2, dtype=dtype, fp8=True)
     q = q * 1e5
     out = run_lean(q, k, v, lens, 1e-6, num_ctas=4)
     assert rel_err(out, reference(q, k, v, lens, 1e-6)) < FP8_TOL[dtype]
@@ -278,7 +306,7 @@ def test_fp8_query_beyond_fp16_range(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_bitwise_repeatable(device):
-    q, k, v, lens, first = check_fp8(device, [5 * BLOCK + 1, 77], hq=8, hkv=2, num_ctas=5)
+    q, k, v, lens, first = check_fp8(device, [5 * BLOCK_FP8 + 1, 77], hq=8, hkv=2, num_ctas=5)
     assert torch.equal(first, run_lean(q, k, v, lens, 64**-0.5, num_ctas=5))
 
 
