@@ -38,5 +38,9 @@ class KVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]  # each [B, Hkv, S, D]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by name, each with positions on dim 3 (save/load walk these)."""
+        return {"k": self.k, "v": self.v}
+
     def fits(self, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         return self.max_len >= max_len and self.k.dtype == dtype and self.k.device == device

@@ -13,6 +13,7 @@ import torch
 
 from minidecode.models.llama import Transformer
 
+from .cache_file import config_hash, weights_fingerprint
 from .config import ModelConfig
 from .engine import (
     Engine,
@@ -98,6 +99,7 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         prefill_chunk: int | None = None,
         cuda_graph: bool = True,
+        prefix_reuse: bool = True,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -132,7 +134,42 @@ class LLM:
         self.model.fuse_projections()
         self.model.setup_rope(self.device)
         self.model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
-        self.engine = Engine(self.model, self.device, self.dtype, prefill_chunk, use_cuda_graph=cuda_graph)
+        self.engine = Engine(
+            self.model,
+            self.device,
+            self.dtype,
+            prefill_chunk,
+            use_cuda_graph=cuda_graph,
+            prefix_reuse=prefix_reuse,
+        )
+        self._identity: dict[str, str] | None = None  # computed on the first save/load
+
+    @property
+    def identity(self) -> dict[str, str]:
+        """What a saved cache must match: a hash of config.json (of the preset for a synthetic
+        model) and a fingerprint of the loaded weights (computed once)."""
+        if self._identity is None:
+            config = (
+                self.name.encode()
+                if self.model_dir is None
+                else (self.model_dir / "config.json").read_bytes()
+            )
+            self._identity = {
+                "config_sha256": config_hash(config),
+                "weights_fingerprint": weights_fingerprint(self.model),
+            }
+        return self._identity
+
+    def save_cache(self, path: str | Path) -> int:
+        """Save the prefilled cache (the last request's prompt and the answer tokens fed back, up to
+        the last) to `path`, a safetensors file, atomically; returns its size in bytes."""
+        return self.engine.save_cache(path, self.identity)
+
+    def load_cache(self, path: str | Path) -> int:
+        """Check the cache file at `path` against this model (refusing a mismatch) and make it the
+        cached prefix: the next request that starts with its tokens reads them from the file instead
+        of prefilling them. Returns the number of tokens it holds."""
+        return self.engine.load_cache(path, self.identity)
 
     def _generation_config(self) -> tuple[SamplingParams, set[int]]:
         eos = set(self.config.eos_token_ids)
@@ -210,6 +247,7 @@ class LLM:
         allow_extrapolation: bool = False,
         logprobs: bool = False,
         ignore_eos: bool = False,
+        reuse_prefix: bool = True,
         on_prefill_progress: Callable[[int, int], None] | None = None,
     ) -> Stream:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
@@ -225,6 +263,7 @@ class LLM:
             eos_ids=frozenset(self.eos_ids),
             ignore_eos=ignore_eos,
             want_logprobs=logprobs,
+            reuse_prefix=reuse_prefix,
             # Synthetic models are noise at any length: only their speed matters, so no position limit.
             allow_extrapolation=allow_extrapolation or self.synthetic,
         )

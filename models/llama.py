@@ -172,21 +172,24 @@ class Transformer(nn.Module):
         backend: str | None = None,
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        """tokens [B, T] at positions 0..T-1 -> final-normed hidden [B, hidden] (last position) or
-        [B, T, hidden]; fills cache positions 0..T-1.
+        """tokens [B, T] at positions start..start+T-1 -> final-normed hidden [B, hidden] (last
+        position) or [B, T, hidden]; fills cache positions start..start+T-1. start > 0 prefills a
+        suffix after a prefix already in the cache: the new rows attend causally to themselves and
+        fully to positions 0..start-1.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is one square
         causal SDPA call per KV head over the whole prompt, which is cuDNN's fastest case on
         Hopper, and its output overwrites that head group's queries. Beyond the weights and
         cache this holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out.
-        Dynamic / long RoPE scale for T positions (transformers: longest position + 1).
+        Dynamic / long RoPE scale for start + T positions (transformers: longest position + 1).
         """
         cfg = self.config
         B, T = tokens.shape
         G, D = cfg.group_size, cfg.head_dim
-        seq_len = torch.tensor(T, device=tokens.device)
+        seq_len = torch.tensor(start + T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
         q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
         for i, layer in enumerate(self.model.layers):
@@ -194,15 +197,16 @@ class Transformer(nn.Module):
             k_cache, v_cache = cache.layer(i)  # [B, Hkv, S, D]
             for s in range(0, T, chunk):
                 e = min(s + chunk, T)
-                positions = torch.arange(s, e, device=x.device).expand(B, e - s)
+                positions = torch.arange(start + s, start + e, device=x.device).expand(B, e - s)
                 cos, sin = self.rope.cos_sin(positions, seq_len)  # [B, c, D]
                 q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)  # [B, c, H, D]
                 q_all[:, :, s:e] = q.transpose(1, 2)
-                k_cache[:, :, s:e] = k.transpose(1, 2)
-                v_cache[:, :, s:e] = v.transpose(1, 2)
+                k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
+                v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
+            end = start + T
             for h in range(cfg.num_kv_heads):
                 group = q_all[:, h * G : (h + 1) * G]  # [B, G, T, D]
-                keys, values = k_cache[:, h : h + 1, :T], v_cache[:, h : h + 1, :T]  # [B, 1, T, D]
+                keys, values = k_cache[:, h : h + 1, :end], v_cache[:, h : h + 1, :end]  # [B, 1, end, D]
                 group.copy_(causal_attention(group, keys, values, attn.scale, backend))
             for s in range(0, T, chunk):
                 e = min(s + chunk, T)
