@@ -225,7 +225,7 @@ class Engine:
 
     def release(self) -> None:
         """Free the cache, its decode buffers and the captured graph (the next request allocates)."""
-        self.cache = self.state = self._step = self._graph = self._graph_key = None
+        self.cache = self.state = self._step = self._graph = self._graph_key = self.loaded = None
         self.cached_ids, self.angles_len = [], 0
 
     def reusable_prefix(self, request: Request) -> int:
