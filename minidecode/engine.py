@@ -219,9 +219,10 @@ class Engine:
             self.cache, self.state = self._new_cache(max_context), DecodeState.zeros(1, self.device)
         return self.cache
 
-    def _new_cache(self, max_len: int) -> KVCache:
+    def _new_cache(self, max_len: int, device: torch.device | str | None = None) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
+        device = self.device if device is None else device
+        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, device)
 
     def release(self) -> None:
         """Free the cache, its decode buffers and the captured graph (the next request allocates)."""
@@ -251,8 +252,7 @@ class Engine:
     # ---- cache files --------------------------------------------------------------------
     def _cache_layout(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """{name: (dtype, shape)} of the cache's stored tensors holding `length` positions."""
-        with torch.device("meta"):
-            template = self._new_cache(length)
+        template = self._new_cache(length, device="meta")  # shapes and dtypes, no memory
         return {name: (t.dtype, tuple(t.shape)) for name, t in template.tensors().items()}
 
     def _identity(self, model_identity: dict[str, str]) -> dict[str, str]:
@@ -272,6 +272,8 @@ class Engine:
         next request that starts with its tokens reads them onto the device instead of
         prefilling them. Returns its token count."""
         self.check_idle()
+        if not self.prefix_reuse:
+            raise UserError("prefix reuse is off (prefix_reuse=False): a loaded cache would never be used")
         file = open_cache_file(Path(path), self._identity(identity), self._cache_layout)
         self.cached_ids, self.loaded = file.token_ids, file
         self.angles_len = int(file.metadata.get("rope_length", file.length))
@@ -415,10 +417,11 @@ class Engine:
             self._generator.manual_seed(params.seed)
         n = stats.prompt_tokens = len(request.prompt_ids)
         stats.reused_tokens, stats.prefilled_tokens = start, n - start
-        t0 = time.perf_counter()
         if loaded is not None and start:
+            t0 = time.perf_counter()
             read_cache_file(loaded, self.cache.tensors(), start)
             stats.cache_load_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
         # Layer-major prefill: progress counts chunks of every layer, scaled to prompt tokens.
         new = n - start
         report = None if on_progress is None else (lambda done, total: on_progress(new * done // total, new))

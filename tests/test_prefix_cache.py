@@ -272,6 +272,8 @@ def test_cache_dtype_and_context_mismatches(saved, model_dir):
     path, ids, _ = saved
     with pytest.raises(UserError, match=r"holds a float32 cache, but this model's cache is bfloat16"):
         LLM(model_dir, device="cpu", dtype="bfloat16").load_cache(path)
+    with pytest.raises(UserError, match=r"prefix reuse is off"):
+        load(model_dir, prefix_reuse=False).load_cache(path)
     result = invoke("generate", model_dir, "--device", "cpu", "-p", "x = 1", "-n", 2, "--load-cache", path)
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
