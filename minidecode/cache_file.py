@@ -60,7 +60,8 @@ def weights_fingerprint(model: nn.Module, samples: int = 16) -> str:
     for name, p in model.named_parameters():
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
         flat = p.detach().reshape(-1)
-        index = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
+        count = min(samples, flat.numel())  # integer steps: float32 linspace overshoots past 2^24
+        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
         picked.append(flat[index].double())
     digest.update(torch.cat(picked).cpu().numpy().tobytes())
     return digest.hexdigest()[:32]
