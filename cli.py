@@ -169,6 +169,8 @@ def check_generate_args(
     device: str | None,
     dtype: str | None,
     kv_cache_dtype: str = "auto",
+    load_cache: Path | None = None,
+    save_cache: Path | None = None,
 ) -> None:
     """Every argument of `generate` that can be checked without the model (and without torch)."""
     from minidecode.validate import (
@@ -179,6 +181,10 @@ def check_generate_args(
         check_text,
     )
 
+    if load_cache is not None and not load_cache.is_file():
+        raise UserError(f"cache file {load_cache} does not exist")
+    if save_cache is not None and (save_cache.is_dir() or not save_cache.resolve().parent.is_dir()):
+        raise UserError(f"cannot save the cache to {save_cache}: not a file in an existing folder")
     check_device_name(device)
     check_dtype_name(dtype)
     check_kv_cache_dtype_name(kv_cache_dtype)
@@ -252,6 +258,14 @@ def generate(
         bool,
         typer.Option("--json", metavar="", help="Print one JSON object (text, token ids, stats) to stdout"),
     ] = False,
+    load_cache: Annotated[
+        Path | None,
+        typer.Option(help="Start from a cache saved by --save-cache (its part of the prompt is reused)"),
+    ] = None,
+    save_cache: Annotated[
+        Path | None,
+        typer.Option(help="After generating, save the cache (prompt + answer) here, for --load-cache"),
+    ] = None,
 ) -> None:
     """Generate a continuation of a prompt; text streams to stdout, stats to stderr."""
     stops = [unescape(s) for s in stop or []]
@@ -263,13 +277,15 @@ def generate(
             fail("--prompt-tokens replaces --prompt / --prompt-file")
         check_generate_args(
             model, text, prompt_tokens, chat, max_new_tokens, temperature, top_k, top_p, seed,
-            stops, max_context, device, dtype, kv_cache_dtype,
+            stops, max_context, device, dtype, kv_cache_dtype, load_cache, save_cache,
         )  # fmt: skip
         from minidecode.llm import LLM
 
         llm = LLM(model, device=device, dtype=dtype, cuda_graph=graph, kv_cache_dtype=kv_cache_dtype)
         if llm.synthetic:
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
+        if load_cache is not None:
+            llm.load_cache(load_cache)
         request = {}
         if prompt_tokens is not None:
             # Refuse a prompt the memory plan cannot hold before making its random ids.
@@ -302,6 +318,12 @@ def generate(
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         result = stream.result
+        if save_cache is not None:
+            start = time.perf_counter()
+            size = llm.save_cache(save_cache)
+            seconds, tokens = time.perf_counter() - start, len(llm.engine.cached_ids)
+            saved = f"saved {tokens:,} tokens ({size / 2**30:.2f} GiB) to {save_cache} in {seconds:.2f} s"
+            typer.echo(saved, err=True)
     except UserError as e:
         fail(str(e))
     if json_output:

@@ -3,7 +3,7 @@
 # process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
-#   STAGES       which of: tests profile bench demo (default "tests profile bench")
+#   STAGES       which of: tests profile bench demo prefix (default "tests profile bench")
 #   LOG_DIR      logs (default bench/logs)
 #   RESULTS_DIR  where bench writes e2e.{json,md,png} (default $LOG_DIR; bench/results republishes)
 #   LENGTHS      prompt lengths (default "1024 4096 32768 131072 524288")
@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 if [[ $STAGES == *tests* ]]; then
-  for f in tests/test_lean_attention.py tests/test_quant.py tests/test_fused_kernels.py tests/test_prefill_attention.py tests/test_parity_gpu.py; do
+  for f in tests/test_lean_attention.py tests/test_quant.py tests/test_fused_kernels.py tests/test_prefill_attention.py tests/test_parity_gpu.py tests/test_prefix_cache.py; do
     [ -f "$f" ] || continue
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" >"$LOG_DIR/gpu-test.tmp" 2>&1
     cat "$LOG_DIR/gpu-test.tmp" >>"$LOG_DIR/gpu-tests.log"
@@ -57,6 +57,11 @@ if [[ $STAGES == *demo* ]]; then
   summary+=("demo exit $?")
   tr '\r' '\n' <"$LOG_DIR/demo-stderr.txt" | tail -4
   rm -f "$LOG_DIR/prompt-512k.txt"
+fi
+if [[ $STAGES == *prefix* ]]; then
+  # Second-question TTFT on a 128k cached document, cache file save/load (about 1.5 min, H200).
+  timeout 300 python3 bench/prefix_reuse.py --dir "$LOG_DIR" 2>&1 | tee "$LOG_DIR/prefix-reuse.log" | tail -9
+  summary+=("prefix exit ${PIPESTATUS[0]}")
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

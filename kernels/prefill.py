@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 BLOCK = 65536  # query rows per block of the blocked cuDNN path (best of 16k-256k at 128k and 512k)
@@ -30,29 +31,43 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str | None = None
 ) -> torch.Tensor:
-    """q [B, G, T, D] (G query heads sharing one KV head), k/v [B, 1, T, D] -> [B, G, T, D].
+    """q [B, G, T, D] (G query heads sharing one KV head), k/v [B, 1, P + T, D] -> [B, G, T, D].
 
-    Square causal attention over the whole prompt; backend None lets PyTorch choose (CPU)."""
+    The queries are the last T of the P + T positions (P: a cached prefix, 0 for a whole prompt):
+    causal, aligned bottom-right, so query i sees keys 0..P+i. backend None lets PyTorch choose (CPU)."""
     gqa = q.shape[1] != k.shape[1]
-    if backend == "cudnn" and q.shape[2] > BLOCK:
+    past = k.shape[2] - q.shape[2]
+    if backend == "cudnn" and (past or q.shape[2] > BLOCK):
         return blocked_causal_attention(q, k, v, BLOCK, functools.partial(cudnn_with_lse, scale=scale))
+    if past:  # SDPA's is_causal aligns top-left; the lower-right bias aligns the new rows with the end
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+        k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)  # stride-0 views
+        attend = functools.partial(F.scaled_dot_product_attention, attn_mask=mask, scale=scale)
+    else:
+        attend = functools.partial(
+            F.scaled_dot_product_attention, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     if backend is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return attend(q, k, v)
     with sdpa_kernel([CANDIDATES[backend]]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return attend(q, k, v)
 
 
 def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, attend: Attend):
-    """Causal attention as, per block of queries [s, e): causal over keys [s, e), full over keys
-    [0, s), merged by log-sum-exp. q [B, G, T, D], k/v [B, 1, T, D] -> [B, G, T, D]."""
+    """Causal attention as, per block of queries [s, e): causal over keys [P+s, P+e), full over keys
+    [0, P+s), merged by log-sum-exp. q [B, G, T, D] are the last T of the P + T positions of
+    k/v [B, 1, P + T, D] (P > 0: a suffix prefilled after a cached prefix) -> [B, G, T, D]."""
     out = torch.empty_like(q)
+    past = k.shape[2] - q.shape[2]
     for s in range(0, q.shape[2], block):
         e = min(s + block, q.shape[2])
-        o_diag, lse_diag = attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], True)
-        if s == 0:
+        o_diag, lse_diag = attend(
+            q[:, :, s:e], k[:, :, past + s : past + e], v[:, :, past + s : past + e], True
+        )
+        if past + s == 0:
             out[:, :, s:e] = o_diag
             continue
-        o_past, lse_past = attend(q[:, :, s:e], k[:, :, :s], v[:, :, :s], False)
+        o_past, lse_past = attend(q[:, :, s:e], k[:, :, : past + s], v[:, :, : past + s], False)
         lse = torch.logaddexp(lse_diag, lse_past)  # [B, G, e - s, 1]
         merged = (
             o_diag.float()

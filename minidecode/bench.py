@@ -250,6 +250,7 @@ def timed_generation(
         max_context=max_context,
         ignore_eos=True,
         allow_extrapolation=True,
+        reuse_prefix=False,  # every measured prefill runs in full, even on a repeated prompt
     )
     generation = llm.engine.generate(request)
     with closing(generation.tokens) as tokens:

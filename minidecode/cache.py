@@ -71,7 +71,8 @@ class KVCache:
         return sum(t.nbytes for t in self.tensors().values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The stored tensors by name: k, v, and k_scale, v_scale for an FP8 cache."""
+        """The stored tensors by name, each with positions on dim 3 (save/load walk these): k, v,
+        and k_scale, v_scale for an FP8 cache."""
         named = {"k": self.k, "v": self.v}
         if self.k_scale is not None:
             named |= {"k_scale": self.k_scale, "v_scale": self.v_scale}
@@ -81,6 +82,7 @@ class KVCache:
         if self.k_scale is None:
             return LayerKV(self.k[i], self.v[i])  # each [B, Hkv, S, D]
         return LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])
+
 
     def fits(self, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         return self.max_len >= max_len and self.k.dtype == dtype and self.k.device == device

@@ -7,6 +7,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from minidecode.kernels.prefill import choose_backend
 from minidecode.models.llama import Transformer, weight_bytes
 
 from .cache import FP8, KVCache
+from .cache_file import CacheFile, open_cache_file, read_cache_file, write_cache_file
 from .config import ModelConfig
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
@@ -34,6 +36,7 @@ class Request:
     ignore_eos: bool = False  # run to max_new_tokens even past eos
     want_logprobs: bool = False
     allow_extrapolation: bool = False  # allow positions beyond the model's trained context
+    reuse_prefix: bool = True  # keep the cached K/V of a common prefix with the previous request
 
     @property
     def context(self) -> int:
@@ -43,6 +46,9 @@ class Request:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt positions whose K/V came from the cache (or a cache file)
+    prefilled_tokens: int = 0  # prompt positions computed by this request's prefill
+    cache_load_seconds: float = 0.0  # reading a loaded cache file onto the device (within TTFT)
     prefill_seconds: float = 0.0
     prefill_tokens_per_s: float = 0.0
     time_to_first_token: float = 0.0  # from the request to the first new token on the host
@@ -54,7 +60,9 @@ class GenerationStats:
 
     def summary(self) -> str:
         return (
-            f"prompt {self.prompt_tokens} tok, prefill {self.prefill_seconds:.2f} s "
+            f"prompt {self.prompt_tokens} tok"
+            + (f" ({self.reused_tokens} from the cache)" if self.reused_tokens else "")
+            + f", prefill {self.prefill_seconds:.2f} s "
             f"({self.prefill_tokens_per_s:,.0f} tok/s), TTFT {self.time_to_first_token:.3f} s | "
             f"{self.new_tokens} new tok, decode {self.decode_tokens_per_s:.1f} tok/s | "
             f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB | KV cache {self.kv_cache_dtype}"
@@ -179,6 +187,7 @@ class Engine:
         use_cuda_graph: bool = True,
         pdl: bool = True,
         kv_dtype: torch.dtype | None = None,
+        prefix_reuse: bool = True,
     ):
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_dtype = kv_dtype or dtype  # the cache's: the model dtype, or FP8 (e4m3 + scales)
@@ -188,6 +197,14 @@ class Engine:
         self.pdl = pdl  # chain the decode step's kernels by programmatic dependent launch (Hopper+)
         self.cache: KVCache | None = None
         self.state: DecodeState | None = None  # allocated with the cache
+        self.prefix_reuse = prefix_reuse
+        # The token ids whose K/V are valid at cache positions 0..len-1: the last prompt and the
+        # new tokens that were fed to a decode step (the last one yielded never is). With
+        # `loaded` set they are the positions of that cache file, read in by the next request.
+        self.cached_ids: list[int] = []
+        self.loaded: CacheFile | None = None
+        # The longest forward pass (RoPE seq_len) under which any cached position was computed.
+        self.angles_len = 0
         self.busy = False  # a generation is in progress
         self._step: Callable[[], None] | None = None  # the prepared decode step (graph replay or eager)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -231,13 +248,65 @@ class Engine:
             self.cache, self.state = self._new_cache(max_context), DecodeState.zeros(1, self.device)
         return self.cache
 
-    def _new_cache(self, max_len: int) -> KVCache:
+    def _new_cache(self, max_len: int, device: torch.device | str | None = None) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.kv_dtype, self.device)
+        device = self.device if device is None else device
+        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.kv_dtype, device)
 
     def release(self) -> None:
         """Free the cache, its decode buffers and the captured graph (the next request allocates)."""
-        self.cache = self.state = self._step = self._graph = self._graph_key = None
+        self.cache = self.state = self._step = self._graph = self._graph_key = self.loaded = None
+        self.cached_ids, self.angles_len = [], 0
+
+    def reusable_prefix(self, request: Request) -> int:
+        """How many leading prompt positions the cache (or a loaded file) already holds: the
+        longest common prefix with cached_ids, leaving at least one token to prefill (its logits
+        give the first new token). 0 when reuse is off or the cache must be reallocated (a cache
+        too small for the request is replaced, not grown)."""
+        if not (self.prefix_reuse and request.reuse_prefix):
+            return 0
+        if self.loaded is None and not self._cache_fits(request.context):
+            return 0
+        # Dynamic NTK / LongRoPE: the angles depend on the pass's length; reuse positions only
+        # when they and a fresh prefill of this prompt both ran below the length where they change.
+        limit = self.model.rope.length_free_up_to
+        if limit is not None and max(self.angles_len, len(request.prompt_ids)) > limit:
+            return 0
+        cached, prompt = self.cached_ids, request.prompt_ids
+        n = min(len(cached), len(prompt) - 1)
+        if cached[:n] == prompt[:n]:
+            return n
+        return next(i for i in range(n) if cached[i] != prompt[i])
+
+    # ---- cache files --------------------------------------------------------------------
+    def _cache_layout(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """{name: (dtype, shape)} of the cache's stored tensors holding `length` positions."""
+        template = self._new_cache(length, device="meta")  # shapes and dtypes, no memory
+        return {name: (t.dtype, tuple(t.shape)) for name, t in template.tensors().items()}
+
+    def _identity(self, model_identity: dict[str, str]) -> dict[str, str]:
+        """What a cache file must match: the model's identity and the cache dtype."""
+        return dict(model_identity, cache_dtype=str(self._cache_layout(1)["k"][0]).removeprefix("torch."))
+
+    def save_cache(self, path: str | Path, identity: dict[str, str]) -> int:
+        """Write the cache's valid positions and their token ids to `path` (atomically); bytes written."""
+        self.check_idle()
+        if self.cache is None or self.loaded is not None or not self.cached_ids:
+            raise UserError("there is no prefilled cache to save: run a request first")
+        meta = dict(self._identity(identity), rope_length=str(self.angles_len))
+        return write_cache_file(Path(path), self.cache.tensors(), self.cached_ids, meta)
+
+    def load_cache(self, path: str | Path, identity: dict[str, str]) -> int:
+        """Check the cache file at `path` against this model and make it the cached prefix: the
+        next request that starts with its tokens reads them onto the device instead of
+        prefilling them. Returns its token count."""
+        self.check_idle()
+        if not self.prefix_reuse:
+            raise UserError("prefix reuse is off (prefix_reuse=False): a loaded cache would never be used")
+        file = open_cache_file(Path(path), self._identity(identity), self._cache_layout)
+        self.cached_ids, self.loaded = file.token_ids, file
+        self.angles_len = int(file.metadata.get("rope_length", file.length))
+        return file.length
 
     # ---- requests -----------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -250,6 +319,11 @@ class Engine:
         if any(not s for s in request.stop):
             raise UserError("stop strings must be non-empty")
         prompt_len, needed = len(request.prompt_ids), len(request.prompt_ids) + request.max_new_tokens
+        if self.loaded is not None and request.reuse_prefix and self.loaded.length > request.context:
+            raise UserError(
+                f"the loaded cache holds {self.loaded.length:,} tokens, more than this request's context of "
+                f"{request.context:,} (max_context, else prompt + max_new_tokens); raise --max-context"
+            )
         if request.max_context is not None and request.max_context < needed:
             raise UserError(
                 f"max_context {request.max_context:,} is less than prompt ({prompt_len:,}) + "
@@ -327,11 +401,15 @@ class Engine:
                     host_logprob.copy_(self.state.logprob, non_blocking=True)
                 if copied is not None:
                     copied.record()
-                if stats.new_tokens + 1 < request.max_new_tokens:
+                fed = stats.new_tokens + 1 < request.max_new_tokens
+                if fed:
                     self.step()  # run the next step while this token is handed out
                 if copied is not None:
                     copied.synchronize()
                 token, stats.new_tokens = int(host_tokens[0]), stats.new_tokens + 1
+                if fed:  # its K/V are written at the next position by the step just launched
+                    self.cached_ids.append(token)
+                    self.angles_len = max(self.angles_len, len(self.cached_ids))
                 if token in eos_ids:
                     generation.finish_reason = "eos"
                     return
@@ -351,9 +429,14 @@ class Engine:
     def _start(
         self, request: Request, stats: GenerationStats, on_progress: Callable[[int, int], None] | None
     ) -> None:
-        """Cache, decode step and prefill for a request; the first token lands in the DecodeState."""
+        """Cache, decode step and prefill for a request; the first token lands in the DecodeState.
+        Positions 0..start-1 that the cache (or a loaded file) holds for this prompt are kept."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        start, loaded = self.reusable_prefix(request), self.loaded
+        # Until this prefill completes, nothing is known to be valid (an interrupted one leaves a mix).
+        self.cached_ids, self.loaded = [], None
+        angles_len = self.angles_len if start else 0
         self.ensure_cache(request.context)
         params = request.params
         self._prepare_decode(params, request.want_logprobs)  # may capture a graph: draws random numbers
@@ -363,14 +446,20 @@ class Engine:
             self._generator.manual_seed(params.seed)
         n = stats.prompt_tokens = len(request.prompt_ids)
         stats.kv_cache_dtype = kv_dtype_name(self.kv_dtype)
+        stats.reused_tokens, stats.prefilled_tokens = start, n - start
+        if loaded is not None and start:
+            t0 = time.perf_counter()
+            read_cache_file(loaded, self.cache.tensors(), start)
+            stats.cache_load_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         # Layer-major prefill: progress counts chunks of every layer, scaled to prompt tokens.
-        report = None if on_progress is None else (lambda done, total: on_progress(n * done // total, n))
-        prompt = torch.tensor([request.prompt_ids], device=self.device)  # [1, T]
+        new = n - start
+        report = None if on_progress is None else (lambda done, total: on_progress(new * done // total, new))
+        prompt = torch.tensor([request.prompt_ids[start:]], device=self.device)  # [1, T - start]
 
         def prefill(progress=None) -> torch.Tensor:  # [1, V] float32 logits of the last position
-            backend = self._backend()
-            hidden = self.model.prefill(prompt, self.cache, self.prefill_chunk, backend, on_progress=progress)
+            backend, chunk = self._backend(), self.prefill_chunk
+            hidden = self.model.prefill(prompt, self.cache, chunk, backend, on_progress=progress, start=start)
             return self.model.logits(hidden)
 
         logits = prefill(report)
@@ -383,8 +472,9 @@ class Engine:
         if request.want_logprobs:
             self.state.logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
         first.item()  # waits for the prefill
+        self.cached_ids, self.angles_len = list(request.prompt_ids), max(angles_len, n)
         stats.prefill_seconds = time.perf_counter() - t0
-        stats.prefill_tokens_per_s = n / max(stats.prefill_seconds, 1e-9)
+        stats.prefill_tokens_per_s = new / max(stats.prefill_seconds, 1e-9)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -416,14 +506,16 @@ class Engine:
 
         The graph is captured once per cache and sampling setting, before prefill (so capture
         stays out of the decode timing), and stays valid for every later context length: it
-        reads the position from a device buffer and the kernel derives its schedule from it.
-        Capture runs a real step at position 0, whose K/V the prefill then overwrites."""
+        reads the position from a device buffer and the kernel derives its schedule from it, so
+        a prefill that starts after a reused prefix needs no recapture. Warm-up and capture run
+        real steps at position 0: its K/V (a reused prefix's first position) are put back after."""
         eager = functools.partial(self._decode_step, params, want_logprobs)
         if not self.use_cuda_graph:
             self._step = eager
             return
         key = (id(self.cache), params.temperature, params.top_k, params.top_p, want_logprobs, self.pdl)
         if self._graph_key != key:
+            position0 = {name: t[:, :, :, 0].clone() for name, t in self.cache.tensors().items()}
             self._graph = None
             self.state.positions.zero_()
             self.state.tokens.zero_()
@@ -439,6 +531,8 @@ class Engine:
             with torch.cuda.graph(graph):
                 eager()
             self._graph, self._graph_key = graph, key
+            for name, t in self.cache.tensors().items():
+                t[:, :, :, 0] = position0[name]
         self._step = self._graph.replay
 
 

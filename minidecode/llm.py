@@ -15,6 +15,7 @@ import torch
 from minidecode.models.llama import Transformer
 
 from .cache import FP8, KVCache
+from .cache_file import config_hash, weights_fingerprint
 from .config import ModelConfig
 from .engine import (
     Engine,
@@ -167,6 +168,7 @@ class LLM:
         prefill_chunk: int | None = None,
         cuda_graph: bool = True,
         kv_cache_dtype: str = "auto",
+        prefix_reuse: bool = True,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -205,9 +207,51 @@ class LLM:
         self.model.setup_rope(self.device)
         self.model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
         self.engine = Engine(
-            self.model, self.device, self.dtype, prefill_chunk, cuda_graph, kv_dtype=self.kv_dtype
+            self.model,
+            self.device,
+            self.dtype,
+            prefill_chunk,
+            use_cuda_graph=cuda_graph,
+            kv_dtype=self.kv_dtype,
+            prefix_reuse=prefix_reuse,
         )
         self._turns = _Turns()  # calls from several threads take turns on the one cache
+        self._identity: dict[str, str] | None = None  # computed on the first save/load
+
+    @property
+    def identity(self) -> dict[str, str]:
+        """What a saved cache must match: a hash of config.json (of the preset for a synthetic
+        model) and a fingerprint of the loaded weights (computed once)."""
+        if self._identity is None:
+            config = (
+                self.name.encode()
+                if self.model_dir is None
+                else (self.model_dir / "config.json").read_bytes()
+            )
+            self._identity = {
+                "config_sha256": config_hash(config),
+                "weights_fingerprint": weights_fingerprint(self.model),
+            }
+        return self._identity
+
+    def save_cache(self, path: str | Path) -> int:
+        """Save the prefilled cache (the last request's prompt and the answer tokens fed back, up to
+        the last) to `path`, a safetensors file, atomically; returns its size in bytes."""
+        release = self._turns.acquire()
+        try:
+            return self.engine.save_cache(path, self.identity)
+        finally:
+            release()
+
+    def load_cache(self, path: str | Path) -> int:
+        """Check the cache file at `path` against this model (refusing a mismatch) and make it the
+        cached prefix: the next request that starts with its tokens reads them from the file instead
+        of prefilling them. Returns the number of tokens it holds."""
+        release = self._turns.acquire()
+        try:
+            return self.engine.load_cache(path, self.identity)
+        finally:
+            release()
 
     def _generation_config(self) -> tuple[SamplingParams, set[int]]:
         eos = set(self.config.eos_token_ids)
@@ -285,6 +329,7 @@ class LLM:
         allow_extrapolation: bool = False,
         logprobs: bool = False,
         ignore_eos: bool = False,
+        reuse_prefix: bool = True,
         on_prefill_progress: Callable[[int, int], None] | None = None,
     ) -> Stream:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
@@ -300,6 +345,7 @@ class LLM:
             eos_ids=frozenset(self.eos_ids),
             ignore_eos=ignore_eos,
             want_logprobs=logprobs,
+            reuse_prefix=reuse_prefix,
             # Synthetic models are noise at any length: only their speed matters, so no position limit.
             allow_extrapolation=allow_extrapolation or self.synthetic,
         )

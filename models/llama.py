@@ -19,7 +19,7 @@ from minidecode.cache import KVCache, LayerKV
 from minidecode.config import ModelConfig
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import causal_attention
-from minidecode.kernels.quant import quantize_fp8
+from minidecode.kernels.quant import dequantize_fp8, quantize_fp8
 
 from .rope import RotaryEmbedding
 
@@ -179,46 +179,54 @@ class Transformer(nn.Module):
         backend: str | None = None,
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        """tokens [B, T] at positions 0..T-1 -> final-normed hidden [B, hidden] (last position) or
-        [B, T, hidden]; fills cache positions 0..T-1.
+        """tokens [B, T] at positions start..start+T-1 -> final-normed hidden [B, hidden] (last
+        position) or [B, T, hidden]; fills cache positions start..start+T-1. start > 0 prefills a
+        suffix after a prefix already in the cache: the new rows attend causally to themselves and
+        fully to positions 0..start-1.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is one square
         causal SDPA call per KV head over the whole prompt, which is cuDNN's fastest case on
         Hopper, and its output overwrites that head group's queries. Beyond the weights and
         cache this holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out.
-        Dynamic / long RoPE scale for T positions (transformers: longest position + 1).
+        Dynamic / long RoPE scale for start + T positions (transformers: longest position + 1).
 
         FP8 cache: attention reads the layer's unquantized K/V from a model-dtype staging buffer
-        (so the output is exactly the model-dtype cache's), which is then quantized into the cache.
+        (so the output is exactly the model-dtype cache's; a cached prefix enters it dequantized),
+        and the new positions are then quantized into the cache.
         """
         cfg = self.config
         B, T = tokens.shape
         G, D = cfg.group_size, cfg.head_dim
-        seq_len = torch.tensor(T, device=tokens.device)
+        seq_len = torch.tensor(start + T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
         q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
         quantized = cache.k_scale is not None
-        if quantized:  # one layer's unquantized K and V, [B, Hkv, T, D] each, reused by every layer
-            staging = [torch.empty(B, cfg.num_kv_heads, T, D, dtype=x.dtype, device=x.device) for _ in "kv"]
+        if quantized:  # one layer's K and V, [B, Hkv, start + T, D] each, reused by every layer
+            shape = (B, cfg.num_kv_heads, start + T, D)
+            staging = [torch.empty(shape, dtype=x.dtype, device=x.device) for _ in "kv"]
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or T, D]
+            k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
+            if quantized and start:
+                _dequantize_prefix(cache.layer(i), staging, start, chunk)
             for s in range(0, T, chunk):
                 e = min(s + chunk, T)
-                positions = torch.arange(s, e, device=x.device).expand(B, e - s)
+                positions = torch.arange(start + s, start + e, device=x.device).expand(B, e - s)
                 cos, sin = self.rope.cos_sin(positions, seq_len)  # [B, c, D]
                 q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)  # [B, c, H, D]
                 q_all[:, :, s:e] = q.transpose(1, 2)
-                k_cache[:, :, s:e] = k.transpose(1, 2)
-                v_cache[:, :, s:e] = v.transpose(1, 2)
+                k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
+                v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
+            end = start + T
             for h in range(cfg.num_kv_heads):
                 group = q_all[:, h * G : (h + 1) * G]  # [B, G, T, D]
-                keys, values = k_cache[:, h : h + 1, :T], v_cache[:, h : h + 1, :T]  # [B, 1, T, D]
+                keys, values = k_cache[:, h : h + 1, :end], v_cache[:, h : h + 1, :end]  # [B, 1, end, D]
                 group.copy_(causal_attention(group, keys, values, attn.scale, backend))
             if quantized:
-                _quantize_into(cache.layer(i), staging, chunk, attn.kv_static_scales)
+                _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
             for s in range(0, T, chunk):
                 e = min(s + chunk, T)
                 out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
@@ -253,16 +261,28 @@ class Transformer(nn.Module):
 
 
 def _quantize_into(
-    kv: LayerKV, staging: list[torch.Tensor], chunk: int, static_scales: tuple[float, float] | None
+    kv: LayerKV,
+    staging: list[torch.Tensor],
+    start: int,
+    chunk: int,
+    static_scales: tuple[float, float] | None,
 ) -> None:
-    """Quantize a layer's prompt K and V (staging [B, Hkv, T, D], model dtype) into its FP8 cache
-    positions 0..T-1, `chunk` positions at a time (bounded float32 temporaries)."""
-    T = staging[0].shape[2]
+    """Quantize a layer's new K and V (staging [B, Hkv, start + T, D], model dtype) into its FP8
+    cache positions start..start+T-1, `chunk` positions at a time (bounded float32 temporaries)."""
+    end = staging[0].shape[2]
     statics = static_scales or (None, None)
     for cache, scales, stage, static in zip(kv[:2], kv[2:], staging, statics, strict=True):
-        for s in range(0, T, chunk):
-            e = min(s + chunk, T)
+        for s in range(start, end, chunk):
+            e = min(s + chunk, end)
             cache[:, :, s:e], scales[:, :, s:e] = quantize_fp8(stage[:, :, s:e], static)
+
+
+def _dequantize_prefix(kv: LayerKV, staging: list[torch.Tensor], start: int, chunk: int) -> None:
+    """Fill staging positions 0..start-1 with the cached prefix, dequantized (what decode reads)."""
+    for cache, scales, stage in zip(kv[:2], kv[2:], staging, strict=True):
+        for s in range(0, start, chunk):
+            e = min(s + chunk, start)
+            stage[:, :, s:e] = dequantize_fp8(cache[:, :, s:e], scales[:, :, s:e], stage.dtype)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -56,6 +56,18 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq.to(self.device)  # [D/2] float32
         self._exponents = exponents.to(self.device)
 
+    @property
+    def length_free_up_to(self) -> int | None:
+        """The longest forward pass (seq_len) below which the angles do not depend on seq_len;
+        None: they never do. Dynamic NTK rescales past max_position_embeddings, LongRoPE switches
+        to its long factors past original_max_position_embeddings: a cached position computed
+        under one length is only valid for another if both are within this bound."""
+        if self.rope.rope_type == "dynamic":
+            return self.max_positions
+        if self.rope.rope_type == "longrope":
+            return self.rope.original_max_position_embeddings
+        return None
+
     def inv_freq_for(self, seq_len: torch.Tensor) -> torch.Tensor:
         """Inverse frequencies [D/2] (float32) for a forward pass whose longest sequence is seq_len
         (a 0-d int64 device tensor): only dynamic NTK and LongRoPE depend on it."""

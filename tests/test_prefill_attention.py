@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 
-from minidecode.kernels.prefill import blocked_causal_attention, cudnn_with_lse
+from minidecode.kernels.prefill import blocked_causal_attention, causal_attention, cudnn_with_lse
 
 
 def math_with_lse(q, k, v, causal, scale):
@@ -30,6 +30,41 @@ def test_blocked_equals_causal(T, block):
     out = blocked_causal_attention(q, k, v, block, functools.partial(math_with_lse, scale=D**-0.5))
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("past, T", [(100, 37), (64, 200), (1, 1)])
+def test_suffix_after_cached_keys_equals_the_full_causal_rows(past, T):
+    """Queries at the last T of past + T positions (a suffix prefilled after a cached prefix):
+    both the SDPA path and the blocked log-sum-exp merge give the last T rows of full causal
+    attention (query i sees keys 0..past+i)."""
+    torch.manual_seed(0)
+    B, G, D = 2, 3, 16
+    q_all = torch.randn(B, G, past + T, D)
+    k, v = torch.randn(B, 1, past + T, D), torch.randn(B, 1, past + T, D)
+    ref = F.scaled_dot_product_attention(
+        q_all.double(), k.double(), v.double(), is_causal=True, enable_gqa=True
+    )[:, :, past:]
+    q = q_all[:, :, past:]
+    torch.testing.assert_close(causal_attention(q, k, v, D**-0.5).double(), ref, rtol=1e-5, atol=1e-5)
+    blocked = blocked_causal_attention(q, k, v, 64, functools.partial(math_with_lse, scale=D**-0.5))
+    torch.testing.assert_close(blocked.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_suffix_attention_on_each_gpu_backend():
+    from minidecode.kernels.prefill import CANDIDATES
+
+    torch.manual_seed(0)
+    past, T, G, D = 3000, 700, 4, 128
+    q = torch.randn(1, G, T, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, past + T, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q_all = torch.cat([torch.zeros(1, G, past, D, device="cuda"), q.float()], 2).double()
+    exact = F.scaled_dot_product_attention(q_all, k.double(), v.double(), is_causal=True, enable_gqa=True)[
+        :, :, past:
+    ]
+    for backend in CANDIDATES:
+        assert rel_err(causal_attention(q, k, v, D**-0.5, backend), exact) < 1e-2, backend
 
 
 @pytest.mark.gpu

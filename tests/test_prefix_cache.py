@@ -1,0 +1,343 @@
+"""Prefix reuse and cache files, against transformers (fp32): a second question on a cached
+document, a growing chat, a prompt diverging mid-cache, the RoPE types whose angles depend on
+the length, save -> load in a new process, and every bad cache file refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_ids
+from helpers import max_rel_err
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from minidecode import LLM, UserError
+from minidecode import cache_file as cache_file_module
+from minidecode_cli.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
+NEW = 8
+DOC = random_ids(300, seed=1)
+QUESTION_A, QUESTION_B = random_ids(12, seed=2), random_ids(20, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint_factory):
+    return checkpoint_factory("llama", "default", max_positions=512)
+
+
+def load(model_dir, **kw) -> LLM:
+    return LLM(model_dir, device="cpu", dtype="float32", **kw)
+
+
+def greedy(llm: LLM, ids: list[int], **kw):
+    return llm.generate(token_ids=ids, max_new_tokens=NEW, temperature=0, ignore_eos=True, **kw)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def hf_logprobs(hf, model_dir, prompt: list[int], new: list[int]) -> torch.Tensor:
+    """transformers' log p of each new token, from one forward pass over prompt + new."""
+    logits = hf.logits(model_dir, prompt + new)[len(prompt) - 1 : -1]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(new)[:, None])[:, 0]
+
+
+# ---- prefix reuse ------------------------------------------------------------------------------
+
+
+def test_second_question_reuses_the_document(model_dir, hf):
+    llm = load(model_dir)
+    first = greedy(llm, DOC + QUESTION_A, max_context=400)
+    assert (first.stats.reused_tokens, first.stats.prefilled_tokens) == (0, len(DOC + QUESTION_A))
+    prompt = DOC + QUESTION_B
+    second = greedy(llm, prompt, max_context=400, logprobs=True)
+    assert second.stats.reused_tokens == len(DOC) and second.stats.prefilled_tokens == len(QUESTION_B)
+    assert f"({len(DOC)} from the cache)" in second.stats.summary()
+    assert second.token_ids == hf.greedy(model_dir, prompt, NEW)
+    ref = hf_logprobs(hf, model_dir, prompt, second.token_ids)
+    assert max_rel_err(torch.tensor(second.logprobs), ref) <= 1e-4
+
+
+def test_suffix_prefill_logits_equal_a_full_pass(model_dir, hf):
+    """Every row of a suffix prefilled after a cached prefix (positions c..T-1) has the logits of
+    transformers' full pass over the whole prompt."""
+    llm = load(model_dir)
+    greedy(llm, DOC + QUESTION_A, max_context=400)
+    prompt, c = DOC + QUESTION_B, len(DOC)
+    with torch.inference_mode():
+        suffix = torch.tensor([prompt[c:]])
+        hidden = llm.model.prefill(suffix, llm.engine.cache, 7, last_only=False, start=c)  # 7: odd chunks
+        logits = llm.model.logits(hidden[0])
+    assert max_rel_err(logits, hf.logits(model_dir, prompt)[c:]) <= 1e-4
+
+
+def test_three_turn_chat_through_reuse_equals_fresh_runs(model_dir, hf):
+    llm = load(model_dir)
+    messages: list[dict[str, str]] = []
+    previous_prompt: list[int] = []
+    for question in ["Hello there!", "And 長文脈?", "One more 🙂"]:
+        messages.append({"role": "user", "content": question})
+        ids = llm.encode_prompt(messages=messages)
+        cached = list(llm.engine.cached_ids)
+        out = llm.generate(messages=messages, max_new_tokens=NEW, temperature=0, max_context=400)
+        assert out.token_ids == hf.greedy(model_dir, ids, NEW, eos=True)
+        assert out.stats.reused_tokens == min(common_prefix(cached, ids), len(ids) - 1)
+        assert out.stats.reused_tokens >= len(previous_prompt)  # the earlier turns cost nothing
+        previous_prompt = ids
+        messages.append({"role": "assistant", "content": out.text})
+
+
+def test_prompt_diverging_mid_cache_reuses_exactly_the_common_part(model_dir, hf):
+    llm = load(model_dir)
+    greedy(llm, DOC + QUESTION_A, max_context=400)
+    prompt = DOC[:137] + [(DOC[137] + 1) % 384] + DOC[138:200]
+    out = greedy(llm, prompt, max_context=400)
+    assert out.stats.reused_tokens == 137 and out.stats.prefilled_tokens == len(prompt) - 137
+    assert out.token_ids == hf.greedy(model_dir, prompt, NEW)
+
+
+def test_generated_tokens_are_reused_but_not_the_last(model_dir, hf):
+    """The answer's tokens fed back to decode steps are cached; the last one never was."""
+    llm = load(model_dir)
+    first = greedy(llm, DOC, max_context=400)
+    assert llm.engine.cached_ids == DOC + first.token_ids[:-1]
+    prompt = DOC + first.token_ids + QUESTION_A
+    out = greedy(llm, prompt, max_context=400)
+    assert out.stats.reused_tokens == len(DOC) + NEW - 1
+    assert out.token_ids == hf.greedy(model_dir, prompt, NEW)
+
+
+def test_off_switches_and_a_cache_too_small(model_dir):
+    prompt = DOC + QUESTION_B
+    off = load(model_dir, prefix_reuse=False)
+    greedy(off, DOC + QUESTION_A, max_context=400)
+    assert greedy(off, prompt, max_context=400).stats.reused_tokens == 0
+    llm = load(model_dir)
+    greedy(llm, DOC + QUESTION_A, max_context=400)
+    assert greedy(llm, prompt, max_context=400, reuse_prefix=False).stats.reused_tokens == 0
+    llm = load(model_dir)
+    greedy(llm, DOC + QUESTION_A)  # a cache of exactly prompt + new positions
+    assert greedy(llm, prompt).stats.reused_tokens == 0  # needs more: reallocated, prefilled in full
+
+
+@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
+def test_length_dependent_rope_reuses_only_below_its_switch(checkpoint_factory, hf, rope):
+    """Dynamic NTK rescales past max_position_embeddings (64 here), LongRoPE switches factors
+    past original_max_position_embeddings (256): positions computed under a longer pass are not
+    reused, and both ways the tokens are transformers'."""
+    model_dir = checkpoint_factory("llama", rope, max_positions=64 if rope == "dynamic" else 512)
+    switch = 64 if rope == "dynamic" else 256
+    llm = load(model_dir)
+    short_doc, long_doc = DOC[: switch // 2], DOC[: switch + 10]
+    greedy(llm, short_doc + QUESTION_A[:4], max_context=switch, allow_extrapolation=True)
+    prompt = short_doc + QUESTION_B[:4]
+    out = greedy(llm, prompt, max_context=switch, allow_extrapolation=True)
+    assert out.stats.reused_tokens == len(short_doc)
+    assert out.token_ids == hf.greedy(model_dir, prompt, NEW)
+    greedy(llm, long_doc + QUESTION_A[:4], max_context=400, allow_extrapolation=True)
+    prompt = long_doc + QUESTION_B[:4]
+    out = greedy(llm, prompt, max_context=400, allow_extrapolation=True)
+    assert out.stats.reused_tokens == 0
+    assert out.token_ids == hf.greedy(model_dir, prompt, NEW)
+
+
+# ---- cache files -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(model_dir, tmp_path_factory):
+    """A cache file of DOC + QUESTION_A and its answer, and the ids it holds."""
+    llm = load(model_dir)
+    greedy(llm, DOC + QUESTION_A, max_context=400)
+    path = tmp_path_factory.mktemp("cache") / "doc.safetensors"
+    size = llm.save_cache(path)
+    assert size == path.stat().st_size
+    return (
+        path,
+        list(llm.engine.cached_ids),
+        llm.engine.cache.k[:, :, :, : len(llm.engine.cached_ids)].clone(),
+    )
+
+
+def test_cache_file_is_safetensors_of_the_valid_positions(saved):
+    path, ids, k = saved
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        assert meta["format_version"] == "1" and meta["cache_dtype"] == "float32"
+        assert int(meta["length"]) == len(ids) and len(meta["config_sha256"]) == 64
+        assert f.get_tensor("token_ids").tolist() == ids
+        assert torch.equal(f.get_tensor("k"), k)
+        assert f.get_tensor("v").shape == k.shape
+
+
+def test_loaded_cache_gives_the_same_tokens(model_dir, saved, hf):
+    path, ids, _ = saved
+    llm = load(model_dir)
+    assert llm.load_cache(path) == len(ids)
+    prompt = DOC + QUESTION_B
+    out = greedy(llm, prompt, logprobs=True)
+    assert out.stats.reused_tokens == len(DOC) and out.stats.cache_load_seconds > 0
+    assert out.token_ids == hf.greedy(model_dir, prompt, NEW)
+    assert max_rel_err(torch.tensor(out.logprobs), hf_logprobs(hf, model_dir, prompt, out.token_ids)) <= 1e-4
+
+
+def invoke(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
+
+
+def test_cli_save_then_load_in_a_new_process(model_dir, hf, tmp_path):
+    tok = hf.tokenizer(model_dir)
+    doc = "def add(a, b):\n    return a + b\n\n" * 20
+    common = ["--device", "cpu", "-n", NEW, "--temperature", 0, "--json"]
+    path = tmp_path / "doc.cache"
+    first = invoke("generate", model_dir, "-p", doc + "# first", "--save-cache", path, *common)
+    assert first.exit_code == 0, first.stderr
+    assert "saved" in first.stderr and path.is_file()
+    first_ids = tok(doc + "# first").input_ids
+
+    prompt = doc + "# second question"
+    proc = subprocess.run(
+        [sys.executable, "-m", "minidecode_cli.cli", "generate", str(model_dir), "-p", prompt,
+         "--load-cache", str(path), *map(str, common)],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    ids = tok(prompt).input_ids
+    assert out["token_ids"] == hf.greedy(model_dir, ids, NEW, eos=True)
+    assert out["stats"]["reused_tokens"] >= common_prefix(first_ids, ids) > 100
+    assert out["stats"]["prefilled_tokens"] == len(ids) - out["stats"]["reused_tokens"]
+
+
+def rewrite_header(src: Path, dst: Path, edit) -> None:
+    """Copy a cache file with its JSON header changed by edit(header)."""
+    data = src.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    dst.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n :])
+
+
+def bad_files(saved, tmp_path, checkpoint_factory, model_dir):
+    """(name, cache file, model) cases that must be refused, and the message each gives."""
+    path = saved[0]
+    data = path.read_bytes()
+    truncated, corrupted, newer = tmp_path / "truncated", tmp_path / "corrupted", tmp_path / "newer"
+    truncated.write_bytes(data[:-100])
+    corrupted.write_bytes(data[:20] + b"\xff" * 8 + data[28:])
+    rewrite_header(path, newer, lambda h: h["__metadata__"].update(format_version="2"))
+    other_config = checkpoint_factory("llama", "default", max_positions=256)
+    other_weights = checkpoint_factory("llama", "default", max_positions=512, seed=1)
+    return [
+        ("another model", path, other_config, "was made by another model"),
+        ("other weights", path, other_weights, "was made with other weights"),
+        ("truncated", truncated, model_dir, "is truncated"),
+        ("corrupted header", corrupted, model_dir, "is corrupted"),
+        ("newer format", newer, model_dir, "was written by a newer minidecode"),
+    ]
+
+
+def test_bad_cache_files_are_refused_in_one_line(saved, tmp_path, checkpoint_factory, model_dir):
+    keep = tmp_path / "keep.cache"
+    for name, path, model, message in bad_files(saved, tmp_path, checkpoint_factory, model_dir):
+        before = path.read_bytes()
+        keep.write_bytes(b"an earlier cache")
+        result = invoke(
+            "generate", model, "--device", "cpu", "-p", "x = 1", "-n", 2,
+            "--load-cache", path, "--save-cache", keep,
+        )  # fmt: skip
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, (name, result.stderr)
+        assert lines[0].startswith(f"error: cache file {path} {message}"), (name, lines)
+        assert path.read_bytes() == before and keep.read_bytes() == b"an earlier cache", name
+
+
+def test_cache_dtype_and_context_mismatches(saved, model_dir):
+    path, ids, _ = saved
+    with pytest.raises(UserError, match=r"holds a float32 cache, but this model's cache is bfloat16"):
+        LLM(model_dir, device="cpu", dtype="bfloat16").load_cache(path)
+    with pytest.raises(UserError, match=r"prefix reuse is off"):
+        load(model_dir, prefix_reuse=False).load_cache(path)
+    result = invoke("generate", model_dir, "--device", "cpu", "-p", "x = 1", "-n", 2, "--load-cache", path)
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(
+        f"error: the loaded cache holds {len(ids)} tokens, more than this request's context"
+    )
+
+
+def test_a_failed_write_leaves_no_file(model_dir, tmp_path, monkeypatch):
+    llm = load(model_dir)
+    greedy(llm, DOC, max_context=400)
+    target = tmp_path / "doc.cache"
+    target.write_bytes(b"an earlier cache")
+    writes = []
+
+    def failing_write(f, tensor, length, staging):
+        writes.append(tensor)
+        if len(writes) == 2:  # the K tensor is on disk, V fails midway
+            raise OSError(28, "No space left on device")
+        original(f, tensor, length, staging)
+
+    original = cache_file_module._write_tensor
+    monkeypatch.setattr(cache_file_module, "_write_tensor", failing_write)
+    with pytest.raises(UserError, match=r"could not write cache file .*: No space left on device"):
+        llm.save_cache(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.cache"]
+    assert target.read_bytes() == b"an earlier cache"
+    monkeypatch.setattr(cache_file_module, "_write_tensor", original)
+    llm.save_cache(target)
+    with safe_open(target, "pt") as f:
+        assert f.get_tensor("token_ids").tolist() == llm.engine.cached_ids
+
+
+def readme_commands(prefix: str) -> list[str]:
+    block = (REPO / "README.md").read_text().split("## Command line", 1)[1].split("```", 2)[1]
+    return [line for line in block.splitlines() if line.startswith(prefix)]
+
+
+def test_readme_cache_commands(tmp_path):
+    """The README's save / load pair, exactly as written, through a shell (shipped model)."""
+    save, ask = readme_commands("minidecode generate --prompt-file book.txt") + readme_commands(
+        "(cat book.txt"
+    )
+    shutil.copy(REPO / "minidecode" / "assets" / "stdlib-tiny" / "README.md", tmp_path / "book.txt")
+    env = dict(ENV, PATH=f"{Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}")
+    for command in (save, ask):
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+    assert "from the cache)" in proc.stderr and (tmp_path / "book.cache").is_file()
+
+
+# ---- GPU: CUDA-graph decode over a reused prefix -------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_reuse_with_cuda_graph_recapture(model_dir):
+    """A recapture (logprobs switched on) runs real decode steps at position 0, inside the
+    reused prefix: its K/V must be put back. Tokens equal a run without reuse."""
+    llm = LLM(model_dir, device="cuda", dtype="float32")
+    fresh = LLM(model_dir, device="cuda", dtype="float32", prefix_reuse=False)
+    greedy(llm, DOC + QUESTION_A, max_context=400)
+    out = greedy(llm, DOC + QUESTION_B, max_context=400, logprobs=True)
+    ref = greedy(fresh, DOC + QUESTION_B, max_context=400, logprobs=True)
+    assert out.stats.reused_tokens == len(DOC) and out.token_ids == ref.token_ids
+    assert max_rel_err(torch.tensor(out.logprobs), torch.tensor(ref.logprobs)) <= 1e-4
