@@ -82,7 +82,7 @@ def fill_speed(llm: LLM, context: int, steps: int) -> None:
     else:
         cache.k.normal_()
         cache.v.normal_()
-    engine._prepare_decode(llm.sampling_params(0, None, None, None), want_logprobs=False)
+    engine.prepare_decode(llm.sampling_params(0, None, None, None), want_logprobs=False)
     engine.state.positions.fill_(context)
     for _ in range(4):  # warm-up replays
         engine.step()

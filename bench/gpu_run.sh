@@ -3,7 +3,7 @@
 # process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
-#   STAGES       which of: tests profile bench demo prefix (default "tests profile bench")
+#   STAGES       which of: tests attention fp8 profile bench demo prefix (default "tests profile bench")
 #   LOG_DIR      logs (default bench/logs)
 #   RESULTS_DIR  where bench writes e2e.{json,md,png} (default $LOG_DIR; bench/results republishes)
 #   LENGTHS      prompt lengths (default "1024 4096 32768 131072 524288")
@@ -28,13 +28,28 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 if [[ $STAGES == *tests* ]]; then
-  for f in tests/test_lean_attention.py tests/test_quant.py tests/test_fused_kernels.py tests/test_prefill_attention.py tests/test_parity_gpu.py tests/test_prefix_cache.py; do
-    [ -f "$f" ] || continue
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" >"$LOG_DIR/gpu-test.tmp" 2>&1
-    cat "$LOG_DIR/gpu-test.tmp" >>"$LOG_DIR/gpu-tests.log"
-    summary+=("$f: $(tail -1 "$LOG_DIR/gpu-test.tmp")")
-  done
-  rm -f "$LOG_DIR/gpu-test.tmp"
+  # Every test marked gpu, in one process (with CUDA present no test switches to the interpreter).
+  timeout 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests >"$LOG_DIR/gpu-tests.log" 2>&1
+  summary+=("gpu tests: $(tail -1 "$LOG_DIR/gpu-tests.log")")
+fi
+if [[ $STAGES == *attention* ]]; then
+  # The decode-attention table (bf16 and FP8 caches, SDPA flash and cuDNN) -> attention.{md,json,png}.
+  timeout 300 python3 bench/attention.py --no-flex --out "$RESULTS_DIR/attention" 2>&1 | tee "$LOG_DIR/attention.log" | tail -25
+  summary+=("attention exit ${PIPESTATUS[0]}")
+fi
+if [[ $STAGES == *fp8* ]]; then
+  # FP8 cache: accuracy against bf16 at 128k (teacher-forced), decode speed on filled caches
+  # (labelled as such: no prefill) at 512k for both cache dtypes and at 1M for FP8 (a bf16 1M
+  # cache does not fit one H200), and the end-to-end bench with the FP8 cache.
+  {
+    timeout 150 python3 bench/fp8_accuracy.py --context 131072
+    for dt in auto fp8; do timeout 90 python3 bench/fp8_accuracy.py --fill --context 524288 --kv-cache-dtype $dt; done
+    timeout 120 python3 bench/fp8_accuracy.py --fill --context 1048576 --kv-cache-dtype fp8
+  } 2>&1 | tee "$LOG_DIR/fp8.log" | grep -A3 "^| context"
+  timeout 150 python3 -m minidecode_cli.cli bench synthetic:llama-3-8b --kv-cache-dtype fp8 \
+    --prompt-tokens 1024 --prompt-tokens 131072 --new-tokens 64 --repeats 3 --out "$RESULTS_DIR/e2e-fp8" \
+    2>&1 | tee -a "$LOG_DIR/fp8.log" | tail -12
+  summary+=("fp8 bench exit ${PIPESTATUS[0]}")
 fi
 if [[ $STAGES == *profile* ]]; then
   timeout 240 python3 bench/decode_profile.py synthetic:llama-3-8b 1024 2>&1 | tee "$LOG_DIR/decode-profile.log" | tail -6
@@ -60,7 +75,7 @@ if [[ $STAGES == *demo* ]]; then
 fi
 if [[ $STAGES == *prefix* ]]; then
   # Second-question TTFT on a 128k cached document, cache file save/load (about 1.5 min, H200).
-  timeout 300 python3 bench/prefix_reuse.py --dir "$LOG_DIR" 2>&1 | tee "$LOG_DIR/prefix-reuse.log" | tail -9
+  timeout 300 python3 bench/prefix_reuse.py --dir "${PREFIX_DIR:-/tmp}" 2>&1 | tee "$LOG_DIR/prefix-reuse.log" | tail -9
   summary+=("prefix exit ${PIPESTATUS[0]}")
 fi
 echo "==== summary"

@@ -23,6 +23,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 BLOCK = 65536  # query rows per block of the blocked cuDNN path (best of 16k-256k at 128k and 512k)
+# Query rows per block on the CPU: one block of a long prompt takes about a second on two cores,
+# and Ctrl-C (raised between Python steps) takes effect between blocks, not after a whole layer.
+CPU_BLOCK = 4096
 
 # attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
@@ -39,6 +42,9 @@ def causal_attention(
     past = k.shape[2] - q.shape[2]
     if backend == "cudnn" and (past or q.shape[2] > BLOCK):
         return blocked_causal_attention(q, k, v, BLOCK, functools.partial(cudnn_with_lse, scale=scale))
+    if q.device.type == "cpu" and (past or q.shape[2] > CPU_BLOCK):
+        attend = functools.partial(cpu_flash_with_lse, scale=scale)
+        return blocked_causal_attention(q, k, v, CPU_BLOCK, attend)
     if past:  # SDPA's is_causal aligns top-left; the lower-right bias aligns the new rows with the end
         mask = causal_lower_right(q.shape[2], k.shape[2])
         k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)  # stride-0 views
@@ -86,6 +92,15 @@ def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )[:2]
+    return out, lse.reshape(*q.shape[:3], 1)
+
+
+def cpu_flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """PyTorch's CPU flash attention, which also returns the log-sum-exp; the one KV head is
+    broadcast to the G query heads (a stride-0 view, no copy)."""
+    group = q.shape[1]
+    k, v = k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse.reshape(*q.shape[:3], 1)
 
 

@@ -439,7 +439,7 @@ class Engine:
         angles_len = self.angles_len if start else 0
         self.ensure_cache(request.context)
         params = request.params
-        self._prepare_decode(params, request.want_logprobs)  # may capture a graph: draws random numbers
+        self.prepare_decode(params, request.want_logprobs)  # may capture a graph: draws random numbers
         if params.seed is None:
             self._generator.seed()
         else:
@@ -501,7 +501,7 @@ class Engine:
         state.tokens.copy_(nxt)
         state.positions.add_(1)
 
-    def _prepare_decode(self, params: SamplingParams, want_logprobs: bool) -> None:
+    def prepare_decode(self, params: SamplingParams, want_logprobs: bool) -> None:
         """Set the decode step `step()` runs: a CUDA graph replay on CUDA, the eager step elsewhere.
 
         The graph is captured once per cache and sampling setting, before prefill (so capture

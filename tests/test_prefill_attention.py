@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 
+from minidecode.kernels import prefill
 from minidecode.kernels.prefill import blocked_causal_attention, causal_attention, cudnn_with_lse
 
 
@@ -83,3 +84,17 @@ def test_blocked_cudnn_equals_one_causal_call():
         q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True
     )
     assert rel_err(out, exact) < 1.5 * rel_err(ref, exact) + 1e-3
+
+
+@pytest.mark.parametrize("past, T", [(0, 300), (0, 64), (100, 150)])
+def test_cpu_prompt_in_query_blocks_equals_causal(monkeypatch, past, T):
+    """On the CPU a long prompt goes through in query blocks (Ctrl-C lands between blocks) with
+    PyTorch's CPU flash attention merged by log-sum-exp: the rows of full causal attention."""
+    monkeypatch.setattr(prefill, "CPU_BLOCK", 64)
+    torch.manual_seed(1)
+    B, G, D = 1, 4, 16
+    q = torch.randn(B, G, T, D)
+    k, v = torch.randn(B, 1, past + T, D), torch.randn(B, 1, past + T, D)
+    out = causal_attention(q, k, v, D**-0.5)
+    ref = math_with_lse(torch.cat([torch.zeros(B, G, past, D), q], 2).double(), k, v, True, D**-0.5)[0]
+    assert rel_err(out, ref[:, :, past:]) < 1e-5
