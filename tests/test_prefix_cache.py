@@ -341,3 +341,24 @@ def test_reuse_with_cuda_graph_recapture(model_dir):
     ref = greedy(fresh, DOC + QUESTION_B, max_context=400, logprobs=True)
     assert out.stats.reused_tokens == len(DOC) and out.token_ids == ref.token_ids
     assert max_rel_err(torch.tensor(out.logprobs), torch.tensor(ref.logprobs)) <= 1e-4
+
+
+def test_fp8_cache_reuses_the_dequantized_prefix(model_dir, tmp_path):
+    """With an FP8 cache the suffix attends to the cached prefix as decode would read it
+    (dequantized): the second question reuses the document, and its first-token log-prob matches a
+    model-dtype run within the FP8 error; a cache file round-trips with its scales."""
+    fp8 = load(model_dir, kv_cache_dtype="fp8")
+    greedy(fp8, DOC + QUESTION_A, max_context=400)
+    ask_b = dict(token_ids=DOC + QUESTION_B, max_new_tokens=1, temperature=0, logprobs=True)
+    second = fp8.generate(**ask_b, max_context=400)
+    assert second.stats.reused_tokens == len(DOC) and second.stats.prefilled_tokens == len(QUESTION_B)
+    exact = load(model_dir).generate(**ask_b)
+    assert second.token_ids == exact.token_ids
+    assert abs(second.logprobs[0] - exact.logprobs[0]) < 0.05
+    fp8.save_cache(tmp_path / "doc.safetensors")
+    fresh = load(model_dir, kv_cache_dtype="fp8")
+    fresh.load_cache(tmp_path / "doc.safetensors")
+    again = fresh.generate(**ask_b, max_context=400)
+    # the file holds document + question B: all but the last prompt token come from it, quantized
+    assert again.stats.reused_tokens == len(DOC + QUESTION_B) - 1 and again.token_ids == exact.token_ids
+    assert abs(again.logprobs[0] - exact.logprobs[0]) < 0.05
