@@ -531,14 +531,15 @@ def write_bench_results(llm, settings, results, ceilings, command, json_output, 
 
 def bench_metadata(llm, command: str) -> dict:
     import datetime
+    import os
     import subprocess
 
     import torch
 
     from minidecode.engine import kv_dtype_name
 
-    try:
-        commit = subprocess.run(
+    try:  # MINIDECODE_COMMIT names the commit where the tree was copied without its git history
+        commit = os.environ.get("MINIDECODE_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
         ).stdout.strip()
         dirty = subprocess.run(
