@@ -22,7 +22,8 @@ REPEATS=${REPEATS:-3}
 PEER_MAX=${PEER_MAX:-524288}
 COMPILED_MAX=${COMPILED_MAX:-32768}
 summary=()
-python3 -m pip install --no-deps --no-build-isolation -e . -q >"$LOG_DIR/install.log" 2>&1 || { cat "$LOG_DIR/install.log"; exit 1; }
+install_log=$(mktemp)
+python3 -m pip install --no-deps --no-build-isolation -e . -q >"$install_log" 2>&1 || { cat "$install_log"; exit 1; }
 python3 -c "import minidecode.kernels.lean_attention, minidecode.models.llama" || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
