@@ -538,11 +538,12 @@ def bench_metadata(llm, command: str) -> dict:
 
     from minidecode.engine import kv_dtype_name
 
-    try:  # MINIDECODE_COMMIT names the commit where the tree was copied without its git history
-        commit = os.environ.get("MINIDECODE_COMMIT") or subprocess.run(
+    commit = os.environ.get("MINIDECODE_COMMIT")  # the commit of a tree copied without its history
+    try:
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
         ).stdout.strip()
-        dirty = subprocess.run(
+        dirty = "MINIDECODE_COMMIT" not in os.environ and subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,

@@ -4,7 +4,6 @@ over 256 greedy steps, and FP8 greedy agrees with the bf16 cache's up to the fir
 
 from __future__ import annotations
 
-import checkpoints
 import pytest
 import torch
 from test_fp8_cache import NEAR_TIE, decode_logits, first_divergence
@@ -14,14 +13,9 @@ from minidecode.cache import FP8
 
 pytestmark = pytest.mark.gpu
 
-FAMILY = {"model_type": "llama", "head_dim": 64}  # the lean kernel takes head_dim 64 or 128
-
-
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(checkpoints.FAMILIES, "gpu-fp8-llama-hd64", FAMILY)
-        return checkpoint_factory("gpu-fp8-llama-hd64", "default", max_positions=4096)
+    return checkpoint_factory("gpu-llama-hd64", "default", max_positions=4096)  # head_dim 64
 
 
 def test_cuda_graph_equals_eager_with_fp8_cache(model_dir, prompt_ids):

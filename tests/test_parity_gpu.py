@@ -18,13 +18,6 @@ from minidecode import LLM
 
 pytestmark = pytest.mark.gpu
 
-# Families with head_dim 64 (hidden 64, 4 query heads, 2 KV heads): added to the shared table
-# only while their checkpoints are built.
-GPU_FAMILIES = {
-    "gpu-llama-hd64": {"model_type": "llama", "head_dim": 64},
-    "gpu-qwen2-hd64": {"model_type": "qwen2", "head_dim": 64},
-    "gpu-qwen3-hd64": {"model_type": "qwen3", "head_dim": 64},
-}
 MAX_POS = 2048
 PROMPT = 3000  # beyond MAX_POS: dynamic NTK scales (generation opts in to extrapolation)
 NEW = 64
@@ -39,10 +32,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def gpu_checkpoint(checkpoint_factory):
-    def make(family: str, rope: str):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setitem(checkpoints.FAMILIES, family, GPU_FAMILIES[family])
-            return checkpoint_factory(family, rope, max_positions=MAX_POS)
+    def make(family: str, rope: str):  # a head_dim-64 family of checkpoints.GPU_FAMILIES
+        return checkpoint_factory(family, rope, max_positions=MAX_POS)
 
     return make
 

@@ -331,9 +331,10 @@ def test_readme_cache_commands(tmp_path):
 
 
 @pytest.mark.gpu
-def test_reuse_with_cuda_graph_recapture(model_dir):
+def test_reuse_with_cuda_graph_recapture(checkpoint_factory):
     """A recapture (logprobs switched on) runs real decode steps at position 0, inside the
     reused prefix: its K/V must be put back. Tokens equal a run without reuse."""
+    model_dir = checkpoint_factory("gpu-llama-hd64", "default", max_positions=512)  # lean: head_dim 64
     llm = LLM(model_dir, device="cuda", dtype="float32")
     fresh = LLM(model_dir, device="cuda", dtype="float32", prefix_reuse=False)
     greedy(llm, DOC + QUESTION_A, max_context=400)
