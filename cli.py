@@ -473,6 +473,9 @@ def command_line(ctx: typer.Context) -> str:
         value = ctx.params.get(param.name)
         if value is None or value == param.default or param.name == "ctx":
             continue
+        if param.param_type_name == "option" and getattr(param, "is_flag", False):
+            words += [param.opts[0]] if value else param.secondary_opts[:1]  # --plot, --no-graph
+            continue
         for v in value if isinstance(value, list | tuple) else [value]:
             words += [str(v)] if param.param_type_name == "argument" else [param.opts[0], str(v)]
     return shlex.join(words)

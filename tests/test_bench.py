@@ -158,6 +158,7 @@ def test_bench_on_cpu_writes_strict_json(tiny_llama, tmp_path):
     assert json.loads(result.stdout, parse_constant=refuse) == data  # --json: the same object on stdout
     assert data["dtype"] == "float32" and data["device"] == "CPU" and data["formula"]
     assert data["command"].startswith("minidecode bench") and data["commit"] and data["date"]
+    assert " --json " in data["command"] and "True" not in data["command"]  # a flag, as given
     assert data["read_ceiling_bytes_per_s"] > 0
     (row,) = data["results"]
     assert row["decode_tokens_per_s"]["n"] == 2 and row["prefill_seconds"]["n"] == 2
