@@ -21,7 +21,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from timing import time_graph  # bench/timing.py
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minidecode.kernels import lean_attention as la
@@ -92,49 +92,7 @@ CASES = [
 BATCH1_GQA = [c.name for c in CASES[:8]]
 
 
-# ---- timing ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Timing:
-    median: float  # microseconds per call, over the replays
-    low: float
-    high: float
-
-
-def time_graph(calls: list[Callable[[], object]], target_us: float = 3000.0, replays: int = 15) -> Timing:
-    """Microseconds per call, median and min-max of `replays` replays: `calls` (one per input set)
-    cycled inside one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: compilation, workspaces, plans
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for fn in calls[:4]:
-        fn()
-    end.record()
-    end.synchronize()
-    estimate_us = start.elapsed_time(end) * 1e3 / min(4, len(calls))
-    n_calls = max(len(calls), min(1000, math.ceil(target_us / max(estimate_us, 1.0))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_calls):
-            calls[i % len(calls)]()
-    graph.replay()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n_calls)
-    del graph
-    return Timing(statistics.median(times), min(times), max(times))
+# ---- timing (bench/timing.py) ---------------------------------------------------------------
 
 
 def read_ceiling_gbs(n_bytes: int = 2 << 30) -> float:

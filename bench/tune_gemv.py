@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from attention import time_graph  # bench/attention.py: run as a script, bench/ is on the import path
+from timing import time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode.kernels.gemv import GemvConfig, gemv
 

@@ -1,0 +1,54 @@
+"""Timing of GPU work for the bench scripts: calls cycled inside one CUDA graph, so that
+microsecond kernels are timed without launch gaps (imported by the scripts in this folder, which
+run as scripts: their folder is on the import path)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median: float  # microseconds per call, over the replays
+    low: float
+    high: float
+
+
+def time_graph(calls: list[Callable[[], object]], target_us: float = 3000.0, replays: int = 15) -> Timing:
+    """Microseconds per call, median and min-max of `replays` replays: `calls` (one per input set)
+    cycled inside one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compilation, workspaces, plans
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for fn in calls[:4]:
+        fn()
+    end.record()
+    end.synchronize()
+    estimate_us = start.elapsed_time(end) * 1e3 / min(4, len(calls))
+    n_calls = max(len(calls), min(1000, math.ceil(target_us / max(estimate_us, 1.0))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_calls):
+            calls[i % len(calls)]()
+    graph.replay()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n_calls)
+    del graph
+    return Timing(statistics.median(times), min(times), max(times))
