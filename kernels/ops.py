@@ -58,11 +58,12 @@ def rms_norm(
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None) -> bool:
     """The Triton GEMV for a few rows and outputs up to MAX_OUTPUTS wide; cuBLAS otherwise (for
     the 28672-wide gate/up of an 8B model it streams ~4% faster: bench/tune_gemv.py)."""
+    if not _triton(x, triton):
+        return False  # before the import: the CPU runtime never loads triton
     from .gemv import MAX_OUTPUTS, MAX_ROWS
 
     fits = x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.shape[0] <= MAX_OUTPUTS
-    fits = fits and x.stride(-1) == 1 and weight.stride(-1) == 1
-    return fits and _triton(x, triton)
+    return fits and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
 def linear(

@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 BLOCK = 65536  # query rows per block of the blocked cuDNN path (best of 16k-256k at 128k and 512k)
@@ -46,6 +45,8 @@ def causal_attention(
         attend = functools.partial(cpu_flash_with_lse, scale=scale)
         return blocked_causal_attention(q, k, v, CPU_BLOCK, attend)
     if past:  # SDPA's is_causal aligns top-left; the lower-right bias aligns the new rows with the end
+        from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: ~1.5 s
+
         mask = causal_lower_right(q.shape[2], k.shape[2])
         k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)  # stride-0 views
         attend = functools.partial(F.scaled_dot_product_attention, attn_mask=mask, scale=scale)

@@ -132,13 +132,29 @@ def interrupt(proc: subprocess.Popen) -> tuple[str, str]:
     return out, err
 
 
+def wait_for_torch_import(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until the child maps libtorch (it is importing torch: past the CLI's start, where the
+    handler is installed, and before any model loads); a fixed sleep is too short on a loaded
+    machine and too long on a fast one."""
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if "libtorch" in maps.read_text():
+                return
+        except OSError:  # no /proc (not Linux): fall back to a pause
+            time.sleep(1.0)
+            return
+        time.sleep(0.005)
+
+
 def test_ctrl_c_during_startup_is_one_line():
     """SIGINT while the command is still importing torch: no traceback, exit 130."""
     proc = subprocess.Popen(
         [*CLI, "generate", "-p", "hi", "-n", "100000", "--allow-extrapolation", "--device", "cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
-    time.sleep(1.0)  # past the interpreter's own start (slow on a loaded machine), still importing
+    wait_for_torch_import(proc)
     assert proc.poll() is None, "finished before the interrupt"
     out, err = interrupt(proc)
     assert proc.returncode == 130
