@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .sampling import SamplingParams, sample
+from .validate import check_int, check_stops
 
 
 @dataclass
@@ -314,10 +315,8 @@ class Engine:
         change), and that no other generation is running."""
         self.check_idle()
         request.params.validate()
-        if request.max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        if any(not s for s in request.stop):
-            raise UserError("stop strings must be non-empty")
+        check_int("max_new_tokens", request.max_new_tokens, 1)
+        check_stops(request.stop)
         prompt_len, needed = len(request.prompt_ids), len(request.prompt_ids) + request.max_new_tokens
         if self.loaded is not None and request.reuse_prefix and self.loaded.length > request.context:
             raise UserError(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UserError
+from .validate import check_sampling
 
 
 @dataclass
@@ -19,14 +19,7 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        if not (0 < self.top_p <= 1):
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise UserError(f"seed must be in [0, 2**63), got {self.seed}")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     @property
     def greedy(self) -> bool:
