@@ -163,6 +163,7 @@ def _ticket_and_merge(
     per,
     big,
     Out,
+    Lse,
     PartO,
     PartLse,
     Counters,
@@ -175,6 +176,7 @@ def _ticket_and_merge(
     G_MERGE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """Draw a ticket for segment (b, h); the CTA that draws the last one merges all its partials
     in CTA order (bitwise reproducible), writes the output and zeroes the counter."""
@@ -224,6 +226,10 @@ def _ticket_and_merge(
         l_sum = tl.where(col_ok, l_sum, 1.0)  # padding rows merged nothing
         o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
         tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
+        if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
+            lse_ptrs = Lse + b * (Hkv * G) + h * G + col_g
+            first_col = col_ok & (cols % HEAD_DIM == 0)
+            tl.store(lse_ptrs, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=first_col)
         tl.store(counter, 0)  # every contributor has drawn its ticket: ready for the next launch
 
 
@@ -235,6 +241,7 @@ def _lean_decode_kernel(
     KScale,  # FP8: [B, Hkv, S] float32, last dim contiguous, K row = e4m3 row * scale
     VScale,  # FP8: [B, Hkv, S] float32
     Out,  # [B, Hq, D]
+    Lse,  # [B, Hq] float32, contiguous: log-sum-exp of the scaled scores, natural log (WRITE_LSE)
     Lengths,  # [B] int32
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD] fp32: log2-sum-exp of each partial row
@@ -266,6 +273,7 @@ def _lean_decode_kernel(
     DEQUANT: tl.constexpr,
     UNIT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -372,6 +380,9 @@ def _lean_decode_kernel(
                     # The whole segment is ours: no partials.
                     out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
                     tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+                    if WRITE_LSE:  # log2 units -> natural log
+                        lse_ptrs = Lse + b * (Hkv * G) + q_rows
+                        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
                 else:
                     slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
                     o_part = acc / l_i[:, None]
@@ -393,9 +404,9 @@ def _lean_decode_kernel(
             in_part = (seg_lo < range_lo) | (seg_lo + n_blk > range_hi)
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
-                _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, PartO, PartLse, Counters,
+                _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse, Counters,
                                   G, Hkv, stride_ob, stride_oh,
-                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_CHUNK, COUNTER_STRIDE)
+                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
                 # fmt: on
 
 
@@ -458,6 +469,7 @@ def lean_attention(
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
     fp8_dequant: int = DEQUANT_CVT,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
     """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
 
@@ -470,6 +482,8 @@ def lean_attention(
     workspace must be ordered on one stream. `num_ctas` overrides the SM-derived grid (tests),
     `config` the tuned launch parameters; `out` ([B, Hq, D], q's dtype) receives the result.
     `use_pdl` launches with programmatic dependent launch (Hopper+), chained to the step's kernels.
+    `lse` ([B, Hq] float32, contiguous) receives each query head's log-sum-exp of the scaled scores
+    (natural log), written with the output (a sequence of length 0 writes neither).
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
@@ -521,6 +535,8 @@ def lean_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    if lse is not None and (lse.shape != (B, Hq) or lse.dtype != torch.float32 or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous [B, Hq] = {[B, Hq]} float32 tensor")
     if fp8:
         # uint8 views: the kernel decodes the e4m3 bits itself (the Triton interpreter has no
         # float8 tensors, and the integer decode needs no FP8 conversion hardware).
@@ -537,6 +553,7 @@ def lean_attention(
         k_scale,
         v_scale,
         out,
+        out if lse is None else lse,  # unused pointer without lse
         lengths,
         ws.part_o,
         ws.part_lse,
@@ -568,6 +585,7 @@ def lean_attention(
         DEQUANT=fp8_dequant,
         UNIT=DEQUANT_UNIT.get(fp8_dequant, 1.0),
         USE_PDL=use_pdl,
+        WRITE_LSE=lse is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

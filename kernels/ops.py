@@ -174,22 +174,31 @@ def decode_attention(
     pdl: bool = False,
     k_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32, with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:  # [B, Hq, D]
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] (, lse [B, Hq] float32)
     """One decode step of attention: each sequence's single new query over its cached context
     (the lean stream-K kernel, which dequantizes an FP8 cache in registers; the twin dequantizes
     the valid positions to float32 first, and loops over the batch on the host, so it is not
-    graph-safe)."""
+    graph-safe).
+
+    return_lse also returns each query head's log-sum-exp of the scaled scores (natural log),
+    which weighs partial results over disjoint ranges of the context in an exact merge (context
+    parallelism: minidecode/distributed.py). A sequence with lengths 0 has no valid output or lse
+    from the kernel: the caller masks it."""
     if _triton(q, triton):
         from .lean_attention import lean_attention
 
-        return lean_attention(
-            q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, use_pdl=_pdl(q, pdl)
-        )
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        out = lean_attention(
+            q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, use_pdl=_pdl(q, pdl),
+            lse=lse,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     if k_cache.dtype == FP8_DTYPE:
         n = int(lengths.max())
         k_cache = dequantize_fp8(k_cache[:, :, :n], k_scale[:, :, :n])  # [B, Hkv, n, D] float32
         v_cache = dequantize_fp8(v_cache[:, :, :n], v_scale[:, :, :n])
-    return decode_attention_reference(q, k_cache, v_cache, lengths, scale)
+    return decode_attention_reference(q, k_cache, v_cache, lengths, scale, return_lse=return_lse)
 
 
 def silu_mul(gate_up: torch.Tensor, triton: bool | None = None, pdl: bool = False) -> torch.Tensor:

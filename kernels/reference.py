@@ -10,20 +10,27 @@ def decode_attention_reference(
     lengths: torch.Tensor,  # [B] int, valid positions per sequence, 1 <= lengths[b] <= S
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:  # [B, Hq, D] in q.dtype
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] in q.dtype (, lse [B, Hq])
     """softmax(q k^T * scale) v over each sequence's first lengths[b] positions.
 
     Loops over the batch on the host (it reads `lengths`), so it is for CPU runs and tests,
-    not for CUDA graphs. compute_dtype=torch.float64 gives the tests' ground truth.
+    not for CUDA graphs. compute_dtype=torch.float64 gives the tests' ground truth. return_lse
+    also returns each query head's log-sum-exp of the scaled scores (natural log, float32 or
+    float64 with that compute_dtype; -inf where
+    lengths[b] is 0, whose output is 0): what a context-parallel merge weighs partials by.
     """
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
     out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, dtype=torch.promote_types(compute_dtype, torch.float32), device=q.device)
     for b, n in enumerate(lengths.tolist()):
         qb = q[b].view(Hkv, G, D).to(compute_dtype)  # [Hkv, G, D]: the group shares one KV head
         kb = k_cache[b, :, :n].to(compute_dtype)  # [Hkv, n, D]
         vb = v_cache[b, :, :n].to(compute_dtype)
-        p = torch.softmax(qb @ kb.transpose(1, 2) * scale, dim=-1)  # [Hkv, G, n]
-        out[b] = (p @ vb).reshape(Hq, D).to(q.dtype)
-    return out
+        scores = qb @ kb.transpose(1, 2) * scale  # [Hkv, G, n]
+        out[b] = (torch.softmax(scores, dim=-1) @ vb).reshape(Hq, D).to(q.dtype)
+        if return_lse:
+            lse[b] = torch.logsumexp(scores, dim=-1).reshape(Hq)
+    return (out, lse) if return_lse else out
