@@ -73,8 +73,28 @@ KvCacheDtypeOpt = Annotated[
 ]
 
 
+TpOpt = Annotated[
+    int,
+    typer.Option(
+        "--tp", help="Tensor parallel: split heads, MLP and vocabulary over this many GPUs (under torchrun)"
+    ),
+]
+CpOpt = Annotated[
+    int,
+    typer.Option(
+        "--cp", help="Context parallel: split the KV cache's positions over this many GPUs (under torchrun)"
+    ),
+]
+
+
+def rank() -> int:
+    """This process's rank under torchrun (0 otherwise): only rank 0 prints."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 def fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
+    if rank() == 0:  # every rank of a torchrun launch fails alike; one line is enough
+        typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
 
@@ -171,15 +191,23 @@ def check_generate_args(
     kv_cache_dtype: str = "auto",
     load_cache: Path | None = None,
     save_cache: Path | None = None,
+    tp: int = 1,
+    cp: int = 1,
 ) -> None:
-    """Every argument of `generate` that can be checked without the model (and without torch)."""
+    """Every argument of `generate` that can be checked without the model (and without torch);
+    text None: a rank other than 0 of a torchrun launch, which uses rank 0's prompt."""
     from minidecode.validate import (
         check_device_name,
         check_dtype_name,
         check_kv_cache_dtype_name,
+        check_parallel,
         check_request,
         check_text,
     )
+
+    world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
+    if check_parallel(tp, cp, world) > 1 and (load_cache is not None or save_cache is not None):
+        raise UserError("--load-cache / --save-cache are not supported with --tp / --cp")
 
     if load_cache is not None and not load_cache.is_file():
         raise UserError(f"cache file {load_cache} does not exist")
@@ -196,6 +224,8 @@ def check_generate_args(
             raise UserError("--prompt-tokens must be >= 1")
         if chat:
             raise UserError("--chat needs a text prompt, not --prompt-tokens")
+        return
+    if text is None:
         return
     check_text(text)
     if not text:
@@ -266,23 +296,29 @@ def generate(
         Path | None,
         typer.Option(help="After generating, save the cache (prompt + answer) here, for --load-cache"),
     ] = None,
+    tp: TpOpt = 1,
+    cp: CpOpt = 1,
 ) -> None:
-    """Generate a continuation of a prompt; text streams to stdout, stats to stderr."""
+    """Generate a continuation of a prompt; text streams to stdout, stats to stderr. With --tp /
+    --cp, under torchrun: rank 0 reads the prompt and prints, every rank computes its part."""
     stops = [unescape(s) for s in stop or []]
+    first = rank() == 0
     try:
         text = None
-        if prompt_tokens is None:
-            text = read_prompt(prompt, prompt_file)
+        if prompt_tokens is None and (first or prompt is not None or prompt_file is not None):
+            text = read_prompt(prompt, prompt_file)  # stdin: rank 0 only
         elif prompt is not None or prompt_file is not None:
             fail("--prompt-tokens replaces --prompt / --prompt-file")
         check_generate_args(
             model, text, prompt_tokens, chat, max_new_tokens, temperature, top_k, top_p, seed,
-            stops, max_context, device, dtype, kv_cache_dtype, load_cache, save_cache,
+            stops, max_context, device, dtype, kv_cache_dtype, load_cache, save_cache, tp, cp,
         )  # fmt: skip
         from minidecode.llm import LLM
 
-        llm = LLM(model, device=device, dtype=dtype, cuda_graph=graph, kv_cache_dtype=kv_cache_dtype)
-        if llm.synthetic:
+        llm = LLM(
+            model, device=device, dtype=dtype, cuda_graph=graph, kv_cache_dtype=kv_cache_dtype, tp=tp, cp=cp
+        )
+        if llm.synthetic and first:
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
         if load_cache is not None:
             llm.load_cache(load_cache)
@@ -290,12 +326,17 @@ def generate(
         if prompt_tokens is not None:
             # Refuse a prompt the memory plan cannot hold before making its random ids.
             plan = llm.engine.plan(max_context or prompt_tokens + max_new_tokens, prompt_tokens)
+            problem = None
             if not plan.fits:
-                fail(
+                problem = (
                     f"a {prompt_tokens:,}-token prompt needs {plan.needed_bytes / 2**30:,.2f} GiB for its KV "
                     f"cache and activations but only {plan.free_bytes / 2**30:,.2f} GiB is free on "
                     f"{plan.device}; lower --prompt-tokens"
                 )
+            if llm.parallel is not None:  # a rank short of memory stops every rank
+                problem = llm.parallel.first_error(problem)
+            if problem is not None:
+                fail(problem)
             request["token_ids"] = llm.random_prompt(prompt_tokens, seed=seed or 0)
         elif chat:
             request["messages"] = [{"role": "user", "content": text}]
@@ -311,10 +352,10 @@ def generate(
             stop=stops,
             max_context=max_context,
             allow_extrapolation=allow_extrapolation,
-            on_prefill_progress=Progress(enabled=not json_output),
+            on_prefill_progress=Progress(enabled=not json_output and first),
         )
         for piece in stream:
-            if not json_output:
+            if not json_output and first:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         result = stream.result
@@ -326,6 +367,8 @@ def generate(
             typer.echo(saved, err=True)
     except UserError as e:
         fail(str(e))
+    if not first:
+        return
     if json_output:
         typer.echo(
             json.dumps(
@@ -353,8 +396,11 @@ def info(
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    tp: TpOpt = 1,
+    cp: CpOpt = 1,
 ) -> None:
-    """Architecture, parameter count, context length and the memory plan, without loading weights."""
+    """Architecture, parameter count, context length and the memory plan, without loading weights
+    (with --tp / --cp: the plan of each GPU)."""
     try:
         from minidecode.validate import check_device_name, check_dtype_name, check_kv_cache_dtype_name
 
@@ -363,9 +409,14 @@ def info(
         check_kv_cache_dtype_name(kv_cache_dtype)
         if context is not None and context < 1:
             raise UserError(f"context must be >= 1, got {context}")
+        for name, value in (("--tp", tp), ("--cp", cp)):
+            if value < 1:
+                raise UserError(f"{name} must be >= 1, got {value}")
         from minidecode.llm import describe
 
-        plan = describe(model, context=context, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        plan = describe(
+            model, context=context, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, tp=tp, cp=cp
+        )
         typer.echo(plan)
     except UserError as e:
         fail(str(e))

@@ -115,13 +115,20 @@ def activation_bytes(
     dtype: torch.dtype,
     device: torch.device,
     kv_dtype: torch.dtype | None = None,
+    rank_positions: int | None = None,
 ) -> int:
     """Peak temporaries of the layer-major prefill (an estimate with margin): the residual stream
     and the q / attention-output buffer over the whole prompt, one head group's attention output,
     and one chunk's projections and MLP intermediates; one query block's blocked-attention
     temporaries (kernels/prefill.py); plus a decode step's logits. An FP8 cache (kv_dtype) adds
     one layer's unquantized K and V over the prompt (the staging buffer) and one chunk's float32
-    quantization temporaries."""
+    quantization temporaries. rank_positions: the cache positions of a context-parallel rank, if
+    fewer than the prompt's: it prefills only those rows, and receives one layer's K/V of the earlier
+    ranks' positions at a time (models/parallel.py)."""
+    received = 0
+    if rank_positions is not None and rank_positions < prompt_len:
+        received = (prompt_len - rank_positions) * 2 * cfg.num_kv_heads * cfg.head_dim
+        prompt_len = rank_positions
     T, c = prompt_len, min(chunk, prompt_len)
     whole_prompt = T * (cfg.hidden_size + cfg.num_heads * cfg.head_dim + cfg.group_size * cfg.head_dim)
     if kv_dtype == FP8:
@@ -137,7 +144,7 @@ def activation_bytes(
     blocked = min(T, PREFILL_BLOCK) * cfg.group_size * cfg.head_dim * (2 * 4 + 2 * dtype.itemsize)
     logits = 4 * cfg.vocab_size * 4
     margin = 512 * 2**20 if device.type == "cuda" else 64 * 2**20  # library workspaces
-    return (whole_prompt + c * per_row) * dtype.itemsize + rope + lse + blocked + logits + margin
+    return (whole_prompt + c * per_row + received) * dtype.itemsize + rope + lse + blocked + logits + margin
 
 
 def default_prefill_chunk(device: torch.device) -> int:
@@ -224,11 +231,12 @@ class Engine:
     # ---- memory -------------------------------------------------------------------------
     def plan(self, max_context: int, prompt_len: int) -> MemoryPlan:
         cfg = self.config
-        kv = max_context * self.kv_bytes_per_token
+        kv = self.model.cache_len(max_context) * self.kv_bytes_per_token
         free = free_memory(self.device)
         activations = activation_bytes(
-            cfg, prompt_len, self.prefill_chunk, self.dtype, self.device, self.kv_dtype
-        )
+            cfg, prompt_len, self.prefill_chunk, self.dtype, self.device, self.kv_dtype,
+            self.model.cache_len(prompt_len),
+        )  # fmt: skip
         return MemoryPlan(
             weight_bytes(self.model), kv, activations, free, str(self.device), kv_dtype_name(self.kv_dtype)
         )
@@ -240,7 +248,8 @@ class Engine:
         return KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
 
     def _cache_fits(self, max_context: int) -> bool:
-        return self.cache is not None and self.cache.fits(max_context, self.kv_dtype, self.device)
+        positions = self.model.cache_len(max_context)  # on this rank (context parallelism splits them)
+        return self.cache is not None and self.cache.fits(positions, self.kv_dtype, self.device)
 
     def ensure_cache(self, max_context: int) -> KVCache:
         """A cache of at least max_context positions, with its decode buffers (reused if it fits)."""
@@ -252,7 +261,8 @@ class Engine:
     def _new_cache(self, max_len: int, device: torch.device | str | None = None) -> KVCache:
         cfg = self.config
         device = self.device if device is None else device
-        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim, self.kv_dtype, device)
+        positions = self.model.cache_len(max_len)
+        return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, positions, cfg.head_dim, self.kv_dtype, device)
 
     def release(self) -> None:
         """Free the cache, its decode buffers and the captured graph (the next request allocates)."""

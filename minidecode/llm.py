@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +36,9 @@ from .loading import DEFAULT_MODEL, load_weights, resolve_model_dir
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
 from .validate import check_kv_cache_dtype_name, check_request, check_text, check_token_ids, check_vocab
+
+if TYPE_CHECKING:
+    from .distributed import Parallel
 
 SYNTHETIC = "synthetic:"
 DTYPES = {  # name -> dtype, with short aliases
@@ -169,8 +175,20 @@ class LLM:
         cuda_graph: bool = True,
         kv_cache_dtype: str = "auto",
         prefix_reuse: bool = True,
+        tp: int = 1,
+        cp: int = 1,
     ):
-        self.device = resolve_device(device)
+        # tp x cp > 1: one rank of a torchrun launch (minidecode/distributed.py); each rank loads
+        # its share of the weights and every rank runs every request in step with the others.
+        self.parallel: Parallel | None = None
+        if (tp, cp) != (1, 1):  # torch.distributed loads only here
+            from minidecode.models.parallel import ParallelTransformer
+
+            from .distributed import init_parallel
+
+            self.parallel = init_parallel(tp, cp, device)
+            self.parallel.check_same(model=str(model), dtype=str(dtype), kv_cache_dtype=kv_cache_dtype)
+        self.device = resolve_device(device) if self.parallel is None else self.parallel.device
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.device, self.dtype)
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -188,19 +206,28 @@ class LLM:
             self.tokenizer = Tokenizer(self.model_dir)
             check_vocab(self.tokenizer.vocab_size, self.config.vocab_size)
             self.generation_defaults, self.eos_ids = self._generation_config()
-        weights = self.config.num_parameters() * self.dtype.itemsize
+        with torch.device("meta"):
+            if self.parallel is None:
+                self.model = Transformer(self.config)
+            else:
+                self.model = ParallelTransformer(self.config, self.parallel)
+        weights = sum(p.numel() for p in self.model.parameters()) * self.dtype.itemsize  # this rank's
         free = free_memory(self.device)
+        problem = None
         if weights > free:
-            raise UserError(
+            problem = (
                 f"the weights need {_gib(weights)} but only {_gib(free)} is free on {self.device}; "
                 "use a smaller dtype or another device"
             )
-        with torch.device("meta"):
-            self.model = Transformer(self.config)
+        if self.parallel is not None:  # any rank's problem stops every rank
+            problem = self.parallel.first_error(problem)
+        if problem is not None:
+            raise UserError(problem)
         if self.synthetic:
             init_random_weights(self.model, self.device, self.dtype)
         else:
-            kv_scales = load_weights(self.model, self.model_dir, self.device, self.dtype)
+            shard = None if self.parallel is None else self.model.shard  # only this rank's rows
+            kv_scales = load_weights(self.model, self.model_dir, self.device, self.dtype, shard)
             for layer, scales in zip(self.model.model.layers, kv_scales or [], strict=False):
                 layer.self_attn.kv_static_scales = scales  # the checkpoint's calibrated FP8 scales
         self.model.fuse_projections()
@@ -213,7 +240,7 @@ class LLM:
             prefill_chunk,
             use_cuda_graph=cuda_graph,
             kv_dtype=self.kv_dtype,
-            prefix_reuse=prefix_reuse,
+            prefix_reuse=prefix_reuse and cp == 1,  # context-parallel prefill starts at position 0
         )
         self._turns = _Turns()  # calls from several threads take turns on the one cache
         self._identity: dict[str, str] | None = None  # computed on the first save/load
@@ -237,6 +264,7 @@ class LLM:
     def save_cache(self, path: str | Path) -> int:
         """Save the prefilled cache (the last request's prompt and the answer tokens fed back, up to
         the last) to `path`, a safetensors file, atomically; returns its size in bytes."""
+        self._check_single_process("saving a cache")
         release = self._turns.acquire()
         try:
             return self.engine.save_cache(path, self.identity)
@@ -247,11 +275,16 @@ class LLM:
         """Check the cache file at `path` against this model (refusing a mismatch) and make it the
         cached prefix: the next request that starts with its tokens reads them from the file instead
         of prefilling them. Returns the number of tokens it holds."""
+        self._check_single_process("loading a cache")
         release = self._turns.acquire()
         try:
             return self.engine.load_cache(path, self.identity)
         finally:
             release()
+
+    def _check_single_process(self, what: str) -> None:
+        if self.parallel is not None:
+            raise UserError(f"{what} is not supported with tp / cp > 1 (each rank holds a part of it)")
 
     def _generation_config(self) -> tuple[SamplingParams, set[int]]:
         eos = set(self.config.eos_token_ids)
@@ -335,23 +368,31 @@ class LLM:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
         character); after iteration, `.result` is the GenerationResult."""
         t_request = time.perf_counter()
-        stops = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
-        request = Request(
-            prompt_ids=self.encode_prompt(prompt, token_ids, messages),
-            params=self.sampling_params(temperature, top_k, top_p, seed),
-            max_new_tokens=max_new_tokens,
-            max_context=max_context,
-            stop=stops,
-            eos_ids=frozenset(self.eos_ids),
-            ignore_eos=ignore_eos,
-            want_logprobs=logprobs,
-            reuse_prefix=reuse_prefix,
-            # Synthetic models are noise at any length: only their speed matters, so no position limit.
-            allow_extrapolation=allow_extrapolation or self.synthetic,
-        )
+
+        def make_request() -> Request:
+            stops = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
+            return Request(
+                prompt_ids=self.encode_prompt(prompt, token_ids, messages),
+                params=self.sampling_params(temperature, top_k, top_p, seed),
+                max_new_tokens=max_new_tokens,
+                max_context=max_context,
+                stop=stops,
+                eos_ids=frozenset(self.eos_ids),
+                ignore_eos=ignore_eos,
+                want_logprobs=logprobs,
+                reuse_prefix=reuse_prefix,
+                # Synthetic models are noise at any length: only their speed matters, so no position limit.
+                allow_extrapolation=allow_extrapolation or self.synthetic,
+            )
+
+        if self.parallel is None:
+            request = make_request()
+        else:  # rank 0's prompt and its seed: every rank then samples the same tokens
+            request = self.parallel.from_rank0(lambda: with_seed(make_request()))
         release = self._turns.acquire()  # waits while another thread generates
         try:
-            generation = self.engine.generate(request, on_prefill_progress, t_request)  # refuses a bad one
+            start = functools.partial(self.engine.generate, request, on_prefill_progress, t_request)
+            generation = start() if self.parallel is None else self.parallel.agree(start)  # refuses a bad one
         except BaseException:
             release()
             raise
@@ -413,6 +454,13 @@ class LLM:
             release()
 
 
+def with_seed(request: Request) -> Request:
+    """The request with a seed drawn now where it has none (what every rank then seeds with)."""
+    if request.params.seed is None:
+        request.params.seed = int.from_bytes(os.urandom(8), "little") >> 1
+    return request
+
+
 def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
     """Index where the earliest stop string begins in text, searching only new text."""
     hits = [i for s in stops if (i := text.find(s, max(0, search_from))) >= 0]
@@ -471,8 +519,11 @@ def describe(
     device: str | None = None,
     prefill_chunk: int | None = None,
     kv_cache_dtype: str = "auto",
+    tp: int = 1,
+    cp: int = 1,
 ) -> str:
-    """What `minidecode info` prints: architecture, size, context and a memory plan (no weights loaded)."""
+    """What `minidecode info` prints: architecture, size, context and a memory plan (no weights
+    loaded); with tp x cp > 1, the plan of each GPU (rank 0's: every rank holds as much)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     kv_dt = resolve_kv_cache_dtype(kv_cache_dtype, dev, dt)
@@ -485,10 +536,25 @@ def describe(
     if context < 1:
         raise UserError(f"context must be >= 1, got {context}")
     weights = cfg.num_parameters() * dt.itemsize
-    kv_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dt)
-    kv = kv_per_token * context
+    rank_cfg, positions, parallel, plan_weights = cfg, context, None, weights
+    if (tp, cp) != (1, 1):
+        from minidecode.models.parallel import rank_weight_bytes
+
+        from .distributed import rank_config, shard_plan
+
+        shard = shard_plan(cfg, tp, 0)
+        rank_cfg, plan_weights = rank_config(cfg, shard), rank_weight_bytes(cfg, shard, tp, dt.itemsize)
+        positions = context if cp == 1 else -(-context // cp) + 1  # + the scratch row
+        parallel = (
+            f"parallel     tp {tp} x cp {cp} = {tp * cp} GPUs (torchrun); each GPU holds "
+            f"{rank_cfg.num_heads} q / {rank_cfg.num_kv_heads} kv heads, MLP {rank_cfg.intermediate_size}, "
+            f"{'the whole vocabulary' if tp == 1 else f'{shard.vocab_rows:,} vocabulary rows'} "
+            f"and {positions:,} cache positions"
+        )
+    kv_per_token = KVCache.bytes_per_token(cfg.num_layers, rank_cfg.num_kv_heads, cfg.head_dim, kv_dt)
+    kv = kv_per_token * positions
     chunk = prefill_chunk or default_prefill_chunk(dev)
-    act = activation_bytes(cfg, context, chunk, dt, dev, kv_dt)
+    act = activation_bytes(rank_cfg, context, chunk, dt, dev, kv_dt, positions)
     free = free_memory(dev)
     rope = cfg.rope.rope_type + (f" x{cfg.rope.factor:g}" if cfg.rope.factor else "")
     lines = [
@@ -499,10 +565,12 @@ def describe(
         f"vocabulary   {cfg.vocab_size:,}; tied embeddings: {cfg.tie_word_embeddings}",
         f"context      {cfg.max_position_embeddings:,} positions; RoPE {rope}, theta {cfg.rope.theta:g}"
         + (f"; sliding window {cfg.sliding_window:,}" if cfg.sliding_window else ""),
-        f"memory plan  at {context:,} tokens on {dev}: weights {_gib(weights)} + KV cache {_gib(kv)} "
+        *([parallel] if parallel else []),
+        f"memory plan  at {context:,} tokens on {dev}{' (per GPU)' if parallel else ''}: "
+        f"weights {_gib(plan_weights)} + KV cache {_gib(kv)} "
         f"in {kv_dtype_name(kv_dt)} ({kv_per_token / 1024:g} KiB/token) + activations {_gib(act)} "
-        f"= {_gib(weights + kv + act)}; free now {_gib(free)} -> "
-        + ("fits" if weights + kv + act <= free else "DOES NOT FIT"),
+        f"= {_gib(plan_weights + kv + act)}; free now {_gib(free)} -> "
+        + ("fits" if plan_weights + kv + act <= free else "DOES NOT FIT"),
     ]
     if context > cfg.max_position_embeddings:
         lines.append(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,7 +77,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(
-    model: nn.Module, model_dir: Path, device: torch.device, dtype: torch.dtype
+    model: nn.Module,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Callable[[str], tuple[int, int, int] | None] | None = None,
 ) -> list[tuple[float, float]] | None:
     """Fill `model` (built on the meta device) with the checkpoint's tensors; return the
     checkpoint's FP8 KV-cache scales, (k, v) per layer, or None where it ships none.
@@ -84,6 +89,8 @@ def load_weights(
     Each tensor is read from its file straight onto `device` and cast to `dtype`, so an 8B model
     never has a full copy in host memory. Every expected tensor must be present with the right
     shape, and no unexpected one may appear: a wrong checkpoint fails loudly, naming tensors.
+    `shard(name)` (a tensor-parallel rank's, models/parallel.py) names the part of a tensor to
+    read, (dim, start, stop), or None for all of it: only that part is read from the file.
     """
     from safetensors import safe_open
 
@@ -107,7 +114,8 @@ def load_weights(
                     if name not in expected:
                         unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
+                    part = None if shard is None else shard(name)
+                    tensor = f.get_tensor(name) if part is None else _read_part(f.get_slice(name), *part)
                     if tensor.shape != expected[name]:
                         misshapen.append(f"{name} {tuple(tensor.shape)} (expected {tuple(expected[name])})")
                         misshapen_names.add(name)
@@ -129,6 +137,23 @@ def load_weights(
         raise UserError(f"checkpoint in {model_dir} does not match its config.json: " + "; ".join(problems))
     model.load_state_dict(loaded, strict=True, assign=True)
     return _kv_scales_per_layer(kv_scales, model, model_dir)
+
+
+def _read_part(tensor_slice, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Positions [start, stop) of `dim` from a safetensors slice; those past the tensor's end are
+    zeros (an lm_head split into equal vocabulary parts)."""
+    import torch
+
+    size = tensor_slice.get_shape()[dim]
+    index = [slice(None)] * len(tensor_slice.get_shape())
+    index[dim] = slice(min(start, size), min(stop, size))
+    part = tensor_slice[tuple(index)]
+    missing = stop - start - part.shape[dim]
+    if missing <= 0:
+        return part
+    pad = list(part.shape)
+    pad[dim] = missing
+    return torch.cat([part, part.new_zeros(pad)], dim=dim)
 
 
 def _scale(name: str, tensor: torch.Tensor) -> float:

@@ -117,3 +117,23 @@ def check_request(
     check_int("max_new_tokens", max_new_tokens, 1)
     check_sampling(temperature, top_k, top_p, seed)
     return check_stops(stop)
+
+
+def check_parallel(tp: Any, cp: Any, world_size: int | None) -> int:
+    """tp x cp processes, one per GPU, launched by torchrun (world_size: its WORLD_SIZE, None when
+    not under torchrun) -> the number of processes. Every rank runs this check on the same
+    values, so every rank refuses alike."""
+    tp, cp = check_int("tp", tp, 1), check_int("cp", cp, 1)
+    needed = tp * cp
+    if world_size is None and needed > 1:
+        raise UserError(
+            f"--tp {tp} --cp {cp} runs {needed} processes (one per GPU): launch it with "
+            f"`torchrun --nproc-per-node {needed} -m minidecode_cli.cli ...` (or the Python API inside a "
+            "torchrun script); WORLD_SIZE is not set"
+        )
+    if world_size is not None and world_size != needed:
+        raise UserError(
+            f"torchrun started {world_size} processes but --tp {tp} x --cp {cp} needs {needed}: "
+            f"give --nproc-per-node {needed}, or --tp / --cp whose product is {world_size}"
+        )
+    return needed

@@ -34,7 +34,20 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, pdl=pdl)
 
 
+class Projection(nn.Linear):
+    """A linear layer whose decode form adds its output to the residual stream in place; the
+    tensor-parallel row split (models/parallel.py) overrides both forms with an all-reduce."""
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
+        """residual [B, out] += self(x [B, in]), in place."""
+        ops.linear_residual(x, self.weight, self.bias, residual, pdl=pdl)
+
+
 class Attention(nn.Module):
+    # The decode step's attention op; a context-parallel rank sets its own on the instance (the
+    # ranks' partials merged by log-sum-exp: models/parallel.py).
+    attend = staticmethod(ops.decode_attention)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -42,7 +55,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Projection(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm, self.norm_eps = cfg.qk_norm, cfg.rms_norm_eps
         # (k, v) FP8 cache scales a checkpoint calibrated (set by the loader), else None: each
         # row then gets its own scale when written (kernels/quant.py).
@@ -88,10 +101,10 @@ class Attention(nn.Module):
             qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
             k_scale=k_scale, v_scale=v_scale, static_scales=self.kv_static_scales,
         )  # fmt: skip
-        out = ops.decode_attention(
+        out = self.attend(
             q, k_cache, v_cache, lengths, self.scale, pdl=pdl, k_scale=k_scale, v_scale=v_scale
         )  # [B, Hq, D]
-        ops.linear_residual(out.view(B, -1), self.o_proj.weight, self.o_proj.bias, x, pdl=pdl)
+        self.o_proj.add_to(x, out.view(B, -1), pdl)
 
 
 class MLP(nn.Module):
@@ -99,7 +112,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def fuse(self) -> None:
         """One [2 * intermediate, hidden] weight for gate and up (one GEMV per step)."""
@@ -115,7 +128,7 @@ class MLP(nn.Module):
         in place."""
         gate_up = ops.linear(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, 2 I]
         inner = ops.silu_mul(gate_up, pdl=pdl)  # [B, I]
-        ops.linear_residual(inner, self.down_proj.weight, self.down_proj.bias, x, pdl=pdl)
+        self.down_proj.add_to(x, inner, pdl)
 
 
 def _fuse(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor | None:
@@ -162,6 +175,10 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None  # built on the weights' device by setup_rope
+
+    def cache_len(self, context: int) -> int:
+        """Cache positions this model's ranks each hold for a context (context parallelism splits it)."""
+        return context
 
     def setup_rope(self, device: torch.device | str) -> None:
         self.rope = RotaryEmbedding(self.config, device)

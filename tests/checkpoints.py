@@ -69,6 +69,9 @@ GPU_FAMILIES = {
     "gpu-qwen3-hd64": {"model_type": "qwen3", "head_dim": 64},
 }
 
+# More query heads per KV head than ranks split evenly (tensor-parallel tests): 8 q / 2 KV heads.
+PARALLEL_FAMILIES = {"llama-8q-2kv": {"model_type": "llama", "num_attention_heads": 8, "head_dim": 16}}
+
 ROPES: dict[str, dict] = {
     "default": {"rope_type": "default"},
     "linear": {"rope_type": "linear", "factor": 4.0},
@@ -104,7 +107,7 @@ def make_checkpoint(
     """Save a tiny random model with transformers' own save_pretrained, plus a tokenizer."""
     import transformers
 
-    overrides = dict((FAMILIES | GPU_FAMILIES)[family])
+    overrides = dict((FAMILIES | GPU_FAMILIES | PARALLEL_FAMILIES)[family])
     model_type = overrides.pop("model_type")
     config_cls = transformers.AutoConfig.for_model(model_type).__class__
     rope_parameters = dict(ROPES[rope], rope_theta=10000.0)

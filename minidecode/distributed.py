@@ -1,0 +1,263 @@
+"""One model over several processes (one per GPU, or CPU processes with gloo), launched by torchrun.
+
+- the process group, set up from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): NCCL on
+  GPUs, gloo on CPUs, with NVLink multicast forced off in every process;
+- each rank's share of the model: tensor parallel (tp) splits the query and KV heads, the MLP's
+  intermediate rows and the vocabulary (ShardPlan); context parallel (cp) splits the cache's
+  positions into contiguous ranges, one per rank;
+- the collectives the model calls, and the exact log-sum-exp merge of attention computed over
+  disjoint ranges of the context (merge_partials);
+- agreement between ranks: one rank's error becomes every rank's, so all exit together.
+
+Ranks are laid out tp-major: global rank = cp_rank * tp + tp_rank. A tensor-parallel group is the
+tp ranks of one cp_rank (they hold the same positions); a context-parallel group is the cp ranks of
+one tp_rank (they hold the same heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .config import ModelConfig
+from .errors import UserError
+from .validate import check_parallel
+
+# NVLink multicast (NVLS) stays off on the machines this runs on: forced in every process before the
+# process group starts (a value inherited from the launcher's environment is overridden).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+T = TypeVar("T")
+
+
+def world_size_from_environment() -> int | None:
+    """torchrun's WORLD_SIZE, or None outside torchrun."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One tensor-parallel rank's share of a model (checkpoint rows, half-open ranges).
+
+    Query heads [q_lo, q_hi) and the KV heads they read, [kv_lo, kv_hi): a contiguous block of
+    whole GQA groups when tp divides the KV heads, else the one KV head of this rank's query
+    heads, replicated on the tp / Hkv ranks that share it. MLP intermediate rows [mlp_lo, mlp_hi).
+    Vocabulary rows [vocab_lo, vocab_lo + vocab_rows) of the lm_head, padded past the vocabulary
+    so that every rank's logits have the same width (an all-gather needs equal parts)."""
+
+    q_lo: int
+    q_hi: int
+    kv_lo: int
+    kv_hi: int
+    mlp_lo: int
+    mlp_hi: int
+    vocab_lo: int
+    vocab_rows: int
+
+
+def shard_plan(cfg: ModelConfig, tp: int, tp_rank: int) -> ShardPlan:
+    """Rank tp_rank's share; a model that does not split tp ways is refused with what would."""
+    Hq, Hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    ways = [n for n in range(1, Hq + 1) if Hq % n == 0 and (Hkv % n == 0 or n % Hkv == 0)]
+    if Hq % tp or (Hkv % tp and tp % Hkv):
+        raise UserError(
+            f"--tp {tp} does not split this model's {Hq} query / {Hkv} KV heads (tp must divide the "
+            f"query heads, and divide or be a multiple of the KV heads); use --tp "
+            + " or ".join(map(str, ways))
+        )
+    if inter % tp:
+        raise UserError(f"--tp {tp} does not divide the MLP's intermediate size {inter}")
+    q_per = Hq // tp
+    q_lo = tp_rank * q_per
+    kv_lo = q_lo // cfg.group_size
+    kv_hi = kv_lo + max(Hkv // tp, 1)
+    vocab_rows = -(-cfg.vocab_size // tp)
+    mlp_per = inter // tp
+    return ShardPlan(
+        q_lo, q_lo + q_per, kv_lo, kv_hi, tp_rank * mlp_per, (tp_rank + 1) * mlp_per,
+        tp_rank * vocab_rows, vocab_rows,
+    )  # fmt: skip
+
+
+def rank_config(cfg: ModelConfig, plan: ShardPlan) -> ModelConfig:
+    """The config of one tensor-parallel rank's modules: its heads and MLP rows (the vocabulary,
+    hidden size and everything else stay whole)."""
+    return dataclasses.replace(
+        cfg,
+        num_heads=plan.q_hi - plan.q_lo,
+        num_kv_heads=plan.kv_hi - plan.kv_lo,
+        intermediate_size=plan.mlp_hi - plan.mlp_lo,
+    )
+
+
+@dataclass
+class Parallel:
+    """This process's place among tp x cp ranks, and the collectives over its groups."""
+
+    tp: int
+    cp: int
+    rank: int
+    device: torch.device
+    tp_group: Any = None  # ProcessGroup of this rank's tensor-parallel peers (None when tp == 1)
+    cp_group: Any = None  # ProcessGroup of this rank's context-parallel peers (None when cp == 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank // self.tp
+
+    def cp_peer(self, cp_rank: int) -> int:
+        """The global rank holding cp range `cp_rank` with this rank's heads."""
+        return cp_rank * self.tp + self.tp_rank
+
+    # ---- collectives over model tensors (ordered on the current stream: graph-capturable on NCCL)
+    def all_reduce_tp(self, x: torch.Tensor) -> None:
+        """x += every tensor-parallel peer's x, in place (the row-split projections' sum)."""
+        dist.all_reduce(x, group=self.tp_group)
+
+    def all_gather_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """[tp, *x.shape]: every tensor-parallel rank's x, in tp-rank order."""
+        return _all_gather(x, self.tp, self.tp_group)
+
+    def all_gather_cp(self, x: torch.Tensor) -> torch.Tensor:
+        """[cp, *x.shape]: every context-parallel rank's x, in cp-rank order."""
+        return _all_gather(x, self.cp, self.cp_group)
+
+    def broadcast_cp(self, x: torch.Tensor, cp_rank: int) -> None:
+        """x (contiguous) := the x of context-parallel rank cp_rank, in place on every peer."""
+        dist.broadcast(x, src=self.cp_peer(cp_rank), group=self.cp_group)
+
+    # ---- agreement (host objects, default group) ----------------------------------------------
+    def first_error(self, message: str | None) -> str | None:
+        """Every rank's error (None: none), gathered: the first one, named by its rank where not
+        every rank had it; the same answer on every rank."""
+        messages: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(messages, message)
+        errors = [(r, m) for r, m in enumerate(messages) if m is not None]
+        if not errors:
+            return None
+        rank, first = errors[0]
+        return first if len(errors) == self.world_size else f"rank {rank}: {first}"
+
+    def agree(self, run: Callable[[], T]) -> T:
+        """run() on every rank; a UserError on any rank is raised on every rank."""
+        value, error = None, None
+        try:
+            value = run()
+        except UserError as e:
+            error = str(e)
+        if (error := self.first_error(error)) is not None:
+            raise UserError(error)
+        return value
+
+    def from_rank0(self, run: Callable[[], T]) -> T:
+        """run() on rank 0 only; its value (or its UserError) reaches every rank."""
+        box: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                box[0] = run()
+            except UserError as e:
+                box[1] = str(e)
+        dist.broadcast_object_list(box, src=0)
+        if box[1] is not None:
+            raise UserError(box[1])
+        return box[0]
+
+    def check_same(self, **settings: Any) -> None:
+        """Refuse ranks started with different settings (a launcher that passes each rank its
+        own arguments, or a script that differs per rank)."""
+        every: list[dict | None] = [None] * self.world_size
+        dist.all_gather_object(every, settings)
+        for rank, theirs in enumerate(every):
+            if theirs != every[0]:
+                differ = ", ".join(f"{k} {every[0][k]!r} on rank 0 but {theirs[k]!r}" for k in settings
+                                   if theirs.get(k) != every[0].get(k))  # fmt: skip
+                raise UserError(f"the ranks were started differently: {differ} on rank {rank}")
+
+
+def _all_gather(x: torch.Tensor, n: int, group: Any) -> torch.Tensor:
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    gather(out, x.contiguous(), group=group)
+    return out.view(n, *x.shape)
+
+
+def init_parallel(tp: int, cp: int, device: str | torch.device | None) -> Parallel:
+    """The process group from torchrun's environment (started here unless the script did), and
+    this rank's groups and device: cuda:LOCAL_RANK with NCCL, or the CPU with gloo."""
+    world = world_size_from_environment()
+    check_parallel(tp, cp, world)
+    dev = _rank_device(device)
+    os.environ.update(NO_MULTICAST)
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, **kwargs)
+    if dist.get_world_size() != tp * cp:
+        raise UserError(
+            f"the process group has {dist.get_world_size()} ranks but tp {tp} x cp {cp} = {tp * cp}"
+        )
+    parallel = Parallel(tp, cp, dist.get_rank(), dev)
+    # Every rank creates every group, in the same order (new_group is collective).
+    for c in range(cp):
+        group = dist.new_group([c * tp + t for t in range(tp)]) if tp > 1 else None
+        if c == parallel.cp_rank:
+            parallel.tp_group = group
+    for t in range(tp):
+        group = dist.new_group([c * tp + t for c in range(cp)]) if cp > 1 else None
+        if t == parallel.tp_rank:
+            parallel.cp_group = group
+    parallel.check_same(tp=tp, cp=cp, device=dev.type)
+    return parallel
+
+
+def _rank_device(device: str | torch.device | None) -> torch.device:
+    """Each rank's device: the GPU of its LOCAL_RANK (for None or "cuda"), or the CPU."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda":
+        return dev
+    if dev.index is not None:
+        raise UserError(
+            f"with --tp / --cp each rank uses the GPU of its local rank: give --device cuda, not {device}"
+        )
+    if not torch.cuda.is_available():
+        raise UserError("device 'cuda' was asked for but no CUDA GPU is available")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise UserError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention over the union of disjoint key ranges from each range's result:
+    o [n, ..., D] (each range's normalised output) and lse [n, ...] (its log-sum-exp of the scaled
+    scores, natural log; -inf for an empty range) -> (o [..., D], lse [...]) in float32 or wider.
+
+    softmax over all keys = sum_i exp(lse_i - lse) softmax_i, lse = log sum_i exp(lse_i): the rule
+    the lean kernel applies inside (in log2 units) to its CTAs' partials."""
+    dtype = torch.promote_types(lse.dtype, torch.float32)
+    lse = lse.to(dtype)
+    top = lse.max(dim=0).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # every range empty
+    weight = torch.exp(lse - top).unsqueeze(-1)  # [n, ..., 1]; 0 for an empty range
+    total = weight.sum(dim=0)
+    # an empty range's o is whatever its kernel left there: weigh it by nothing, even NaN
+    merged = torch.where(weight > 0, o.to(dtype) * weight, 0.0).sum(dim=0) / total
+    return merged, top + torch.log(total.squeeze(-1))

@@ -1,0 +1,305 @@
+"""The decoder split over tp x cp ranks (minidecode/distributed.py sets up the ranks).
+
+Tensor parallel (tp): each rank builds the modules of its share (rank_config: its query and KV
+heads, its MLP rows) and loads only those rows or columns of each checkpoint tensor (`shard`).
+q/k/v and gate/up are split by output rows (column parallel: no communication), o_proj and
+down_proj by input columns (row parallel): each rank's product is a partial sum, all-reduced once
+per projection, with the bias added once after the sum. The lm_head is split by vocabulary rows
+and the logits all-gathered ([B, V] per step, 0.5 MB at V = 128k): replicating it would add the
+whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's per-step reads, about 6% of a
+70B rank's weights at tp 4. The embedding stays whole (a step reads one row of it).
+
+Context parallel (cp): rank c holds cache positions [c * span, (c + 1) * span) plus one scratch
+row, span = ceil(context / cp). A decode step writes the new token's K/V on the rank whose range
+holds its position (the others write the scratch row), every rank attends over its own range,
+and the per-head (o, lse) partials are all-gathered and merged exactly (merge_partials): one
+B x Hq x (D + 1) float32 gather per layer, whatever the context. Prefill runs every rank's range
+at once, layer by layer: after its projections, each rank broadcasts the layer's K/V of its range
+to the later ranks, and attends causally over its own keys and fully over the earlier ranges',
+merged by log-sum-exp (exact; memory: one layer's K/V of the earlier ranges at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minidecode.cache import KVCache
+from minidecode.config import ModelConfig
+from minidecode.distributed import Parallel, ShardPlan, merge_partials, rank_config, shard_plan
+from minidecode.kernels import ops
+from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
+
+from .llama import Projection, Transformer, _quantize_into
+
+
+class RowParallelProjection(Projection):
+    """A projection split by input columns: each tensor-parallel rank multiplies its columns, the
+    partial sums are all-reduced, and the (whole, replicated) bias is added once after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: Parallel):
+        super().__init__(in_features, out_features, bias=bias)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self.parallel.all_reduce_tp(y)
+        return y if self.bias is None else y + self.bias
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
+        y = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]: this rank's partial sum
+        self.parallel.all_reduce_tp(y)
+        residual += y if self.bias is None else y + self.bias
+
+
+class ContextParallelAttention:
+    """Attention.attend for a context-parallel rank: attention over this rank's range of the
+    cache (lengths are per range: 0 where the range is still empty), merged with the other
+    ranks' by log-sum-exp. Same arguments and result as ops.decode_attention."""
+
+    def __init__(self, parallel: Parallel):
+        self.parallel = parallel
+
+    def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
+        o, lse = ops.decode_attention(q, k_cache, v_cache, lengths, scale, return_lse=True, **kwargs)
+        empty = (lengths == 0)[:, None]  # [B, 1]: the kernel wrote neither o nor lse there
+        lse = torch.where(empty, float("-inf"), lse)
+        packed = torch.cat([o.float(), lse[..., None]], dim=-1)  # [B, Hq, D + 1]
+        parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
+        return merge_partials(parts[..., :-1], parts[..., -1])[0].to(q.dtype)
+
+
+class ParallelTransformer(Transformer):
+    """This rank's part of the model: `config` is the rank's (its heads and MLP rows), so the
+    engine sizes the cache for the rank's KV heads; `full_config` is the checkpoint's."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel):
+        plan = shard_plan(cfg, parallel.tp, parallel.tp_rank)
+        super().__init__(rank_config(cfg, plan))
+        self.full_config, self.parallel, self.plan = cfg, parallel, plan
+        if parallel.tp > 1:
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.o_proj = RowParallelProjection(
+                    attn.o_proj.in_features, cfg.hidden_size, cfg.o_bias, parallel
+                )
+                mlp.down_proj = RowParallelProjection(
+                    mlp.down_proj.in_features, cfg.hidden_size, cfg.mlp_bias, parallel
+                )
+            if not cfg.tie_word_embeddings:
+                self.lm_head = nn.Linear(cfg.hidden_size, plan.vocab_rows, bias=False)
+        if parallel.cp > 1:
+            for layer in self.model.layers:
+                layer.self_attn.attend = ContextParallelAttention(parallel)
+
+    # ---- loading --------------------------------------------------------------------------------
+    def shard(self, name: str) -> tuple[int, int, int] | None:
+        """The part of checkpoint tensor `name` this rank holds: (dim, start, stop), rows past the
+        tensor's end read as zeros (the lm_head's padding); None: the whole tensor."""
+        if self.parallel.tp == 1:
+            return None
+        plan, D = self.plan, self.config.head_dim
+        module, _, param = name.rpartition(".")
+        module = module.rpartition(".")[2]
+        if module == "q_proj":
+            return 0, plan.q_lo * D, plan.q_hi * D
+        if module in ("k_proj", "v_proj"):
+            return 0, plan.kv_lo * D, plan.kv_hi * D
+        if module in ("gate_proj", "up_proj"):
+            return 0, plan.mlp_lo, plan.mlp_hi
+        if module == "o_proj" and param == "weight":
+            return 1, plan.q_lo * D, plan.q_hi * D
+        if module == "down_proj" and param == "weight":
+            return 1, plan.mlp_lo, plan.mlp_hi
+        if name == "lm_head.weight":
+            return 0, plan.vocab_lo, plan.vocab_lo + plan.vocab_rows
+        return None
+
+    # ---- logits ---------------------------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> float32 logits [..., V]: each tensor-parallel rank's vocabulary
+        rows, all-gathered."""
+        if self.parallel.tp == 1:
+            return super().logits(hidden)
+        plan, vocab = self.plan, self.full_config.vocab_size
+        if self.config.tie_word_embeddings:  # this rank's rows of the (whole) embedding: a view
+            weight = self.model.embed_tokens.weight[plan.vocab_lo : plan.vocab_lo + plan.vocab_rows]
+        else:
+            weight = self.lm_head.weight
+        part = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)  # [N, rows (fewer at the end)]
+        if part.shape[1] < plan.vocab_rows:
+            part = F.pad(part, (0, plan.vocab_rows - part.shape[1]))
+        parts = self.parallel.all_gather_tp(part)  # [tp, N, rows]
+        logits = parts.permute(1, 0, 2).reshape(*hidden.shape[:-1], -1)[..., :vocab]
+        return logits.float()
+
+    # ---- context parallel -------------------------------------------------------------------------
+    def cache_len(self, context: int) -> int:
+        """span = ceil(context / cp) positions per rank, plus the scratch row."""
+        if self.parallel.cp == 1:
+            return context
+        return -(-context // self.parallel.cp) + 1
+
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, pdl: bool = False
+    ) -> torch.Tensor:
+        """As Transformer.decode; with cp > 1, the new K/V go to the rank whose range holds the
+        position (the scratch row elsewhere) and attention runs over each rank's range."""
+        if self.parallel.cp == 1:
+            return super().decode(tokens, positions, cache, pdl)
+        span = cache.max_len - 1
+        local = positions - self.parallel.cp_rank * span  # [B]
+        held = (local >= 0) & (local < span)
+        write_at = torch.where(held, local, span)  # [B] int64: the scratch row when not ours
+        lengths = local.add(1).clamp(0, span).to(torch.int32)  # [B] our valid positions
+        cos, sin = self.rope.cos_sin(positions, positions.max() + 1)  # [B, D]
+        x = self.model.embed_tokens(tokens)  # [B, hidden]
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x, pdl)
+            layer.self_attn.decode(x, h, cos, sin, write_at, lengths, cache.layer(i), pdl)
+            layer.mlp.decode(x, layer.post_attention_layernorm(x, pdl), pdl)
+        return self.model.norm(x, pdl)
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        chunk: int,
+        backend: str | None = None,
+        last_only: bool = True,
+        on_progress: Callable[[int, int], None] | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """As Transformer.prefill; with cp > 1, every rank prefills the prompt positions of its
+        range (a fresh prompt: start must be 0, prefix reuse is off under cp), and every rank
+        returns the final-normed hidden of the last position (or of every position)."""
+        if self.parallel.cp == 1:
+            return super().prefill(tokens, cache, chunk, backend, last_only, on_progress, start)
+        if start:
+            raise ValueError("context-parallel prefill starts at position 0 (no prefix reuse)")
+        cfg, par = self.config, self.parallel
+        B, T = tokens.shape
+        G, D = cfg.group_size, cfg.head_dim
+        span = cache.max_len - 1
+        ranges = [(c * span, min(T, (c + 1) * span)) for c in range(par.cp)]  # empty where lo >= T
+        lo, hi = ranges[par.cp_rank]
+        n = max(hi - lo, 0)
+        seq_len = torch.tensor(T, device=tokens.device)
+        x = self.model.embed_tokens(tokens[:, lo : lo + n])  # [B, n, hidden]: our rows' residual stream
+        q_all = torch.empty(B, cfg.num_heads, n, D, dtype=x.dtype, device=x.device)
+        quantized = cache.k_scale is not None
+        if quantized:  # our range's K and V in the model dtype; quantized into the cache after attention
+            staging = [torch.empty(B, cfg.num_kv_heads, n, D, dtype=x.dtype, device=x.device) for _ in "kv"]
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            k_own, v_own = staging if quantized else (t[:, :, :n] for t in cache.layer(i)[:2])
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                positions = torch.arange(lo + s, lo + e, device=x.device).expand(B, e - s)
+                cos, sin = self.rope.cos_sin(positions, seq_len)
+                q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)  # [B, c, H, D]
+                q_all[:, :, s:e] = q.transpose(1, 2)
+                k_own[:, :, s:e] = k.transpose(1, 2)
+                v_own[:, :, s:e] = v.transpose(1, 2)
+            earlier = self._earlier_ranges(k_own, v_own, ranges)  # [(k, v) [B, Hkv, span, D]]
+            for h in range(cfg.num_kv_heads if n else 0):
+                group = q_all[:, h * G : (h + 1) * G]  # [B, G, n, D], overwritten by its output
+                sources = [(k[:, h : h + 1], v[:, h : h + 1]) for k, v in earlier]
+                own = k_own[:, h : h + 1], v_own[:, h : h + 1]
+                group.copy_(_ranged_causal_attention(group, *own, sources, attn.scale, backend))
+            if quantized:
+                _quantize_into(cache.layer(i), staging, 0, chunk, attn.kv_static_scales)
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
+                x[:, s:e] += attn.o_proj(out)
+                x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
+            if on_progress is not None:
+                on_progress((i + 1) * T, cfg.num_layers * T)
+        return self.model.norm(self._gather_rows(x, ranges, last_only))
+
+    def _earlier_ranges(self, k_own: torch.Tensor, v_own: torch.Tensor, ranges: list[tuple[int, int]]):
+        """Each range's K/V of this layer, broadcast by its rank to the later ranks (every rank takes
+        part in every broadcast); -> the ranges before ours, in order."""
+        par, (B, Hkv, _, D) = self.parallel, k_own.shape
+        last_active = max(c for c, (lo, hi) in enumerate(ranges) if hi > lo)
+        earlier = []
+        for c in range(last_active):  # the last active range is needed by nobody
+            lo, hi = ranges[c]
+            if c == par.cp_rank:
+                k, v = k_own.contiguous(), v_own.contiguous()
+            else:
+                k, v = (torch.empty(B, Hkv, hi - lo, D, dtype=k_own.dtype, device=k_own.device) for _ in "kv")
+            par.broadcast_cp(k, c)
+            par.broadcast_cp(v, c)
+            if c < par.cp_rank:
+                earlier.append((k, v))
+        return earlier
+
+    def _gather_rows(self, x: torch.Tensor, ranges: list[tuple[int, int]], last_only: bool) -> torch.Tensor:
+        """The residual stream of the last prompt position [B, hidden], or of every position
+        [B, T, hidden], from the ranks that hold them, on every rank."""
+        par, B, hidden = self.parallel, x.shape[0], x.shape[-1]
+        if last_only:
+            owner = max(c for c, (lo, hi) in enumerate(ranges) if hi > lo)
+            last = x[:, -1].contiguous() if par.cp_rank == owner else x.new_empty(B, hidden)
+            par.broadcast_cp(last, owner)
+            return last
+        rows = []
+        for c, (lo, hi) in enumerate(ranges):
+            if hi > lo:
+                part = x.contiguous() if c == par.cp_rank else x.new_empty(B, hi - lo, hidden)
+                par.broadcast_cp(part, c)
+                rows.append(part)
+        return torch.cat(rows, dim=1)
+
+
+def _ranged_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    earlier: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    backend: str | None,
+) -> torch.Tensor:
+    """q [B, G, n, D] at the positions of k/v [B, 1, n, D], after the earlier ranges' keys
+    [(k, v) [B, 1, m, D]] -> [B, G, n, D]: per block of queries, causal over its own keys, full
+    over the block's earlier own keys and over every earlier range, merged by log-sum-exp."""
+    if q.device.type == "cuda":
+        block = BLOCK
+        attend = cudnn_with_lse if backend == "cudnn" else _flash_with_lse
+    else:
+        block, attend = CPU_BLOCK, cpu_flash_with_lse
+    out = torch.empty_like(q)
+    for s in range(0, q.shape[2], block):
+        e = min(s + block, q.shape[2])
+        qb = q[:, :, s:e]
+        parts = [attend(qb, k[:, :, s:e], v[:, :, s:e], True, scale=scale)]
+        if s:
+            parts.append(attend(qb, k[:, :, :s], v[:, :, :s], False, scale=scale))
+        parts += [attend(qb, k_c, v_c, False, scale=scale) for k_c, v_c in earlier]
+        o = torch.stack([p[0] for p in parts])  # [parts, B, G, e - s, D]
+        lse = torch.stack([p[1][..., 0] for p in parts])  # [parts, B, G, e - s]
+        out[:, :, s:e] = merge_partials(o, lse)[0]
+    return out
+
+
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """PyTorch's CUDA flash attention with its log-sum-exp; the one KV head is broadcast to the G
+    query heads (a stride-0 view, no copy)."""
+    group = q.shape[1]
+    k, v = k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    out, lse = flash(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, lse.reshape(*q.shape[:3], 1)
+
+
+def rank_weight_bytes(cfg: ModelConfig, plan: ShardPlan, tp: int, itemsize: int) -> int:
+    """Bytes of one tensor-parallel rank's weights (for memory plans, with no model built)."""
+    local = rank_config(cfg, plan)
+    lm_head = 0 if cfg.tie_word_embeddings else plan.vocab_rows * cfg.hidden_size
+    whole_lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return (local.num_parameters() - whole_lm_head + lm_head) * itemsize

@@ -1,0 +1,306 @@
+"""Tensor- and context-parallel decode over torch.distributed, on CPU processes (gloo): 2 and 4
+ranks give one process's logits and greedy tokens; the context-parallel merge against float64;
+the launch errors. Each parallel run spawns its ranks as torchrun would (its environment)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from checkpoints import make_checkpoint
+from conftest import random_ids
+from helpers import max_rel_err
+
+from minidecode import LLM, UserError
+from minidecode.config import ModelConfig
+from minidecode.distributed import merge_partials, shard_plan
+from minidecode.kernels import ops
+from minidecode.kernels.reference import decode_attention_reference
+from minidecode.validate import check_parallel
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_POS = 256
+TOL = 1e-4  # fp32: the ranks sum the row-split projections and the attention ranges in another order
+
+
+# ---- the ranks: a worker per process, as torchrun would start it ---------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """One rank: torchrun's environment, then the job; rank r's results saved to out/r.pt."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)  # world processes share the machine's cores
+    job = job["per_rank"][rank] if "per_rank" in job else job
+    try:
+        result = run_job(job)
+    except UserError as e:
+        result = {"error": str(e)}
+    torch.save(result, Path(out) / f"{rank}.pt")
+
+
+def spawn(world: int, job: dict, tmp_path: Path) -> list[dict]:
+    """Run `job` on `world` ranks; -> each rank's result."""
+    args = (world, _free_port(), str(tmp_path), job)
+    mp.start_processes(_rank_main, args, nprocs=world, start_method="spawn")
+    return [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+
+
+def decode_logits(llm: LLM, prompt: list[int], steps: int) -> torch.Tensor:
+    """float32 logits [steps, V] of a greedy run: the prefill's last position, then each decode
+    step's, through the model's own prefill and decode (the engine's step without sampling)."""
+    model, engine = llm.model, llm.engine
+    with torch.inference_mode():
+        cache = engine._new_cache(len(prompt) + steps)
+        hidden = model.prefill(torch.tensor([prompt]), cache, engine.prefill_chunk)
+        logits = [model.logits(hidden)]
+        position = torch.tensor([len(prompt)])
+        for _ in range(steps - 1):
+            token = logits[-1].argmax(-1)
+            logits.append(model.logits(model.decode(token, position, cache)))
+            position += 1
+    return torch.cat(logits)
+
+
+def run_job(job: dict) -> dict:
+    llm = LLM(
+        job["model"],
+        device="cpu",
+        dtype="float32",
+        prefill_chunk=job.get("chunk"),
+        tp=job.get("tp", 1),
+        cp=job.get("cp", 1),
+        kv_cache_dtype=job.get("kv", "auto"),
+    )
+    prompt, new = job["prompt"], job["new"]
+    greedy = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=0, logprobs=True, ignore_eos=True)
+    result = {
+        "tokens": greedy.token_ids,
+        "logprobs": torch.tensor(greedy.logprobs),
+        "steps": decode_logits(llm, prompt, new),
+        "scores": llm.logits(prompt + greedy.token_ids),  # every position, in one prefill
+    }
+    if job.get("sample"):  # no seed given: the ranks must still draw the same tokens
+        result["sampled"] = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=1.0).token_ids
+    return result
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny fp32 checkpoints: qwen2 (q/k/v bias), llama with o_proj / down_proj bias, a GQA model
+    of 8 query / 2 KV heads whose vocabulary (390) does not divide by 4, the FP8-cache one."""
+    made = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            out = tmp_path_factory.mktemp(name)
+            if name == "gqa":
+                made[name] = str(make_checkpoint(out, "llama-8q-2kv", max_positions=MAX_POS, vocab_size=390))
+            else:
+                made[name] = str(make_checkpoint(out, name, max_positions=MAX_POS))
+        return made[name]
+
+    return get
+
+
+def check_ranks_match_one_process(results: list[dict], job: dict) -> None:
+    reference = run_job({k: v for k, v in job.items() if k not in ("tp", "cp", "sample")})
+    for rank, result in enumerate(results):
+        assert "error" not in result, result
+        assert result["tokens"] == reference["tokens"], rank
+        for key in ("logprobs", "steps", "scores"):
+            err = max_rel_err(result[key], reference[key])
+            assert err <= TOL, (rank, key, err)
+        if "sampled" in result:
+            assert result["sampled"] == results[0]["sampled"], rank
+
+
+# ---- tensor parallel -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama-bias"])
+def test_tensor_parallel_2_ranks_match_one_process(checkpoints, tmp_path, family):
+    """tp 2 on a model with 4 q / 2 KV heads: one KV head each; the q/k/v biases are split with
+    their rows, the o_proj and down_proj biases added once after the all-reduce."""
+    job = dict(model=checkpoints(family), tp=2, prompt=random_ids(23, seed=1), new=8, chunk=8, sample=True)
+    check_ranks_match_one_process(spawn(2, job, tmp_path), job)
+
+
+def test_tensor_parallel_4_ranks_replicate_kv_heads(checkpoints, tmp_path):
+    """8 query / 2 KV heads on 4 ranks: each rank holds the one KV head its 2 query heads read
+    (replicated on 2 ranks); the 390-row vocabulary is split 98 x 4 with 2 padding rows."""
+    job = dict(model=checkpoints("gqa"), tp=4, prompt=random_ids(19, seed=2, vocab_size=390), new=6)
+    check_ranks_match_one_process(spawn(4, job, tmp_path), job)
+
+
+# ---- context parallel ------------------------------------------------------------------------------
+
+
+def test_context_parallel_2_ranks_match_one_process(checkpoints, tmp_path):
+    """cp 2, context 30 -> 15 positions a rank: the 20-token prompt fills rank 0 and 5 positions
+    of rank 1, whose prefill attends over rank 0's broadcast K/V; decode writes on rank 1."""
+    job = dict(model=checkpoints("llama"), cp=2, prompt=random_ids(20, seed=3), new=10, chunk=6, sample=True)
+    check_ranks_match_one_process(spawn(2, job, tmp_path), job)
+
+
+def test_context_parallel_4_ranks_decode_crosses_ranges(checkpoints, tmp_path):
+    """cp 4, context 24 -> 6 positions a rank: the prompt spans ranks 0-1 (ranks 2-3 start empty),
+    and decode moves into rank 2 then rank 3, each step merging 4 partials (some empty)."""
+    job = dict(model=checkpoints("qwen2"), cp=4, prompt=random_ids(10, seed=4), new=14, chunk=4)
+    check_ranks_match_one_process(spawn(4, job, tmp_path), job)
+
+
+def test_tensor_and_context_parallel_combined(checkpoints, tmp_path):
+    """tp 2 x cp 2: each rank holds one KV head over half the positions."""
+    job = dict(model=checkpoints("llama"), tp=2, cp=2, prompt=random_ids(12, seed=5), new=8, chunk=5)
+    check_ranks_match_one_process(spawn(4, job, tmp_path), job)
+
+
+# ---- the context-parallel merge, against float64 ------------------------------------------------
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["twin", "lean"])
+def test_context_parallel_merge_matches_float64(triton):
+    """Attention over 4 disjoint ranges of a 300-position context (one still empty, its output
+    left as NaN like an unwritten kernel output), each range's (o, lse) from decode_attention,
+    merged by log-sum-exp: the float64 attention over the whole context. The lean kernel's lse
+    (segments split over several CTAs, so its merge store writes it too) is checked on the way."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, S, D = 2, 8, 2, 300, 64
+    q, k, v = torch.randn(B, Hq, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    lengths = torch.tensor([300, 157])
+    scale = D**-0.5
+    exact, exact_lse = decode_attention_reference(
+        q.double(), k.double(), v.double(), lengths, scale, torch.float64, return_lse=True
+    )
+    bounds = [0, 120, 120, 250, 300]  # rank 1's range is empty
+    outs, lses = [], []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        held = (lengths - lo).clamp(0, hi - lo).to(torch.int32)
+        k_r, v_r = k[:, :, lo:hi].contiguous(), v[:, :, lo:hi].contiguous()
+        if hi == lo:  # no positions at all: what ContextParallelAttention masks
+            o, lse = torch.full_like(q, float("nan")), torch.full((B, Hq), float("-inf"))
+        else:
+            o, lse = ops.decode_attention(q, k_r, v_r, held, scale, triton=triton, return_lse=True)
+            ref_o, ref_lse = decode_attention_reference(
+                q.double(), k_r.double(), v_r.double(), held, scale, torch.float64, return_lse=True
+            )
+            valid = held > 0
+            assert (lse[valid] - ref_lse[valid]).abs().max() < 1e-5
+            o = torch.where(valid[:, None, None], o, float("nan"))  # a sequence with nothing here
+            lse = torch.where(valid[:, None], lse, float("-inf"))
+        outs.append(o)
+        lses.append(lse)
+    merged, merged_lse = merge_partials(torch.stack(outs), torch.stack(lses))
+    assert max_rel_err(merged, exact) < 2e-6
+    assert (merged_lse - exact_lse).abs().max() < 1e-5
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+
+def config(heads: int, kv_heads: int, intermediate: int = 128) -> ModelConfig:
+    return ModelConfig("llama", 384, 64, intermediate, 2, heads, kv_heads, 16, MAX_POS)
+
+
+def test_shard_plan_splits_heads_and_refuses_what_does_not_split():
+    plans = [shard_plan(config(8, 2), 4, r) for r in range(4)]
+    assert [(p.q_lo, p.q_hi, p.kv_lo, p.kv_hi) for p in plans] == [
+        (0, 2, 0, 1),
+        (2, 4, 0, 1),
+        (4, 6, 1, 2),
+        (6, 8, 1, 2),
+    ]
+    assert [(p.q_lo, p.kv_lo, p.kv_hi) for p in (shard_plan(config(8, 4), 2, r) for r in range(2))] == [
+        (0, 0, 2),
+        (4, 2, 4),
+    ]
+    with pytest.raises(
+        UserError, match=r"^--tp 3 does not split .* 8 query / 2 KV heads.*use --tp 1 or 2 or 4 or 8$"
+    ):
+        shard_plan(config(8, 2), 3, 0)
+    with pytest.raises(UserError, match="12 query / 6 KV heads"):  # 3 q heads a rank: 2 KV groups, unevenly
+        shard_plan(config(12, 6), 4, 0)
+    with pytest.raises(UserError, match="intermediate size 100"):
+        shard_plan(config(8, 2, intermediate=100), 8, 0)
+
+
+def test_launch_errors():
+    assert check_parallel(1, 1, None) == 1 and check_parallel(2, 2, 4) == 4
+    with pytest.raises(
+        UserError, match=r"runs 2 processes .*`torchrun --nproc-per-node 2 .*WORLD_SIZE is not set"
+    ):
+        check_parallel(2, 1, None)
+    with pytest.raises(UserError, match="torchrun started 2 processes but --tp 4 x --cp 1 needs 4"):
+        check_parallel(4, 1, 2)
+    with pytest.raises(UserError, match="torchrun started 2 processes but --tp 1 x --cp 1 needs 1"):
+        check_parallel(1, 1, 2)
+    with pytest.raises(UserError, match="cp must be >= 1"):
+        check_parallel(2, 0, 2)
+
+
+def test_ranks_started_differently_are_refused(checkpoints, tmp_path):
+    """Rank 0 asks for tp 2, rank 1 for cp 2 (same world size): both refuse, naming the difference."""
+    job = dict(model=checkpoints("llama"), prompt=[1, 2, 3], new=2)
+    results = spawn(2, {"per_rank": [dict(job, tp=2), dict(job, cp=2)]}, tmp_path)
+    for result in results:
+        assert result == {
+            "error": "the ranks were started differently: tp 2 on rank 0 but 1, cp 1 on rank 0 "
+            "but 2 on rank 1"
+        }
+
+
+def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=120, **kw)
+
+
+def test_cli_without_torchrun_is_one_error_line():
+    proc = run_cli([sys.executable, "-m", "minidecode_cli.cli", "generate", "--prompt", "x", "--tp", "2"])
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: --tp 2 --cp 1 runs 2 processes")
+
+
+def test_cli_wrong_world_size_fails_every_rank_with_one_line():
+    """torchrun with 2 processes, --tp 4: rank 0 prints one error line, rank 1 nothing; both exit 2
+    (torchrun then reports the failed ranks itself)."""
+    proc = run_cli(
+        [
+            "torchrun",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "minidecode_cli.cli",
+            "generate",
+            "--prompt",
+            "x",
+            "--tp",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "error: " in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "error: torchrun started 2 processes but --tp 4 x --cp 1 needs 4: "
+        "give --nproc-per-node 4, or --tp / --cp whose product is 2"
+    )
