@@ -115,9 +115,24 @@ def checkpoints(tmp_path_factory):
                 made[name] = str(make_checkpoint(out, "llama-8q-2kv", max_positions=MAX_POS, vocab_size=390))
             else:
                 made[name] = str(make_checkpoint(out, name, max_positions=MAX_POS))
+            randomize_biases(Path(made[name]))
         return made[name]
 
     return get
+
+
+def randomize_biases(model_dir: Path) -> None:
+    """transformers initialises biases to zero, where a bias added twice (or to the wrong rows)
+    would go unseen: give them random values."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(t.shape, generator=generator) * 0.5
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def check_ranks_match_one_process(results: list[dict], job: dict) -> None:
