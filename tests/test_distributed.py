@@ -319,3 +319,17 @@ def test_cli_wrong_world_size_fails_every_rank_with_one_line():
         "error: torchrun started 2 processes but --tp 4 x --cp 1 needs 4: "
         "give --nproc-per-node 4, or --tp / --cp whose product is 2"
     )
+
+
+def test_readme_torchrun_command(tmp_path):
+    """The README's CPU torchrun command, exactly as written (2 gloo ranks, the shipped model): the
+    text once (rank 0 prints), the same as one process's."""
+    block = (REPO / "README.md").read_text().split("## Several GPUs", 1)[1].split("```", 2)[1]
+    (command,) = [line for line in block.splitlines() if line.startswith("torchrun --nproc-per-node 2")]
+    proc = run_cli(["bash", "-c", command], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    one = command.removeprefix("torchrun --nproc-per-node 2 -m minidecode_cli.cli").replace(" --tp 2", "")
+    single = run_cli(["bash", "-c", "minidecode" + one], cwd=tmp_path)
+    assert single.returncode == 0, single.stderr
+    assert proc.stdout == single.stdout and len(proc.stdout.strip()) > 10
+    assert proc.stderr.count("[length] prompt") == 1
