@@ -268,11 +268,12 @@ def _ranged_causal_attention(
     """q [B, G, n, D] at the positions of k/v [B, 1, n, D], after the earlier ranges' keys
     [(k, v) [B, 1, m, D]] -> [B, G, n, D]: per block of queries, causal over its own keys, full
     over the block's earlier own keys and over every earlier range, merged by log-sum-exp."""
-    if q.device.type == "cuda":
-        block = BLOCK
-        attend = cudnn_with_lse if backend == "cudnn" else _flash_with_lse
-    else:
+    if q.device.type == "cpu":
         block, attend = CPU_BLOCK, cpu_flash_with_lse
+    elif backend in ("cudnn", "flash"):
+        block, attend = BLOCK, cudnn_with_lse if backend == "cudnn" else _flash_with_lse
+    else:  # neither runs this dtype / head size (float32 in the GPU tests): plain math, small blocks
+        block, attend = CPU_BLOCK, _math_with_lse
     out = torch.empty_like(q)
     for s in range(0, q.shape[2], block):
         e = min(s + block, q.shape[2])
@@ -295,6 +296,16 @@ def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     flash = torch.ops.aten._scaled_dot_product_flash_attention
     out, lse = flash(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out, lse.reshape(*q.shape[:3], 1)
+
+
+def _math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """Attention in float32 PyTorch ops with its log-sum-exp: q [B, G, t, D], k/v [B, 1, m, D]
+    (causal: t == m, aligned) -> out [B, G, t, D] in q's dtype, lse [B, G, t, 1] float32."""
+    scores = q.float() @ k.float().transpose(-1, -2) * scale  # [B, G, t, m]
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return (torch.exp(scores - lse) @ v.float()).to(q.dtype), lse
 
 
 def rank_weight_bytes(cfg: ModelConfig, plan: ShardPlan, tp: int, itemsize: int) -> int:

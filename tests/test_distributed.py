@@ -82,7 +82,7 @@ def decode_logits(llm: LLM, prompt: list[int], steps: int) -> torch.Tensor:
 def run_job(job: dict) -> dict:
     llm = LLM(
         job["model"],
-        device="cpu",
+        device=job.get("device", "cpu"),
         dtype="float32",
         prefill_chunk=job.get("chunk"),
         tp=job.get("tp", 1),
@@ -333,3 +333,18 @@ def test_readme_torchrun_command(tmp_path):
     assert single.returncode == 0, single.stderr
     assert proc.stdout == single.stdout and len(proc.stdout.strip()) > 10
     assert proc.stderr.count("[length] prompt") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [{"tp": 2}, {"cp": 2}])
+def test_two_gpus_match_one(tmp_path, split):
+    """NCCL, the lean kernel and the CUDA-graph decode step (collectives captured): 2 GPUs give one
+    GPU's greedy tokens and logits (fp32; head_dim 64 for the lean kernel)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    model = str(make_checkpoint(tmp_path / "model", "gpu-llama-hd64", max_positions=MAX_POS))
+    randomize_biases(Path(model))
+    job = dict(model=model, device="cuda", prompt=random_ids(40, seed=6), new=24, sample=True, **split)
+    out = tmp_path / "ranks"
+    out.mkdir()
+    check_ranks_match_one_process(spawn(2, job, out), job)
