@@ -182,9 +182,12 @@ def test_context_parallel_4_ranks_decode_crosses_ranges(checkpoints, tmp_path):
     check_ranks_match_one_process(spawn(4, job, tmp_path), job)
 
 
-def test_tensor_and_context_parallel_combined(checkpoints, tmp_path):
-    """tp 2 x cp 2: each rank holds one KV head over half the positions."""
-    job = dict(model=checkpoints("llama"), tp=2, cp=2, prompt=random_ids(12, seed=5), new=8, chunk=5)
+def test_tensor_and_context_parallel_combined_fp8_cache(checkpoints, tmp_path):
+    """tp 2 x cp 2 with an FP8 cache: each rank holds one KV head over half the positions, its
+    prefill quantizes its own range after attending over the unquantized K/V, like one process."""
+    job = dict(
+        model=checkpoints("llama"), tp=2, cp=2, prompt=random_ids(12, seed=5), new=8, chunk=5, kv="fp8"
+    )
     check_ranks_match_one_process(spawn(4, job, tmp_path), job)
 
 
