@@ -510,12 +510,12 @@ def write_bench_results(llm, settings, results, ceilings, command, json_output, 
     typer.echo(header, err=json_output)
     typer.echo(tables, err=json_output)
     data = {
-            **about,
-            "formula": FORMULA,
-            "settings": asdict(settings),
-            "read_ceiling_bytes_per_s": ceilings.read_bytes_per_s,
-            "copy_ceiling_bytes_per_s": ceilings.copy_bytes_per_s,
-            "ceiling_buffer_bytes": ceilings.buffer_bytes,
+        **about,
+        "formula": FORMULA,
+        "settings": asdict(settings),
+        "read_ceiling_bytes_per_s": ceilings.read_bytes_per_s,
+        "copy_ceiling_bytes_per_s": ceilings.copy_bytes_per_s,
+        "ceiling_buffer_bytes": ceilings.buffer_bytes,
         "results": [asdict(r) for r in results],
     }
     text = json.dumps(finite_or_none(data), indent=2, allow_nan=False)
@@ -543,15 +543,21 @@ def bench_metadata(llm, command: str) -> dict:
 
     commit = os.environ.get("MINIDECODE_COMMIT")  # the commit of a tree copied without its history
     try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = "MINIDECODE_COMMIT" not in os.environ and subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+            ).stdout.strip()
+        )
+        dirty = (
+            "MINIDECODE_COMMIT" not in os.environ
+            and subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        )
         commit += "+changes" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"

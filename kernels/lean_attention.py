@@ -236,6 +236,7 @@ def _lean_decode_kernel(
     VScale,  # FP8: [B, Hkv, S] float32
     Out,  # [B, Hq, D]
     Lengths,  # [B] int32
+    Starts,  # [B] int64 with HAS_STARTS: sequence b's positions begin at Starts[b] of its cache row
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD] fp32: log2-sum-exp of each partial row
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
@@ -266,6 +267,7 @@ def _lean_decode_kernel(
     DEQUANT: tl.constexpr,
     UNIT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -310,9 +312,12 @@ def _lean_decode_kernel(
         seq_lo = seg_lo - h * n_blk
         stop = tl.minimum(range_hi, seq_lo + Hkv * n_blk)
         q_b = Q + b * stride_qb
-        k_b = K + b.to(tl.int64) * stride_kb  # 64-bit: one layer's cache passes 2^31 elements
-        v_b = V + b.to(tl.int64) * stride_vb
-        s_b = b.to(tl.int64) * stride_sb
+        # 64-bit: one layer's cache passes 2^31 elements. Batched regions: sequence b's positions
+        # are a run of its cache row (stride 0 rows: one shared row) starting at Starts[b].
+        start = tl.load(Starts + b) if HAS_STARTS else 0
+        k_b = K + b.to(tl.int64) * stride_kb + start * stride_kn
+        v_b = V + b.to(tl.int64) * stride_vb + start * stride_vn
+        s_b = b.to(tl.int64) * stride_sb + start
         if DEQUANT != 0:
             # q's fp16 operand depends only on the head: made once per segment, not per tile
             q_h, row_scale = _fp8_query(
@@ -446,20 +451,24 @@ def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segme
 
 def lean_attention(
     q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [B, Hkv, S, D], last dim contiguous
-    v_cache: torch.Tensor,  # [B, Hkv, S, D]
-    lengths: torch.Tensor,  # [B] int32 on q's device, 1 <= lengths[b] <= S
+    k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared), last dim contiguous
+    v_cache: torch.Tensor,  # [C, Hkv, S, D]
+    lengths: torch.Tensor,  # [B] int32 on q's device, 0 <= starts[b] + lengths[b] <= S
     scale: float,
     *,
-    k_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32, with a float8_e4m3fn cache
-    v_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32
+    k_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32, with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32
+    starts: torch.Tensor | None = None,  # [B] int64: where sequence b's positions begin (default 0)
     num_ctas: int | None = None,
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
     fp8_dequant: int = DEQUANT_CVT,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
-    """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
+    """softmax(q k^T * scale) v over each sequence's lengths[b] cached positions, which begin at
+    position starts[b] (default 0) of its cache row: row b, or the one row when C = 1 (a batch
+    whose sequences own contiguous regions of one shared position axis). A sequence of length 0
+    costs nothing and its output row is left unwritten (an idle batch slot).
 
     K/V share q's dtype (fp16 / bf16 / fp32), or are float8_e4m3fn with per-(sequence, KV head,
     position) float32 scales `k_scale` / `v_scale` (kernels/quant.py: row = e4m3 row * scale).
@@ -475,8 +484,11 @@ def lean_attention(
         raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+    if k_cache.shape[0] not in (B, 1) or k_cache.shape[3] != D:
         raise ValueError(f"q {tuple(q.shape)} does not match K/V {tuple(k_cache.shape)}")
+    if starts is not None and (starts.shape != (B,) or starts.dtype != torch.int64):
+        raise ValueError(f"starts must be [B] = [{B}] int64, got {tuple(starts.shape)} {starts.dtype}")
+    C = k_cache.shape[0]
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {D}")
     if Hq % Hkv != 0:
@@ -492,9 +504,9 @@ def lean_attention(
         if k_scale is None or v_scale is None:
             raise ValueError("an FP8 (float8_e4m3fn) cache needs k_scale and v_scale ([B, Hkv, S] float32)")
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s.shape != (B, Hkv, S) or s.dtype != torch.float32 or s.stride(-1) != 1:
+            if s.shape != (C, Hkv, S) or s.dtype != torch.float32 or s.stride(-1) != 1:
                 raise ValueError(
-                    f"{name} must be [B, Hkv, S] = {[B, Hkv, S]} float32 with a contiguous last dim, "
+                    f"{name} must be [C, Hkv, S] = {[C, Hkv, S]} float32 with a contiguous last dim, "
                     f"got {list(s.shape)} {s.dtype}"
                 )
         if k_scale.stride() != v_scale.stride():
@@ -538,6 +550,7 @@ def lean_attention(
         v_scale,
         out,
         lengths,
+        lengths if starts is None else starts,  # unused pointer without starts
         ws.part_o,
         ws.part_lse,
         ws.counters,
@@ -547,13 +560,13 @@ def lean_attention(
         G,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
+        k_cache.stride(0) if C == B else 0,  # B > C = 1: every sequence reads the one row
         k_cache.stride(1),
         k_cache.stride(2),
-        v_cache.stride(0),
+        v_cache.stride(0) if C == B else 0,
         v_cache.stride(1),
         v_cache.stride(2),
-        k_scale.stride(0) if fp8 else 0,
+        (k_scale.stride(0) if C == B else 0) if fp8 else 0,
         k_scale.stride(1) if fp8 else 0,
         out.stride(0),
         out.stride(1),
@@ -568,6 +581,7 @@ def lean_attention(
         DEQUANT=fp8_dequant,
         UNIT=DEQUANT_UNIT.get(fp8_dequant, 1.0),
         USE_PDL=use_pdl,
+        HAS_STARTS=starts is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

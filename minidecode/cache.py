@@ -83,6 +83,5 @@ class KVCache:
             return LayerKV(self.k[i], self.v[i])  # each [B, Hkv, S, D]
         return LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])
 
-
     def fits(self, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         return self.max_len >= max_len and self.k.dtype == dtype and self.k.device == device

@@ -315,7 +315,7 @@ def test_fp8_rejects_bad_input(device):
     q, (k8, ks), (v8, vs), lens, _ = make_inputs(device, [5], 4, 2, fp8=True)
     with pytest.raises(ValueError, match="needs k_scale and v_scale"):
         la.lean_attention(q, k8, v8, lens, 0.1)
-    with pytest.raises(ValueError, match=r"k_scale must be \[B, Hkv, S\]"):
+    with pytest.raises(ValueError, match=r"k_scale must be \[C, Hkv, S\]"):
         la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks[:, :1], v_scale=vs)
     with pytest.raises(ValueError, match="v_scale must be"):
         la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks, v_scale=vs.half())
@@ -367,3 +367,53 @@ def test_cuda_graph_growing_context(start, fp8):
         err = rel_err(out, reference(q, k if fp8 else kc, v if fp8 else vc, lens, 128**-0.5))
         assert err < TOL[torch.bfloat16], f"relative error {err:.2e} at lengths {lens.tolist()}"
         assert counters_zero()
+
+
+# ---- a batch in regions of one shared cache row ---------------------------------------------
+
+
+def pack_regions(k, lengths, gaps):
+    """The batch's per-row caches [B, Hkv, S, ...] laid out as regions of one row [1, Hkv, P, ...]
+    (sequence b at starts[b], `gaps[b]` NaN positions before it, so a wrong start reads NaN; e4m3
+    bytes get its NaN pattern 0x7F)."""
+    nan = 0x7F if k.dtype == torch.uint8 else float("nan")
+    starts, rows, at = [], [], 0
+    for b, n in enumerate(lengths):
+        rows.append(torch.full_like(k[b : b + 1, :, : gaps[b]], nan))
+        starts.append(at + gaps[b])
+        rows.append(k[b : b + 1, :, :n])
+        at += gaps[b] + n
+    rows.append(torch.full_like(k[:1, :, :5], nan))  # past the last region
+    return torch.cat(rows, dim=2), torch.tensor(starts, dtype=torch.int64, device=k.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_regions_of_one_shared_row(device, fp8):
+    """Sequences of different lengths in regions of one cache row (a batch with per-sequence
+    `starts`), with idle slots (length 0) that must cost nothing and disturb no one: each active
+    sequence equals the float64 reference of its own cache."""
+    lengths = [3 * BLOCK_FP8 + 7, 0, 40, BLOCK + 1, 0]
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    q, k, v, lens, *_ = make_inputs(device, [max(n, 1) for n in lengths], 8, 2, dtype=dtype, fp8=fp8)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    active = lens > 0
+    gaps = [3, 9, 0, 17, 2]
+    kw = {}
+    if fp8:  # e4m3 rows move as bytes (the CPU's cat has no float8)
+        (k8, ks), (v8, vs) = k, v
+        k_row, starts = pack_regions(k8.view(torch.uint8), lengths, gaps)
+        v_row = pack_regions(v8.view(torch.uint8), lengths, gaps)[0]
+        k_row, v_row = k_row.view(k8.dtype), v_row.view(v8.dtype)
+        kw["k_scale"], kw["v_scale"] = pack_regions(ks, lengths, gaps)[0], pack_regions(vs, lengths, gaps)[0]
+    else:
+        (k_row, starts), (v_row, _) = pack_regions(k, lengths, gaps), pack_regions(v, lengths, gaps)
+    out = torch.full_like(q, float("nan"))
+    la.lean_attention(q, k_row, v_row, lens, 64**-0.5, num_ctas=5, out=out, starts=starts, **kw)
+    assert counters_zero()
+    idx = active.nonzero()[:, 0]  # the reference, on each active sequence's own cache
+    sub = (lambda t: (t[0][idx], t[1][idx])) if fp8 else (lambda t: t[idx])
+    ref = reference(q[idx], sub(k), sub(v), lens[idx], 64**-0.5)
+    tol = FP8_TOL[dtype] if fp8 else TOL[dtype]
+    assert rel_err(out[idx], ref) < tol
+    assert out[~active].isnan().all(), "an idle slot's output was written"
