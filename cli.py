@@ -419,10 +419,24 @@ def bench(
     plot_file: Annotated[
         bool, typer.Option("--plot", help="Also write OUT.png (needs --out and matplotlib: the bench extra)")
     ] = False,
+    batch: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Batched decode instead: 8x32k (8 prompts of 32k) or 256k,4k,8k (a prompt each); repeatable"
+        ),
+    ] = None,
+    batch_peer: Annotated[
+        str, typer.Option(help="Peers for --batch, comma-separated: padded, transformers")
+    ] = "padded,transformers",
 ) -> None:
     """Prefill and decode speed per prompt length against the read roofline, with the median and
-    range over repeats (and transformers' eager and compiled settings with --compare)."""
+    range over repeats (and transformers' eager and compiled settings with --compare). With
+    --batch: aggregate decode speed of batches against the batched roofline and peers."""
     import importlib.util
+
+    if batch:
+        bench_batches(model, batch, batch_peer, new_tokens, repeats, device, dtype, kv_cache_dtype, out)
+        return
 
     lengths = prompt_tokens or [1024, 131072]
     if plot_file and out is None:
@@ -462,6 +476,43 @@ def bench(
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file)
+
+
+def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_dtype, out) -> None:
+    """`bench --batch`: the batch table on stdout, and OUT.json / OUT.md with --out."""
+    outputs = [] if out is None else [out.with_name(out.name + s) for s in (".json", ".md")]
+    for path in outputs:
+        check_writable(path)
+    try:
+        import dataclasses
+        import json
+
+        from minidecode import LLM, UserError
+        from minidecode.bench_batch import format_batch_table, parse_batch_spec, run_batch_bench
+
+        for spec in specs:
+            parse_batch_spec(spec)  # a typo fails before the model loads
+        llm = LLM(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        peers = tuple(p.strip() for p in peer.split(",") if p.strip())
+        results, ceilings = run_batch_bench(
+            llm, specs, window, repeats, peers, log=lambda m: typer.echo(m, err=True)
+        )
+    except UserError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    table = format_batch_table(results, ceilings)
+    typer.echo(table)
+    if outputs:
+        meta = {
+            "model": llm.name,
+            "kv_cache_dtype": str(llm.kv_dtype).removeprefix("torch."),
+            "window": window,
+        }
+        payload = {"settings": meta, "ceiling_read_gb_per_s": ceilings.read_bytes_per_s / 1e9}
+        payload["results"] = [dataclasses.asdict(r) for r in results]
+        outputs[0].write_text(json.dumps(payload, indent=1) + "\n")
+        outputs[1].write_text(table + "\n")
 
 
 def command_line(ctx: typer.Context) -> str:
