@@ -203,10 +203,17 @@ def decode_step(
     state.positions.add_(state.active if batch else 1)
 
 
+@functools.cache
+def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every warm-up: cuBLAS keeps a workspace per stream it ran
+    on, so a new stream per capture would leave one more workspace allocated each time."""
+    return torch.cuda.Stream(device)
+
+
 def capture(step: Callable[[], None], warm_up: Callable[[], None]) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `step`, after `warm_up` ran once on a side stream (kernel compilation,
     workspaces, library handles: nothing may allocate or compile during capture)."""
-    stream = torch.cuda.Stream()
+    stream = _warm_up_stream(torch.device("cuda", torch.cuda.current_device()))
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         warm_up()

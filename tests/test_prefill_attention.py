@@ -112,9 +112,9 @@ def recording(attend, calls):
     """`attend` that also notes each call's K shape and whether K lies in `calls`' first entry's
     storage (the cache: no copy of K/V was made)."""
 
-    def call(q, k, v, causal):
+    def call(q, k, v, causal, **kw):
         calls.append((tuple(k.shape), k.untyped_storage().data_ptr() == calls[0]))
-        return attend(q, k, v, causal)
+        return attend(q, k, v, causal, **kw)
 
     return call
 
