@@ -73,6 +73,8 @@ def causal_attention(
     try:
         with sdpa_kernel([CANDIDATES[backend]]):
             return attend(q, k, v)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError:  # a shape the measured backend does not take (cuDNN: a 1-token prompt)
         return attend(q, k, v)
 
