@@ -435,7 +435,8 @@ def bench(
     import importlib.util
 
     if batch:
-        bench_batches(model, batch, batch_peer, new_tokens, repeats, device, dtype, kv_cache_dtype, out)
+        args = (batch, batch_peer, new_tokens, repeats, device, dtype, kv_cache_dtype, out, command_line(ctx))
+        bench_batches(model, *args)
         return
 
     lengths = prompt_tokens or [1024, 131072]
@@ -478,7 +479,7 @@ def bench(
     write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file)
 
 
-def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_dtype, out) -> None:
+def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_dtype, out, command) -> None:
     """`bench --batch`: the batch table on stdout, and OUT.json / OUT.md with --out."""
     outputs = [] if out is None else [out.with_name(out.name + s) for s in (".json", ".md")]
     for path in outputs:
@@ -504,15 +505,18 @@ def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_d
     table = format_batch_table(results, ceilings)
     typer.echo(table)
     if outputs:
-        meta = {
-            "model": llm.name,
-            "kv_cache_dtype": str(llm.kv_dtype).removeprefix("torch."),
+        meta = bench_metadata(llm, command)
+        payload = {
+            "metadata": meta,
             "window": window,
+            "ceiling_read_gb_per_s": ceilings.read_bytes_per_s / 1e9,
         }
-        payload = {"settings": meta, "ceiling_read_gb_per_s": ceilings.read_bytes_per_s / 1e9}
         payload["results"] = [dataclasses.asdict(r) for r in results]
         outputs[0].write_text(json.dumps(payload, indent=1) + "\n")
-        outputs[1].write_text(table + "\n")
+        header = f"# Batched decode\n\n{meta['device']} · {meta['date']} · commit {meta['commit']}"
+        header += f" · {meta['model']}"
+        header += f" ({meta['dtype']}, KV cache {meta['kv_cache_dtype']}) · command: `{command}`\n\n"
+        outputs[1].write_text(header + table + "\n")
 
 
 def command_line(ctx: typer.Context) -> str:
