@@ -183,3 +183,15 @@ def test_batch_api_rejects_bad_calls(llama):
     with pytest.raises(UserError, match="temperature"):
         llm.generate(["a"], temperature=-2)
     assert torch.is_inference_mode_enabled() is False
+
+
+def test_readme_batch_example_runs_as_written(capsys):
+    """The README's "Many prompts at once" block, exactly as written (the shipped model)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("**Many prompts at once.**", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("length 32 ") and lines[1].split()[0] in ("stop", "length")
+    assert {line.split()[0] for line in lines[2:]} == {"0", "1"}  # pieces of both prompts
