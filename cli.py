@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -73,6 +73,17 @@ KvCacheDtypeOpt = Annotated[
 ]
 
 
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate")]
+TemperatureOpt = Annotated[float | None, typer.Option(help="0 = greedy (default: the model's)")]
+TopKOpt = Annotated[int | None, typer.Option(help="0 = off")]
+TopPOpt = Annotated[float | None, typer.Option(help="1 = off")]
+StopOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="TEXT",
+        help=r'Stop before this text (repeatable); backslash escapes such as "\n" are interpreted',
+    ),
+]
 TpOpt = Annotated[
     int,
     typer.Option(
@@ -174,6 +185,31 @@ def unescape(text: str) -> str:
     return _ESCAPE.sub(replace, text)
 
 
+def check_settings(
+    max_new_tokens: int,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int | None,
+    stops: list[str],
+    device: str | None,
+    dtype: str | None,
+    kv_cache_dtype: str,
+) -> None:
+    """The sampling and device arguments of `generate` and `batch`, checked without torch."""
+    from minidecode.validate import (
+        check_device_name,
+        check_dtype_name,
+        check_kv_cache_dtype_name,
+        check_request,
+    )
+
+    check_device_name(device)
+    check_dtype_name(dtype)
+    check_kv_cache_dtype_name(kv_cache_dtype)
+    check_request(max_new_tokens, temperature, top_k, top_p, seed, stops)
+
+
 def check_generate_args(
     model: str | None,
     text: str | None,
@@ -196,14 +232,7 @@ def check_generate_args(
 ) -> None:
     """Every argument of `generate` that can be checked without the model (and without torch);
     text None: a rank other than 0 of a torchrun launch, which uses rank 0's prompt."""
-    from minidecode.validate import (
-        check_device_name,
-        check_dtype_name,
-        check_kv_cache_dtype_name,
-        check_parallel,
-        check_request,
-        check_text,
-    )
+    from minidecode.validate import check_parallel, check_text
 
     world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
     if check_parallel(tp, cp, world) > 1 and (load_cache is not None or save_cache is not None):
@@ -213,10 +242,7 @@ def check_generate_args(
         raise UserError(f"cache file {load_cache} does not exist")
     if save_cache is not None and (save_cache.is_dir() or not save_cache.resolve().parent.is_dir()):
         raise UserError(f"cannot save the cache to {save_cache}: not a file in an existing folder")
-    check_device_name(device)
-    check_dtype_name(dtype)
-    check_kv_cache_dtype_name(kv_cache_dtype)
-    check_request(max_new_tokens, temperature, top_k, top_p, seed, stops)
+    check_settings(max_new_tokens, temperature, top_k, top_p, seed, stops, device, dtype, kv_cache_dtype)
     if max_context is not None and max_context < 1:
         raise UserError(f"--max-context must be >= 1, got {max_context}")
     if prompt_tokens is not None:
@@ -247,22 +273,14 @@ def generate(
     prompt_file: Annotated[
         Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file (UTF-8)")
     ] = None,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate")
-    ] = 128,
-    temperature: Annotated[float | None, typer.Option(help="0 = greedy (default: the model's)")] = None,
-    top_k: Annotated[int | None, typer.Option(help="0 = off")] = None,
-    top_p: Annotated[float | None, typer.Option(help="1 = off")] = None,
+    max_new_tokens: MaxNewTokensOpt = 128,
+    temperature: TemperatureOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
     seed: Annotated[
         int | None, typer.Option(help="Random seed for sampling and --prompt-tokens (default: random)")
     ] = None,
-    stop: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="TEXT",
-            help=r'Stop before this text (repeatable); backslash escapes such as "\n" are interpreted',
-        ),
-    ] = None,
+    stop: StopOpt = None,
     chat: Annotated[
         bool,
         typer.Option(metavar="", help="Wrap the prompt as a user message in the chat template"),
@@ -370,21 +388,240 @@ def generate(
     if not first:
         return
     if json_output:
-        typer.echo(
-            json.dumps(
-                {
-                    "model": llm.name,
-                    "text": result.text,
-                    "finish_reason": result.finish_reason,
-                    "token_ids": result.token_ids,
-                    "stats": asdict(result.stats),
-                }
-            )
-        )
+        typer.echo(json.dumps({"model": llm.name, **result_fields(result)}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
         typer.echo(f"[{result.finish_reason}] {result.stats.summary()}", err=True)
+
+
+def result_fields(result) -> dict:
+    """A GenerationResult as `--json` writes it: text, finish reason, new token ids, stats (and the
+    log-probabilities when they were asked for)."""
+    fields = {
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "token_ids": result.token_ids,
+        "stats": asdict(result.stats),
+    }
+    if result.logprobs is not None:
+        fields["logprobs"] = result.logprobs
+    return fields
+
+
+@dataclass
+class BatchLine:
+    """One non-blank line of a requests file: its request fields, or why it was refused as read."""
+
+    line: int  # 1-based line number in the file
+    id: object  # the request's "id" (any JSON scalar), else the line number
+    fields: dict | None = None  # the request without its id (PromptRequest's fields)
+    error: str | None = None
+
+
+def read_requests(source: str) -> list[BatchLine]:
+    """The requests of a JSONL file (or of stdin for `-`): one JSON object a line, blank lines
+    skipped. A line that is not valid UTF-8, not JSON or not an object is refused on its own."""
+    if source == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("no requests on stdin: pipe a JSONL file, or give its path instead of -")
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        data, name = data.encode("utf-8") if isinstance(data, str) else data, "stdin"
+    else:
+        path, name = Path(source), f"requests file {source}"
+        if path.is_dir():
+            fail(f"{name} is a directory; give a JSONL file")
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            fail(f"{name} does not exist")
+        except OSError as e:
+            fail(f"could not read {name}: {e}")
+    # bytes.splitlines: only \n, \r and \r\n end a line (a JSON string may hold U+2028 as is)
+    lines = [parse_request_line(n, raw) for n, raw in enumerate(data.splitlines(), 1) if raw.strip()]
+    if not lines:
+        fail(f"{name} holds no requests (one JSON object a line)")
+    return lines
+
+
+def parse_request_line(number: int, raw: bytes) -> BatchLine:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BatchLine(
+            number, number, error=f"not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}"
+        )
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        return BatchLine(number, number, error=f"not valid JSON: {e.msg} at column {e.colno}")
+    if not isinstance(fields, dict):
+        return BatchLine(
+            number, number, error=f"not a JSON object but {type(fields).__name__} {text.strip()[:40]}"
+        )
+    request_id = fields.pop("id", number)
+    if isinstance(request_id, dict | list):
+        return BatchLine(number, number, error="id must be a JSON scalar (string, number, boolean or null)")
+    return BatchLine(number, request_id, fields)
+
+
+class BatchReport:
+    """A batch's results, one JSON line each, written and flushed as each request ends (to
+    --output or stdout), and its progress line on stderr: redrawn in place on a terminal; in a log,
+    a plain line at every tenth of the requests ended."""
+
+    def __init__(self, output: Path | None, entries: list[BatchLine], progress: bool):
+        from minidecode.batching import BatchProgress
+
+        self.output, self.entries, self.enabled = output, entries, progress
+        self.refused = sum(entry.error is not None for entry in entries)  # refused as read
+        self.progress = BatchProgress()  # the run's, once it starts
+        self.tty = sys.stderr.isatty()
+        self.drawn, self.logged = 0.0, -1  # when the terminal line was last drawn; the last tenth logged
+
+    def __enter__(self) -> BatchReport:
+        self.out = sys.stdout if self.output is None else open(self.output, "w", encoding="utf-8")  # noqa: SIM115
+        for entry in self.entries:
+            if entry.error is not None:
+                self.write(entry)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.output is not None:
+            self.out.close()
+
+    def write(self, entry: BatchLine, result=None) -> None:
+        """`entry`'s result line: its answer, or its error (refused as read, or by the model)."""
+        error = entry.error if result is None else result.error
+        record = {"id": entry.id, "line": entry.line}
+        if error is not None:
+            record["error"] = error
+        else:
+            fields = result_fields(result)
+            record.update(text=fields.pop("text"), finish_reason=fields.pop("finish_reason"))
+            record.update(token_ids=fields.pop("token_ids"), prompt_tokens=len(result.prompt_token_ids))
+            record.update(fields)
+        self.out.write(json.dumps(record) + "\n")
+        self.out.flush()
+        self.draw()
+
+    def counts(self):
+        """The run's progress with the lines refused as read counted in."""
+        import dataclasses
+
+        p = self.progress
+        return dataclasses.replace(p, total=p.total + self.refused, failed=p.failed + self.refused)
+
+    def draw(self, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        p = self.counts()
+        ended = p.done + p.failed
+        line = (
+            f"batch {ended:,}/{p.total:,} requests ({p.failed:,} failed), {p.running} running, "
+            f"{p.waiting:,} waiting, {p.tokens_per_s:,.1f} tok/s"
+        )
+        if not self.tty:
+            tenth = 10 * ended // p.total
+            if tenth > self.logged:
+                self.logged = tenth
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            return
+        now = time.perf_counter()
+        if final or now - self.drawn >= 0.1:
+            self.drawn = now
+            sys.stderr.write(f"\r{line}\033[K" + ("\n" if final else ""))
+            sys.stderr.flush()
+
+
+@app.command()
+def batch(
+    model: ModelArg = None,
+    requests: Annotated[
+        str | None,
+        typer.Argument(
+            help="JSONL file, one request a line, or - for stdin (the only argument: the shipped model)",
+            show_default=False,
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write the results here (default: stdout)")
+    ] = None,
+    max_batch: Annotated[int, typer.Option(min=1, help="Most requests decoded at once")] = 32,
+    max_new_tokens: MaxNewTokensOpt = 128,
+    temperature: TemperatureOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed for sampling (default: random)")] = None,
+    stop: StopOpt = None,
+    ignore_eos: Annotated[
+        bool, typer.Option(metavar="", help="Generate max_new_tokens even past the end-of-sequence token")
+    ] = False,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    no_progress: Annotated[
+        bool, typer.Option("--no-progress", metavar="", help="No progress line on stderr")
+    ] = False,
+) -> None:
+    """Run many requests as one continuously refilled batch. The requests file holds one JSON object a line:
+    "prompt", "messages" or "token_ids"; optionally "id" (default: the line number) and its own
+    max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logprobs, max_context,
+    allow_extrapolation (the options are the defaults). One JSON result a line is written as each
+    request ends: {"id", "line", "text", "finish_reason", "token_ids", "prompt_tokens", "stats"},
+    or {"id", "line", "error"} for a request that was refused. Exit code 1 if any was."""
+    if requests is None:  # one argument: the requests file, with the shipped model
+        if model is None:
+            fail("give a requests file (JSONL, one JSON object a line), or - for stdin")
+        model, requests = None, model
+    stops = [unescape(s) for s in stop or []]
+    try:
+        check_settings(max_new_tokens, temperature, top_k, top_p, seed, stops, device, dtype, kv_cache_dtype)
+    except UserError as e:
+        fail(str(e))
+    if output is not None:
+        check_writable(output)
+        if requests != "-" and output.resolve() == Path(requests).resolve():
+            fail(f"--output {output} is the requests file: give another file")
+    entries = read_requests(requests)
+    good = [entry for entry in entries if entry.error is None]
+    report = BatchReport(output, entries, progress=not no_progress)
+    stream = None
+    if good:  # no model is needed when every line was refused as read
+        try:
+            from minidecode.llm import LLM
+
+            llm = LLM(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+            if llm.synthetic:
+                typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise", err=True)
+            stream = llm.stream_batch(
+                [entry.fields for entry in good],
+                max_batch=max_batch,
+                on_result=lambda i, result: report.write(good[i], result),
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                stop=stops,
+                ignore_eos=ignore_eos,
+            )
+        except UserError as e:
+            fail(str(e))
+        report.progress = stream.progress
+    with report:  # opens --output only now: a refused command leaves an existing file as it was
+        if stream is not None:
+            with stream:
+                for _ in stream:
+                    report.draw()
+    report.draw(final=True)
+    from minidecode.batching import batch_stats_line
+
+    counts = report.counts()
+    typer.echo(batch_stats_line(counts, time.perf_counter() - counts.started), err=True)
+    if counts.failed:
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -470,10 +707,25 @@ def bench(
     plot_file: Annotated[
         bool, typer.Option("--plot", help="Also write OUT.png (needs --out and matplotlib: the bench extra)")
     ] = False,
+    batch: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Batched decode instead: 8x32k (8 prompts of 32k) or 256k,4k,8k (a prompt each); repeatable"
+        ),
+    ] = None,
+    batch_peer: Annotated[
+        str, typer.Option(help="Peers for --batch, comma-separated: padded, transformers")
+    ] = "padded,transformers",
 ) -> None:
     """Prefill and decode speed per prompt length against the read roofline, with the median and
-    range over repeats (and transformers' eager and compiled settings with --compare)."""
+    range over repeats (and transformers' eager and compiled settings with --compare). With
+    --batch: aggregate decode speed of batches against the batched roofline and peers."""
     import importlib.util
+
+    if batch:
+        args = (batch, batch_peer, new_tokens, repeats, device, dtype, kv_cache_dtype, out, command_line(ctx))
+        bench_batches(model, *args)
+        return
 
     lengths = prompt_tokens or [1024, 131072]
     if plot_file and out is None:
@@ -513,6 +765,46 @@ def bench(
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file)
+
+
+def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_dtype, out, command) -> None:
+    """`bench --batch`: the batch table on stdout, and OUT.json / OUT.md with --out."""
+    outputs = [] if out is None else [out.with_name(out.name + s) for s in (".json", ".md")]
+    for path in outputs:
+        check_writable(path)
+    try:
+        import dataclasses
+        import json
+
+        from minidecode import LLM, UserError
+        from minidecode.bench_batch import format_batch_table, parse_batch_spec, run_batch_bench
+
+        for spec in specs:
+            parse_batch_spec(spec)  # a typo fails before the model loads
+        llm = LLM(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        peers = tuple(p.strip() for p in peer.split(",") if p.strip())
+        results, ceilings = run_batch_bench(
+            llm, specs, window, repeats, peers, log=lambda m: typer.echo(m, err=True)
+        )
+    except UserError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    table = format_batch_table(results, ceilings)
+    typer.echo(table)
+    if outputs:
+        meta = bench_metadata(llm, command)
+        payload = {
+            "metadata": meta,
+            "window": window,
+            "ceiling_read_gb_per_s": ceilings.read_bytes_per_s / 1e9,
+        }
+        payload["results"] = [dataclasses.asdict(r) for r in results]
+        outputs[0].write_text(json.dumps(payload, indent=1) + "\n")
+        header = f"# Batched decode\n\n{meta['device']} · {meta['date']} · commit {meta['commit']}"
+        header += f" · {meta['model']}"
+        header += f" ({meta['dtype']}, KV cache {meta['kv_cache_dtype']}) · command: `{command}`\n\n"
+        outputs[1].write_text(header + table + "\n")
 
 
 def command_line(ctx: typer.Context) -> str:
@@ -561,12 +853,12 @@ def write_bench_results(llm, settings, results, ceilings, command, json_output, 
     typer.echo(header, err=json_output)
     typer.echo(tables, err=json_output)
     data = {
-            **about,
-            "formula": FORMULA,
-            "settings": asdict(settings),
-            "read_ceiling_bytes_per_s": ceilings.read_bytes_per_s,
-            "copy_ceiling_bytes_per_s": ceilings.copy_bytes_per_s,
-            "ceiling_buffer_bytes": ceilings.buffer_bytes,
+        **about,
+        "formula": FORMULA,
+        "settings": asdict(settings),
+        "read_ceiling_bytes_per_s": ceilings.read_bytes_per_s,
+        "copy_ceiling_bytes_per_s": ceilings.copy_bytes_per_s,
+        "ceiling_buffer_bytes": ceilings.buffer_bytes,
         "results": [asdict(r) for r in results],
     }
     text = json.dumps(finite_or_none(data), indent=2, allow_nan=False)
@@ -594,15 +886,21 @@ def bench_metadata(llm, command: str) -> dict:
 
     commit = os.environ.get("MINIDECODE_COMMIT")  # the commit of a tree copied without its history
     try:
-        commit = commit or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = "MINIDECODE_COMMIT" not in os.environ and subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+            ).stdout.strip()
+        )
+        dirty = (
+            "MINIDECODE_COMMIT" not in os.environ
+            and subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        )
         commit += "+changes" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"

@@ -3,7 +3,8 @@
 # process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
-#   STAGES       which of: tests attention fp8 profile bench demo prefix (default "tests profile bench")
+#   STAGES       which of: tests attention fp8 profile bench demo prefix suffix batch
+#                (default "tests profile bench")
 #   LOG_DIR      logs (default bench/logs)
 #   RESULTS_DIR  where bench writes e2e.{json,md,png} (default $LOG_DIR; bench/results republishes)
 #   LENGTHS      prompt lengths (default "1024 4096 32768 131072 524288")
@@ -75,9 +76,22 @@ if [[ $STAGES == *demo* ]]; then
   rm -f "$LOG_DIR/prompt-512k.txt"
 fi
 if [[ $STAGES == *prefix* ]]; then
-  # Second-question TTFT on a 128k cached document, cache file save/load (about 1.5 min, H200).
-  timeout 300 python3 bench/prefix_reuse.py --dir "${PREFIX_DIR:-/tmp}" 2>&1 | tee "$LOG_DIR/prefix-reuse.log" | tail -9
+  # Second-question TTFT on a 128k cached document, cache file save/load (about 1.5 min, H200);
+  # PREFIX_512K=1 adds the 512k document (about 3 more minutes).
+  timeout 540 python3 bench/prefix_reuse.py --dir "${PREFIX_DIR:-/tmp}" ${PREFIX_512K:+--with-512k} 2>&1 \
+    | tee "$LOG_DIR/prefix-reuse.log" | tail -9
   summary+=("prefix exit ${PIPESTATUS[0]}")
+fi
+if [[ $STAGES == *suffix* ]]; then
+  # A short suffix after a long cached prefix: one full call over the past against the split one.
+  timeout 120 python3 bench/prefill_blocks.py --suffix 2>&1 | tee "$LOG_DIR/suffix.log" | tail -8
+fi
+if [[ $STAGES == *batch* ]]; then
+  # Batched decode against the batched roofline, the padded-flash runtime and transformers.
+  timeout 420 python3 -m minidecode_cli.cli bench synthetic:llama-3-8b --batch 8x32k --batch 32x4k \
+    --batch 256k,4k,8k,16k,32k,4k,8k,16k --new-tokens 32 --repeats 3 --out "$RESULTS_DIR/batch" \
+    2>&1 | tee "$LOG_DIR/batch.log" | tail -8
+  summary+=("batch exit ${PIPESTATUS[0]}")
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

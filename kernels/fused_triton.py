@@ -168,19 +168,22 @@ def rope_and_cache(
     v_scale=None,
     static_scales=None,
 ):
-    """FP8: k_cache / v_cache float8_e4m3fn [B, Hkv, S, D] and k_scale / v_scale float32
-    [B, Hkv, S] (kernels/quant.py's scheme, computed here per written row, or the checkpoint's
-    `static_scales` (k, v) floats)."""
+    """Caches [C, Hkv, S, D] with C = B (a row per sequence) or 1 (every sequence writes into the
+    one row, at its own `positions`). FP8: k_cache / v_cache float8_e4m3fn and k_scale / v_scale
+    float32 [C, Hkv, S] (kernels/quant.py's scheme, computed here per written row, or the
+    checkpoint's `static_scales` (k, v) floats)."""
     B = qkv.shape[0]
-    Hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    C, Hkv, S, D = k_cache.shape
+    if C not in (B, 1):
+        raise ValueError(f"the cache has {C} rows for a batch of {B}: expected {B} or 1")
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.stride(2) == D
     fp8 = k_cache.dtype == FP8_DTYPE
     if fp8:
         if k_scale is None or v_scale is None:
             raise ValueError("an FP8 cache needs k_scale and v_scale ([B, Hkv, S] float32)")
-        if k_scale.shape != (B, Hkv, S) or k_scale.dtype != torch.float32 or k_scale.stride(-1) != 1:
+        if k_scale.shape != (C, Hkv, S) or k_scale.dtype != torch.float32 or k_scale.stride(-1) != 1:
             raise ValueError(
-                f"k_scale must be [B, Hkv, S] = {[B, Hkv, S]} float32, got {list(k_scale.shape)}"
+                f"k_scale must be [C, Hkv, S] = {[C, Hkv, S]} float32, got {list(k_scale.shape)}"
             )
         if (v_scale.shape, v_scale.stride(), v_scale.dtype) != (
             k_scale.shape,
@@ -209,9 +212,9 @@ def rope_and_cache(
         *(static_scales or (1.0, 1.0)),  # read only when STATIC
         num_heads,
         Hkv,
-        k_cache.stride(0),
+        k_cache.stride(0) if C == B else 0,  # one shared row: every sequence writes row 0
         k_cache.stride(1),
-        k_scale.stride(0) if fp8 else 0,
+        (k_scale.stride(0) if C == B else 0) if fp8 else 0,
         k_scale.stride(1) if fp8 else 0,
         D=D,
         HAS_NORM=has_norm,

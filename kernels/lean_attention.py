@@ -88,6 +88,24 @@ DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # e4m3 value / fp16 valu
 # from 128k up (H200, bench/NOTES-attention.md). 204 KiB of shared memory, one CTA per SM.
 FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
+# V cache layouts (lean_attention's v_layout). "standard": [C, Hkv, S, D] like K. "blocked_t": an
+# e4m3 V cache stored per block of V_BLOCK positions with the positions contiguous,
+# [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK] (to_v_blocked_t): the P.V dot's B operand then has its
+# reduction axis (positions) contiguous, so it needs no transpose on its way from shared memory
+# to the tensor cores (sm_90 has no 8-bit transposing ldmatrix; the standard layout's V is read
+# one byte an element there, bench/NOTES-attention.md). 64 positions: a block row is 64 bytes
+# (two 32-byte sectors, four 16-byte vector loads), a head's blocks are adjacent, so a tile is
+# still one contiguous run of D * BLOCK_N bytes; 64 divides every FP8 block_n (the layout must not
+# change with the launch config), and the padding and the region-start granularity stay small.
+# The kernel reads a sequence's last block whole (a mask along the contiguous axis would make byte
+# loads, unpipelined): its bytes past the length get weight p = 0 exactly, so they only need to
+# be finite, i.e. never an e4m3 NaN pattern (0x7F / 0xFF), which the quantizer never writes; a
+# blocked cache is allocated zero-filled (to_v_blocked_t pads with zeros). Zeroing that tail in
+# the kernel instead (tl.where on the bytes or on the fp16 operand, even only in the last tile)
+# brings the shared-memory round trip back (offline sm_90 SASS, bench/NOTES-attention.md).
+V_LAYOUTS = ("standard", "blocked_t")
+V_BLOCK = 64
+
 
 @triton.jit
 def _e4m3_to_fp16(x, DEQUANT: tl.constexpr):
@@ -237,12 +255,13 @@ def _ticket_and_merge(
 def _lean_decode_kernel(
     Q,  # [B, Hq, D]
     K,  # [B, Hkv, S, D], last dim contiguous (FP8: the uint8 view of the e4m3 cache)
-    V,  # [B, Hkv, S, D]
+    V,  # [B, Hkv, S, D]; V_BLOCK > 0: [B, Hkv, S / V_BLOCK, D, V_BLOCK], positions contiguous
     KScale,  # FP8: [B, Hkv, S] float32, last dim contiguous, K row = e4m3 row * scale
     VScale,  # FP8: [B, Hkv, S] float32
     Out,  # [B, Hq, D]
     Lse,  # [B, Hq] float32, contiguous: log-sum-exp of the scaled scores, natural log (WRITE_LSE)
     Lengths,  # [B] int32
+    Starts,  # [B] int64 with HAS_STARTS: sequence b's positions begin at Starts[b] of its cache row
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD] fp32: log2-sum-exp of each partial row
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
@@ -257,7 +276,8 @@ def _lean_decode_kernel(
     stride_kn,
     stride_vb,
     stride_vh,
-    stride_vn,
+    stride_vn,  # V_BLOCK > 0: the stride of V's blocks of positions
+    stride_vd,  # V_BLOCK > 0: the stride of head_dim inside a block (positions have stride 1)
     stride_sb,
     stride_sh,
     stride_ob,
@@ -273,6 +293,8 @@ def _lean_decode_kernel(
     DEQUANT: tl.constexpr,
     UNIT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    V_BLOCK: tl.constexpr,  # 0: V in K's layout; > 0: "blocked_t", V_BLOCK positions a block
     WRITE_LSE: tl.constexpr,
 ):
     cta = tl.program_id(0)
@@ -301,7 +323,13 @@ def _lean_decode_kernel(
     row_ok = offs_g < G  # [G_PAD] rows past the group are padding for the dot's M >= 16
     # Loop-invariant int32 offsets inside one block; only the scalar block offset moves.
     offs_k = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-    offs_v = offs_n[:, None] * stride_vn + offs_d[None, :]
+    if V_BLOCK == 0:
+        offs_v = offs_n[:, None] * stride_vn + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    else:
+        # [HEAD_DIM, BLOCK_N], runs of V_BLOCK contiguous positions (a tile spans whole blocks)
+        offs_v = (offs_n // V_BLOCK)[None, :] * stride_vn + (offs_n % V_BLOCK)[None, :]
+        offs_v += offs_d[:, None] * stride_vd
+        v_block_lo = (offs_n // V_BLOCK) * V_BLOCK  # [BLOCK_N] first position of each one's block
     offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
 
     # ---- our tiles: one software-pipelined loop per sequence, across its heads -------------
@@ -318,9 +346,15 @@ def _lean_decode_kernel(
         seq_lo = seg_lo - h * n_blk
         stop = tl.minimum(range_hi, seq_lo + Hkv * n_blk)
         q_b = Q + b * stride_qb
-        k_b = K + b.to(tl.int64) * stride_kb  # 64-bit: one layer's cache passes 2^31 elements
-        v_b = V + b.to(tl.int64) * stride_vb
-        s_b = b.to(tl.int64) * stride_sb
+        # 64-bit: one layer's cache passes 2^31 elements. Batched regions: sequence b's positions
+        # are a run of its cache row (stride 0 rows: one shared row) starting at Starts[b].
+        start = tl.load(Starts + b) if HAS_STARTS else 0
+        k_b = K + b.to(tl.int64) * stride_kb + start * stride_kn
+        if V_BLOCK == 0:
+            v_b = V + b.to(tl.int64) * stride_vb + start * stride_vn
+        else:  # blocked: start is a multiple of V_BLOCK (the caller's contract)
+            v_b = V + b.to(tl.int64) * stride_vb + (start // V_BLOCK) * stride_vn
+        s_b = b.to(tl.int64) * stride_sb + start
         if DEQUANT != 0:
             # q's fp16 operand depends only on the head: made once per segment, not per tile
             q_h, row_scale = _fp8_query(
@@ -358,9 +392,18 @@ def _lean_decode_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_b + h.to(tl.int64) * stride_vh + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0
-            )
+            if V_BLOCK == 0:
+                v = tl.load(
+                    v_b + h.to(tl.int64) * stride_vh + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0
+                )
+            else:
+                # [HEAD_DIM, BLOCK_N]; n0 is a multiple of BLOCK_N, so of V_BLOCK. Masked by whole
+                # blocks (see V_BLOCK): every block that begins before the length is in the cache.
+                v = tl.load(
+                    v_b + h.to(tl.int64) * stride_vh + (n0 // V_BLOCK) * stride_vn + offs_v,
+                    mask=(n0 + v_block_lo < length)[None, :],
+                    other=0.0,
+                )
             if DEQUANT == 0:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             else:
@@ -370,7 +413,10 @@ def _lean_decode_kernel(
                 v_scale = tl.load(VScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
                 v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
                 p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
-                pv = tl.dot(p16, _e4m3_to_fp16(v, DEQUANT))  # [G_PAD, HEAD_DIM] fp32
+                if V_BLOCK == 0:
+                    pv = tl.dot(p16, _e4m3_to_fp16(v, DEQUANT))  # [G_PAD, HEAD_DIM] fp32
+                else:  # the B operand [BLOCK_N, HEAD_DIM] with its reduction axis contiguous
+                    pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))
                 acc = acc * alpha[:, None] + pv * (v_top * UNIT)
             m_i = m_new
 
@@ -457,21 +503,26 @@ def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segme
 
 def lean_attention(
     q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [B, Hkv, S, D], last dim contiguous
-    v_cache: torch.Tensor,  # [B, Hkv, S, D]
-    lengths: torch.Tensor,  # [B] int32 on q's device, 1 <= lengths[b] <= S
+    k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared), last dim contiguous
+    v_cache: torch.Tensor,  # [C, Hkv, S, D]; "blocked_t": [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
+    lengths: torch.Tensor,  # [B] int32 on q's device, 0 <= starts[b] + lengths[b] <= S
     scale: float,
     *,
-    k_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32, with a float8_e4m3fn cache
-    v_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32
+    k_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32, with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32
+    starts: torch.Tensor | None = None,  # [B] int64: where sequence b's positions begin (default 0)
     num_ctas: int | None = None,
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
     fp8_dequant: int = DEQUANT_CVT,
+    v_layout: str = "standard",
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
-    """softmax(q k^T * scale) v over each sequence's first lengths[b] cached positions.
+    """softmax(q k^T * scale) v over each sequence's lengths[b] cached positions, which begin at
+    position starts[b] (default 0) of its cache row: row b, or the one row when C = 1 (a batch
+    whose sequences own contiguous regions of one shared position axis). A sequence of length 0
+    costs nothing and its output row is left unwritten (an idle batch slot).
 
     K/V share q's dtype (fp16 / bf16 / fp32), or are float8_e4m3fn with per-(sequence, KV head,
     position) float32 scales `k_scale` / `v_scale` (kernels/quant.py: row = e4m3 row * scale).
@@ -482,15 +533,25 @@ def lean_attention(
     workspace must be ordered on one stream. `num_ctas` overrides the SM-derived grid (tests),
     `config` the tuned launch parameters; `out` ([B, Hq, D], q's dtype) receives the result.
     `use_pdl` launches with programmatic dependent launch (Hopper+), chained to the step's kernels.
+    `v_layout="blocked_t"` takes an e4m3 V cache in the blocked, transposed layout of
+    to_v_blocked_t (see V_BLOCK). The caller's contract there: region starts are multiples of
+    V_BLOCK (checked here for CPU tensors; on a GPU the check would cost a sync), and the bytes
+    past a sequence's length up to the end of its last block are no e4m3 NaN pattern.
     `lse` ([B, Hq] float32, contiguous) receives each query head's log-sum-exp of the scaled scores
     (natural log), written with the output (a sequence of length 0 writes neither).
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
+    blocked = v_layout == "blocked_t"
+    if q.dim() != 3 or k_cache.dim() != 4 or (v_cache.shape != k_cache.shape and not blocked):
         raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+    if k_cache.shape[0] not in (B, 1) or k_cache.shape[3] != D:
         raise ValueError(f"q {tuple(q.shape)} does not match K/V {tuple(k_cache.shape)}")
+    if starts is not None and (starts.shape != (B,) or starts.dtype != torch.int64):
+        raise ValueError(f"starts must be [B] = [{B}] int64, got {tuple(starts.shape)} {starts.dtype}")
+    C = k_cache.shape[0]
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {D}")
     if Hq % Hkv != 0:
@@ -506,9 +567,9 @@ def lean_attention(
         if k_scale is None or v_scale is None:
             raise ValueError("an FP8 (float8_e4m3fn) cache needs k_scale and v_scale ([B, Hkv, S] float32)")
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s.shape != (B, Hkv, S) or s.dtype != torch.float32 or s.stride(-1) != 1:
+            if s.shape != (C, Hkv, S) or s.dtype != torch.float32 or s.stride(-1) != 1:
                 raise ValueError(
-                    f"{name} must be [B, Hkv, S] = {[B, Hkv, S]} float32 with a contiguous last dim, "
+                    f"{name} must be [C, Hkv, S] = {[C, Hkv, S]} float32 with a contiguous last dim, "
                     f"got {list(s.shape)} {s.dtype}"
                 )
         if k_scale.stride() != v_scale.stride():
@@ -517,6 +578,17 @@ def lean_attention(
             raise ValueError(f"unknown FP8 dequantization variant {fp8_dequant}")
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale / v_scale are for a float8_e4m3fn cache, not {k_cache.dtype}")
+    if blocked:
+        if not fp8:
+            raise ValueError(f"v_layout 'blocked_t' is for a float8_e4m3fn cache, not {v_cache.dtype}")
+        want = [C, Hkv, -(-S // V_BLOCK), D, V_BLOCK]
+        if list(v_cache.shape) != want:
+            raise ValueError(
+                f"a 'blocked_t' V cache must be [C, Hkv, ceil(S / {V_BLOCK}), D, {V_BLOCK}] = {want} "
+                f"(to_v_blocked_t), got {list(v_cache.shape)}"
+            )
+        if starts is not None and starts.device.type == "cpu" and bool((starts % V_BLOCK).ne(0).any()):
+            raise ValueError(f"with v_layout 'blocked_t' every start must be a multiple of {V_BLOCK}")
     if lengths.shape != (B,):
         raise ValueError(f"lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -527,6 +599,8 @@ def lean_attention(
         lengths = lengths.to(torch.int32)
 
     config = config or default_config(D, q.dtype, fp8)
+    if blocked and config.block_n % V_BLOCK != 0:
+        raise ValueError(f"v_layout 'blocked_t' needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     grid = _grid_size(q.device, config, num_ctas)
     G = Hq // Hkv
     g_pad = _group_pad(G)
@@ -555,6 +629,7 @@ def lean_attention(
         out,
         out if lse is None else lse,  # unused pointer without lse
         lengths,
+        lengths if starts is None else starts,  # unused pointer without starts
         ws.part_o,
         ws.part_lse,
         ws.counters,
@@ -564,13 +639,14 @@ def lean_attention(
         G,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
+        k_cache.stride(0) if C == B else 0,  # B > C = 1: every sequence reads the one row
         k_cache.stride(1),
         k_cache.stride(2),
-        v_cache.stride(0),
+        v_cache.stride(0) if C == B else 0,
         v_cache.stride(1),
         v_cache.stride(2),
-        k_scale.stride(0) if fp8 else 0,
+        v_cache.stride(3) if blocked else 0,
+        (k_scale.stride(0) if C == B else 0) if fp8 else 0,
         k_scale.stride(1) if fp8 else 0,
         out.stride(0),
         out.stride(1),
@@ -585,12 +661,29 @@ def lean_attention(
         DEQUANT=fp8_dequant,
         UNIT=DEQUANT_UNIT.get(fp8_dequant, 1.0),
         USE_PDL=use_pdl,
+        HAS_STARTS=starts is not None,
+        V_BLOCK=V_BLOCK if blocked else 0,
         WRITE_LSE=lse is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
+
+
+def to_v_blocked_t(v_cache: torch.Tensor) -> torch.Tensor:
+    """A V cache [C, Hkv, S, D] in the "blocked_t" layout [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]:
+    element [c, h, p // V_BLOCK, d, p % V_BLOCK] = v_cache[c, h, p, d]; positions past S are zero.
+    A new copy (moved as bytes: float8 tensors have few ops on the CPU)."""
+    if v_cache.dim() != 4 or v_cache.element_size() != 1:
+        raise ValueError(f"expected a 1-byte V cache [C, Hkv, S, D], got {v_cache.dtype} {[*v_cache.shape]}")
+    C, Hkv, S, D = v_cache.shape
+    n_blocks = -(-S // V_BLOCK)
+    raw = v_cache.view(torch.uint8)
+    padded = raw.new_zeros(C, Hkv, n_blocks * V_BLOCK, D)
+    padded[:, :, :S] = raw
+    blocks = padded.view(C, Hkv, n_blocks, V_BLOCK, D).transpose(-1, -2).contiguous()
+    return blocks.view(v_cache.dtype)
 
 
 # ---- the schedule, on the host, for reports and tests ---------------------------------------

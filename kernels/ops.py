@@ -8,7 +8,7 @@ rms_norm          x [..., N], weight [N] -> [..., N]                     fused_t
 linear            x [B, K], weight [N, K], bias [N] -> [B, N]            gemv / cuBLAS   F.linear
 linear_residual   residual [B, N] += linear(x [B, K]), in place          gemv            F.linear, +=
 rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_triton    rotate, index_put
-decode_attention  q [B, Hq, D], cache [B, Hkv, S, D], lengths [B]        lean_attention  reference.py
+decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
 The twins round as transformers does and run on the CPU (and serve as the tests' reference).
@@ -118,13 +118,14 @@ def rope_and_cache(
 ) -> torch.Tensor:
     """One new token per sequence.
 
-    qkv [B, (Hq + 2 Hkv) * D] (the fused projection); cos/sin [B, D] float32; positions [B] int64;
-    k_cache/v_cache [B, Hkv, S, D]. Optionally RMS-normalises each q/k head first (Qwen3), rotates
-    q and k (rotate-half layout, float32 math), writes k and v at each sequence's position, and
-    returns q [B, Hq, D].
+    qkv [B, (Hq + 2 Hkv) * D] (the fused projection); cos/sin [B, D] float32; positions [B] int64,
+    where each sequence's k and v are written; k_cache/v_cache [C, Hkv, S, D], C = B (a row per
+    sequence) or 1 (one row that a batch's sequences share, each at its own positions).
+    Optionally RMS-normalises each q/k head first (Qwen3), rotates q and k (rotate-half layout,
+    float32 math), writes k and v at each sequence's position, and returns q [B, Hq, D].
 
     FP8 cache (float8_e4m3fn): the rows written are quantize_fp8 of the model-dtype k and v, their
-    scales go to k_scale / v_scale [B, Hkv, S] float32; `static_scales` (k, v) are a checkpoint's
+    scales go to k_scale / v_scale [C, Hkv, S] float32; `static_scales` (k, v) are a checkpoint's
     calibrated scales, used instead of each row's own.
     """
     if _triton(qkv, triton):
@@ -140,7 +141,7 @@ def rope_and_cache(
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps, triton=False), rms_norm(k, k_norm, eps, triton=False)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    batch = torch.arange(B, device=qkv.device)
+    batch = torch.arange(B, device=qkv.device) if k_cache.shape[0] == B else torch.zeros_like(positions)
     # index_put with device-side positions: no host sync, safe inside a CUDA graph.
     if k_cache.dtype == FP8_DTYPE:
         k_static, v_static = static_scales or (None, None)
@@ -166,39 +167,55 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [B, Hkv, S, D] contiguous
-    v_cache: torch.Tensor,  # [B, Hkv, S, D] contiguous
-    lengths: torch.Tensor,  # [B] int32 on q's device: valid positions per sequence
+    k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared by the batch)
+    v_cache: torch.Tensor,  # [C, Hkv, S, D]
+    lengths: torch.Tensor,  # [B] int32 on q's device: valid positions per sequence (0: idle)
     scale: float,
     triton: bool | None = None,
     pdl: bool = False,
-    k_scale: torch.Tensor | None = None,  # [B, Hkv, S] float32, with a float8_e4m3fn cache
+    k_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32, with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,  # [B] int64: first position of each sequence (default 0)
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] (, lse [B, Hq] float32)
-    """One decode step of attention: each sequence's single new query over its cached context
-    (the lean stream-K kernel, which dequantizes an FP8 cache in registers; the twin dequantizes
-    the valid positions to float32 first, and loops over the batch on the host, so it is not
-    graph-safe).
+    """One decode step of attention: each sequence's single new query over its cached context,
+    positions starts[b] .. starts[b] + lengths[b] - 1 of its cache row (the lean stream-K kernel,
+    which dequantizes an FP8 cache in registers; the twin dequantizes the valid positions to
+    float32 first, and loops over the batch on the host, so it is not graph-safe). An idle
+    sequence (length 0) gets no output: the kernel leaves its row unwritten, the twin zeros it.
 
     return_lse also returns each query head's log-sum-exp of the scaled scores (natural log),
     which weighs partial results over disjoint ranges of the context in an exact merge (context
-    parallelism: minidecode/distributed.py). A sequence with lengths 0 has no valid output or lse
-    from the kernel: the caller masks it."""
+    parallelism: minidecode/distributed.py); a sequence of length 0 has none (the kernel leaves
+    it unwritten, the twin gives -inf): the caller masks it."""
     if _triton(q, triton):
         from .lean_attention import lean_attention
 
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         out = lean_attention(
-            q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, use_pdl=_pdl(q, pdl),
-            lse=lse,
+            q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, starts=starts,
+            use_pdl=_pdl(q, pdl), lse=lse,
         )  # fmt: skip
         return (out, lse) if return_lse else out
-    if k_cache.dtype == FP8_DTYPE:
-        n = int(lengths.max())
-        k_cache = dequantize_fp8(k_cache[:, :, :n], k_scale[:, :, :n])  # [B, Hkv, n, D] float32
-        v_cache = dequantize_fp8(v_cache[:, :, :n], v_scale[:, :, :n])
-    return decode_attention_reference(q, k_cache, v_cache, lengths, scale, return_lse=return_lse)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    firsts = [0] * q.shape[0] if starts is None else starts.tolist()
+    for b, (first, n) in enumerate(zip(firsts, lengths.tolist(), strict=True)):
+        if n == 0:
+            continue
+        row, span = b if k_cache.shape[0] > 1 else 0, slice(first, first + n)
+        k, v = k_cache[row : row + 1, :, span], v_cache[row : row + 1, :, span]  # [1, Hkv, n, D]
+        if k_cache.dtype == FP8_DTYPE:  # float32 values of the valid positions
+            k = dequantize_fp8(k, k_scale[row : row + 1, :, span])
+            v = dequantize_fp8(v, v_scale[row : row + 1, :, span])
+        length = torch.tensor([n], device=lengths.device)
+        if return_lse:
+            out[b : b + 1], lse[b : b + 1] = decode_attention_reference(
+                q[b : b + 1], k, v, length, scale, return_lse=True
+            )
+        else:
+            out[b : b + 1] = decode_attention_reference(q[b : b + 1], k, v, length, scale)
+    return (out, lse) if return_lse else out
 
 
 def silu_mul(gate_up: torch.Tensor, triton: bool | None = None, pdl: bool = False) -> torch.Tensor:

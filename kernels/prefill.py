@@ -9,6 +9,12 @@ over its own BLOCK keys plus one full (non-causal) call over every earlier key, 
 merged by their log-sum-exp. cuDNN's single causal call slows down past ~128k (472 TFLOP/s at
 512k against 598 at 128k); the blocked form keeps 593 at 512k, 20% less time
 (bench/NOTES-attention.md). Same FLOPs, same result up to rounding.
+
+A short block after a long past (a question after a cached 512k-token document) is the opposite
+case: its full call over the past runs G x ceil(t / 128) CTAs (4 for 100 queries of Llama-3-8B),
+each streaming every past key while the rest of the GPU idles. There the past keys are cut into
+chunks stacked on the batch axis of one call, and the chunks' outputs merged by log-sum-exp too
+(`past_attention`, bench/prefill_blocks.py --suffix).
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ BLOCK = 65536  # query rows per block of the blocked cuDNN path (best of 16k-256
 # Query rows per block on the CPU: one block of a long prompt takes about a second on two cores,
 # and Ctrl-C (raised between Python steps) takes effect between blocks, not after a whole layer.
 CPU_BLOCK = 4096
+# The split of a long past (past_attention): query rows per CTA of the GPU's flash forward
+# kernels (cuDNN's and FlashAttention's tile), and the shortest chunk of past keys worth a CTA:
+# 4096 keys are 32 key tiles, so loading the CTA's queries and writing its [128, D] partial
+# output and log-sum-exp stay a few percent of streaming its 2 x 4096 x D keys and values.
+ROW_TILE = 128
+SPLIT_MIN_KEYS = 4096
 
 # attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
@@ -40,7 +52,9 @@ def causal_attention(
     gqa = q.shape[1] != k.shape[1]
     past = k.shape[2] - q.shape[2]
     if backend == "cudnn" and (past or q.shape[2] > BLOCK):
-        return blocked_causal_attention(q, k, v, BLOCK, functools.partial(cudnn_with_lse, scale=scale))
+        attend = functools.partial(cudnn_with_lse, scale=scale)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        return blocked_causal_attention(q, k, v, BLOCK, attend, sms)
     if q.device.type == "cpu" and (past or q.shape[2] > CPU_BLOCK):
         attend = functools.partial(cpu_flash_with_lse, scale=scale)
         return blocked_causal_attention(q, k, v, CPU_BLOCK, attend)
@@ -56,14 +70,23 @@ def causal_attention(
         )
     if backend is None:
         return attend(q, k, v)
-    with sdpa_kernel([CANDIDATES[backend]]):
+    try:
+        with sdpa_kernel([CANDIDATES[backend]]):
+            return attend(q, k, v)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:  # a shape the measured backend does not take (cuDNN: a 1-token prompt)
         return attend(q, k, v)
 
 
-def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, attend: Attend):
+def blocked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, attend: Attend, sms: int | None = None
+) -> torch.Tensor:
     """Causal attention as, per block of queries [s, e): causal over keys [P+s, P+e), full over keys
     [0, P+s), merged by log-sum-exp. q [B, G, T, D] are the last T of the P + T positions of
-    k/v [B, 1, P + T, D] (P > 0: a suffix prefilled after a cached prefix) -> [B, G, T, D]."""
+    k/v [B, 1, P + T, D] (P > 0: a suffix prefilled after a cached prefix) -> [B, G, T, D].
+    sms: the GPU's SM count, which lets a short block split its long past (past_attention);
+    None never splits (the CPU)."""
     out = torch.empty_like(q)
     past = k.shape[2] - q.shape[2]
     for s in range(0, q.shape[2], block):
@@ -74,15 +97,72 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if past + s == 0:
             out[:, :, s:e] = o_diag
             continue
-        o_past, lse_past = attend(q[:, :, s:e], k[:, :, : past + s], v[:, :, : past + s], False)
-        lse = torch.logaddexp(lse_diag, lse_past)  # [B, G, e - s, 1]
-        merged = (
-            o_diag.float()
-            .mul_(torch.exp(lse_diag - lse))
-            .add_(o_past.float().mul_(torch.exp(lse_past - lse)))
-        )
-        out[:, :, s:e] = merged
+        o_past, lse_past = past_attention(q[:, :, s:e], k[:, :, : past + s], v[:, :, : past + s], attend, sms)
+        out[:, :, s:e] = merge(o_diag, lse_diag, o_past, lse_past)[0]
     return out
+
+
+def merge(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets -> attention over their union, exactly: each out
+    [..., t, D] weighted by its share exp(lse_x - lse) of the union's softmax mass, in float32.
+    -> (out float32 [..., t, D], lse float32 [..., t, 1])."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = o_a.float().mul_(torch.exp(lse_a - lse)).add_(o_b.float().mul_(torch.exp(lse_b - lse)))
+    return out, lse
+
+
+def past_chunks(batch: int, group: int, t: int, past: int, sms: int | None) -> int:
+    """How many chunks `past_attention` cuts `past` keys into for t queries of `group` heads per
+    sequence; 1: one full call.
+
+    One full call runs batch x group x ceil(t / ROW_TILE) CTAs. When they fill at most half the
+    SMs (at G = 4 and 132 SMs: t <= 2048 queries, one sequence), each sequence's past is cut into
+    n chunks with n x group x ceil(t / ROW_TILE) <= 2 x sms: the split call fits in two waves
+    and keeps >= 75% of the SMs busy (a ceil would spill a third, mostly idle, wave). Chunks are
+    kept >= SPLIT_MIN_KEYS keys, so a past shorter than 2 x SPLIT_MIN_KEYS is never split."""
+    ctas = group * -(-t // ROW_TILE)  # one sequence's CTAs in the full call
+    if sms is None or 2 * batch * ctas > sms:
+        return 1
+    return max(1, min(2 * sms // ctas, past // SPLIT_MIN_KEYS))
+
+
+def past_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, sms: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full (non-causal) attention of q [B, G, t, D] over all P keys of k/v [B, 1, P, D] ->
+    (out [B, G, t, D], lse [B, G, t, 1] float32): one attend call, or (past_chunks > 1) per
+    sequence one call over its past cut into n chunks of c = P // n keys, stacked on the batch
+    axis, plus one over the P - n c < n remaining keys, all merged by log-sum-exp.
+
+    The chunks of one sequence are a view: k[b] is one run of P rows of D (stride D, the cache's
+    heads-major layout), so [1, n c, D] -> [n, 1, c, D] moves no data. Stacking the B sequences
+    on one axis too would need a copy (their batch stride is the cache's, not n c rows), hence a
+    call per sequence, each sized to fill the GPU by itself. Temporaries per call: q expanded to
+    [n, G, t, D] (made contiguous: a stride-0 batch is not a layout every backend takes), the
+    [n, G, t, D] partial outputs and their float32 weighting, where n x G x ceil(t / 128) <= 2 x sms
+    bounds n G t by 2 x sms x 128 rows: 17 MB of float32 at D = 128 on 132 SMs, whatever P."""
+    B, G, t, D = q.shape
+    P = k.shape[2]
+    n = past_chunks(B, G, t, P, sms)
+    if n == 1:
+        return attend(q, k, v, False)
+    c = P // n
+    out = q.new_empty(B, G, t, D, dtype=torch.float32)
+    lse = q.new_empty(B, G, t, 1, dtype=torch.float32)
+    for b in range(B):
+        q_n = q[b : b + 1].expand(n, G, t, D).contiguous()  # [n, G, t, D]: each chunk's queries
+        k_n = k[b, :, : n * c].view(n, 1, c, D)  # [n, 1, c, D]: chunk j is keys [j c, (j + 1) c)
+        v_n = v[b, :, : n * c].view(n, 1, c, D)
+        o_n, lse_n = attend(q_n, k_n, v_n, False)  # [n, G, t, D], [n, G, t, 1]
+        lse_b = torch.logsumexp(lse_n, 0, keepdim=True)  # [1, G, t, 1]: over the n chunks' union
+        o_b = o_n.float().mul_(torch.exp(lse_n - lse_b)).sum(0, keepdim=True)  # [1, G, t, D]
+        if n * c < P:  # the remainder: fewer than n keys, one small call
+            o_r, lse_r = attend(q[b : b + 1], k[b : b + 1, :, n * c :], v[b : b + 1, :, n * c :], False)
+            o_b, lse_b = merge(o_b, lse_b, o_r, lse_r)
+        out[b : b + 1], lse[b : b + 1] = o_b, lse_b
+    return out, lse
 
 
 def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):

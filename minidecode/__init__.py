@@ -12,6 +12,8 @@ _LAZY = {
     "LLM": "llm",
     "GenerationResult": "llm",
     "Stream": "llm",
+    "BatchStream": "llm",
+    "PromptRequest": "llm",
     "generate": "llm",
     "SamplingParams": "sampling",
 }
@@ -28,5 +30,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["GenerationResult", "GenerationStats", "LLM", "MemoryPlan", "ModelConfig", "Request"]
-__all__ += ["SamplingParams", "Stream", "UserError", "generate"]
+__all__ += ["BatchStream", "PromptRequest", "SamplingParams", "Stream", "UserError", "generate"]
 __version__ = "0.1.0"

@@ -83,6 +83,16 @@ class KVCache:
             return LayerKV(self.k[i], self.v[i])  # each [B, Hkv, S, D]
         return LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])
 
+    def region(self, start: int, length: int) -> KVCache:
+        """Positions start..start+length-1 as a cache of their own (views, no copy): a batch's
+        sequence is prefilled into its region of the shared cache row exactly as into a cache."""
+        view = object.__new__(KVCache)
+        for name, t in self.tensors().items():
+            setattr(view, name, t[:, :, :, start : start + length])
+        if self.k_scale is None:
+            view.k_scale = view.v_scale = None
+        view.max_len = length
+        return view
 
     def fits(self, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         return self.max_len >= max_len and self.k.dtype == dtype and self.k.device == device

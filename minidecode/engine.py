@@ -20,7 +20,7 @@ from .cache_file import CacheFile, open_cache_file, read_cache_file, write_cache
 from .config import ModelConfig
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SamplingRows, sample
 from .validate import check_int, check_stops
 
 
@@ -155,16 +155,80 @@ def default_prefill_chunk(device: torch.device) -> int:
 @dataclass
 class DecodeState:
     """The decode step's device buffers, [B] each: a captured graph reads and writes exactly these,
-    so they are allocated with the cache and live as long as it."""
+    so they are allocated with the cache and live as long as it. A batch uses the first n rows
+    (views); `starts` and `active` are for a batch in regions of one shared cache row."""
 
-    tokens: torch.Tensor  # [B] int64: in, the last token; out, the next one
-    positions: torch.Tensor  # [B] int64: where the next token goes (+= 1 per step)
-    logprob: torch.Tensor  # [B] float32: log p of the token just sampled (when asked for)
+    tokens: torch.Tensor  # int64: in, the last token; out, the next one
+    positions: torch.Tensor  # int64: where the next token goes (+= 1 per step, active rows only)
+    logprob: torch.Tensor  # float32: log p of the token just sampled (when asked for)
+    sampling: SamplingRows  # each sequence's sampling settings
+    starts: torch.Tensor  # int64: where each sequence's region begins in the cache row
+    active: torch.Tensor  # int64 0/1: 0 is an idle slot (reads nothing, does not advance)
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeState:
-        dtypes = (torch.long, torch.long, torch.float32)
-        return cls(*(torch.zeros(batch, dtype=dtype, device=device) for dtype in dtypes))
+        def new(dtype):
+            return torch.zeros(batch, dtype=dtype, device=device)
+
+        tokens, positions, starts, active = (new(torch.long) for _ in range(4))
+        return cls(tokens, positions, new(torch.float32), SamplingRows.zeros(batch, device), starts, active)
+
+    def rows(self, n: int, first: int = 0) -> DecodeState:
+        """Rows first..first+n-1, as views."""
+        tokens, positions, logprob, starts, active = (x[first : first + n] for x in self._columns())
+        return DecodeState(tokens, positions, logprob, self.sampling.rows(n, first), starts, active)
+
+    def _columns(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.positions, self.logprob, self.starts, self.active
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""
+        for t in self._columns():
+            t[dst] = t[src]
+        self.sampling.move(src, dst)
+
+
+def decode_step(
+    model: Transformer,
+    cache: KVCache,
+    state: DecodeState,
+    mode: str,
+    want_logprobs: bool,
+    pdl: bool,
+    batch: bool,
+) -> None:
+    """One token for every row of `state`, reading and writing only its device buffers (so it can
+    be captured in a CUDA graph). batch: the rows are sequences in regions of one cache row
+    (state.starts), with idle rows (state.active 0)."""
+    starts, active = (state.starts, state.active) if batch else (None, None)
+    hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=starts, active=active)
+    logits = model.logits(hidden)  # [B, V] float32
+    nxt = sample(logits, state.sampling, state.positions + 1, mode)  # [B]
+    if want_logprobs:
+        state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
+    state.tokens.copy_(nxt)
+    state.positions.add_(state.active if batch else 1)
+
+
+@functools.cache
+def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every warm-up: cuBLAS keeps a workspace per stream it ran
+    on, so a new stream per capture would leave one more workspace allocated each time."""
+    return torch.cuda.Stream(device)
+
+
+def capture(step: Callable[[], None], warm_up: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `step`, after `warm_up` ran once on a side stream (kernel compilation,
+    workspaces, library handles: nothing may allocate or compile during capture)."""
+    stream = _warm_up_stream(torch.device("cuda", torch.cuda.current_device()))
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm_up()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
 
 
 @dataclass
@@ -217,8 +281,6 @@ class Engine:
         self._step: Callable[[], None] | None = None  # the prepared decode step (graph replay or eager)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
-        # One generator for the engine's life: a captured graph is bound to it; re-seeded per request.
-        self._generator = torch.Generator(device=device)
 
     @property
     def prefill_backend(self) -> str:
@@ -324,15 +386,33 @@ class Engine:
         """The one place a request is checked: limits, context and memory (refusing with what to
         change), and that no other generation is running."""
         self.check_idle()
-        request.params.validate()
-        check_int("max_new_tokens", request.max_new_tokens, 1)
-        check_stops(request.stop)
-        prompt_len, needed = len(request.prompt_ids), len(request.prompt_ids) + request.max_new_tokens
+        self.check_limits(request)
         if self.loaded is not None and request.reuse_prefix and self.loaded.length > request.context:
             raise UserError(
                 f"the loaded cache holds {self.loaded.length:,} tokens, more than this request's context of "
                 f"{request.context:,} (max_context, else prompt + max_new_tokens); raise --max-context"
             )
+        plan = self.plan(request.context, len(request.prompt_ids))
+        if self._cache_fits(request.context):
+            plan.kv_cache_bytes = 0  # already allocated
+        elif self.cache is not None:
+            plan.free_bytes += self.cache.nbytes  # freed before the new one is allocated
+        if not plan.fits:
+            per_token = self.kv_bytes_per_token
+            fit_tokens = max(0, (plan.free_bytes - plan.activation_bytes) // per_token)
+            raise UserError(
+                f"KV cache for {request.context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
+                f"{_gib(plan.activation_bytes)} of activations, but only {_gib(plan.free_bytes)} is free on "
+                f"{plan.device}; lower the prompt length, max_new_tokens or --max-context "
+                f"(about {fit_tokens:,} tokens fit with a {plan.kv_cache_dtype} cache)"
+            )
+
+    def check_limits(self, request: Request) -> None:
+        """A request's values and context against the model (not memory, not the engine's state)."""
+        request.params.validate()
+        check_int("max_new_tokens", request.max_new_tokens, 1)
+        check_stops(request.stop)
+        prompt_len, needed = len(request.prompt_ids), len(request.prompt_ids) + request.max_new_tokens
         if request.max_context is not None and request.max_context < needed:
             raise UserError(
                 f"max_context {request.max_context:,} is less than prompt ({prompt_len:,}) + "
@@ -349,20 +429,6 @@ class Engine:
             raise UserError(
                 f"this model uses sliding-window attention ({cfg.sliding_window:,} tokens), which minidecode "
                 f"does not implement; keep prompt + max_new_tokens within {cfg.sliding_window:,} tokens"
-            )
-        plan = self.plan(context, prompt_len)
-        if self._cache_fits(context):
-            plan.kv_cache_bytes = 0  # already allocated
-        elif self.cache is not None:
-            plan.free_bytes += self.cache.nbytes  # freed before the new one is allocated
-        if not plan.fits:
-            per_token = self.kv_bytes_per_token
-            fit_tokens = max(0, (plan.free_bytes - plan.activation_bytes) // per_token)
-            raise UserError(
-                f"KV cache for {context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
-                f"{_gib(plan.activation_bytes)} of activations, but only {_gib(plan.free_bytes)} is free on "
-                f"{plan.device}; lower the prompt length, max_new_tokens or --max-context "
-                f"(about {fit_tokens:,} tokens fit with a {plan.kv_cache_dtype} cache)"
             )
 
     def generate(
@@ -448,11 +514,8 @@ class Engine:
         angles_len = self.angles_len if start else 0
         self.ensure_cache(request.context)
         params = request.params
-        self.prepare_decode(params, request.want_logprobs)  # may capture a graph: draws random numbers
-        if params.seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(params.seed)
+        self.prepare_decode(params, request.want_logprobs)  # may capture a graph (runs a step)
+        self.state.sampling.set(0, params)
         n = stats.prompt_tokens = len(request.prompt_ids)
         stats.kv_cache_dtype = kv_dtype_name(self.kv_dtype)
         stats.reused_tokens, stats.prefilled_tokens = start, n - start
@@ -475,9 +538,9 @@ class Engine:
         # One check per request (prefill ends in a host sync anyway); decode steps are not checked.
         if not bool(torch.isfinite(logits).all()):
             raise nonfinite_logits_error(self.model, prefill)
-        first = sample(logits, params, self._generator)  # [1]
-        self.state.tokens.copy_(first)
         self.state.positions.fill_(n)
+        first = sample(logits, self.state.sampling, self.state.positions, params.mode)  # [1]
+        self.state.tokens.copy_(first)
         if request.want_logprobs:
             self.state.logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
         first.item()  # waits for the prefill
@@ -499,47 +562,29 @@ class Engine:
         """One decode step of the running request: state.tokens -> the next tokens, positions += 1."""
         self._step()
 
-    def _decode_step(self, params: SamplingParams, want_logprobs: bool) -> None:
-        """One token for every sequence, reading and writing only the DecodeState's device buffers."""
-        state = self.state
-        hidden = self.model.decode(state.tokens, state.positions, self.cache, self.pdl)
-        logits = self.model.logits(hidden)  # [B, V] float32
-        nxt = sample(logits, params, self._generator)  # [B]
-        if want_logprobs:
-            state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
-        state.tokens.copy_(nxt)
-        state.positions.add_(1)
-
     def prepare_decode(self, params: SamplingParams, want_logprobs: bool) -> None:
         """Set the decode step `step()` runs: a CUDA graph replay on CUDA, the eager step elsewhere.
 
-        The graph is captured once per cache and sampling setting, before prefill (so capture
+        The graph is captured once per cache, sampling mode (greedy, sample, or with cuts; the
+        values themselves are device tensors) and logprobs setting, before prefill (so capture
         stays out of the decode timing), and stays valid for every later context length: it
         reads the position from a device buffer and the kernel derives its schedule from it, so
-        a prefill that starts after a reused prefix needs no recapture. Warm-up and capture run
-        real steps at position 0: its K/V (a reused prefix's first position) are put back after."""
-        eager = functools.partial(self._decode_step, params, want_logprobs)
+        a prefill that starts after a reused prefix needs no recapture. The warm-up runs a real
+        step at position 0: its K/V (a reused prefix's first position) are put back after."""
+        mode = params.mode
+        eager = functools.partial(
+            decode_step, self.model, self.cache, self.state, mode, want_logprobs, self.pdl, batch=False
+        )
         if not self.use_cuda_graph:
             self._step = eager
             return
-        key = (id(self.cache), params.temperature, params.top_k, params.top_p, want_logprobs, self.pdl)
+        key = (id(self.cache), mode, want_logprobs, self.pdl)
         if self._graph_key != key:
             position0 = {name: t[:, :, :, 0].clone() for name, t in self.cache.tensors().items()}
             self._graph = None
             self.state.positions.zero_()
             self.state.tokens.zero_()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: kernel workspaces, cuBLAS handles, compilation
-                eager()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if not params.greedy:
-                graph.register_generator_state(self._generator)
-            self.state.positions.zero_()
-            with torch.cuda.graph(graph):
-                eager()
-            self._graph, self._graph_key = graph, key
+            self._graph, self._graph_key = capture(eager, eager), key
             for name, t in self.cache.tensors().items():
                 t[:, :, :, 0] = position0[name]
         self._step = self._graph.replay

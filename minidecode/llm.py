@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from minidecode.models.llama import Transformer
 
+from .batching import DEFAULT_MAX_BATCH, Batch, BatchProgress
 from .cache import FP8, KVCache
 from .cache_file import config_hash, weights_fingerprint
 from .config import ModelConfig
@@ -35,7 +37,14 @@ from .errors import UserError
 from .loading import DEFAULT_MODEL, load_weights, resolve_model_dir
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
-from .validate import check_kv_cache_dtype_name, check_request, check_text, check_token_ids, check_vocab
+from .validate import (
+    check_int,
+    check_kv_cache_dtype_name,
+    check_request,
+    check_text,
+    check_token_ids,
+    check_vocab,
+)
 
 if TYPE_CHECKING:
     from .distributed import Parallel
@@ -56,6 +65,7 @@ class GenerationResult:
     finish_reason: str  # "eos", "stop" (a stop string) or "length"
     stats: GenerationStats
     logprobs: list[float] | None = None  # log p(token) of each new token, when asked for
+    error: str | None = None  # a batch request that was refused (finish_reason "error")
 
 
 @dataclass
@@ -87,6 +97,86 @@ class Stream:
         self.close()
 
     def __del__(self) -> None:  # an abandoned stream must not hold the model forever
+        self.close()
+
+
+@dataclass
+class PromptRequest:
+    """One prompt of a batch with its own settings (None: the batch's default). Give exactly one
+    of prompt, token_ids or messages."""
+
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    max_context: int | None = None
+    allow_extrapolation: bool | None = None
+    logprobs: bool | None = None
+    ignore_eos: bool | None = None
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> PromptRequest:
+        """From a JSON object (a line of a batch file); unknown keys are refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise UserError(f"unknown request fields {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**fields)
+
+    def settings(self) -> dict:
+        return {name: getattr(self, name) for name in BATCH_DEFAULTS}
+
+
+# A batch's settings (in the order LLM._request takes them after the prompt) and their defaults.
+BATCH_DEFAULTS = {
+    "max_new_tokens": 256,
+    "temperature": None,
+    "top_k": None,
+    "top_p": None,
+    "seed": None,
+    "stop": None,
+    "max_context": None,
+    "allow_extrapolation": False,
+    "logprobs": False,
+    "ignore_eos": False,
+}
+BatchItem = str | list[int] | list[dict[str, str]] | PromptRequest | dict
+
+
+@dataclass
+class BatchStream:
+    """Iterate for (prompt index, text piece); `.results` fills in as requests end (all set once
+    the iteration ends). Holds the model until exhausted or closed, like `Stream`."""
+
+    _pieces: Generator[tuple[int, str], None, None] | None
+    _release: Callable[[], None]
+    results: list[GenerationResult | None]
+    progress: BatchProgress
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        try:
+            yield from self._pieces
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop (requests still running end where they are) and give the model to the next caller."""
+        if self._pieces is not None:
+            self._pieces.close()
+        self._release()
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
         self.close()
 
 
@@ -368,23 +458,10 @@ class LLM:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
         character); after iteration, `.result` is the GenerationResult."""
         t_request = time.perf_counter()
-
-        def make_request() -> Request:
-            stops = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
-            return Request(
-                prompt_ids=self.encode_prompt(prompt, token_ids, messages),
-                params=self.sampling_params(temperature, top_k, top_p, seed),
-                max_new_tokens=max_new_tokens,
-                max_context=max_context,
-                stop=stops,
-                eos_ids=frozenset(self.eos_ids),
-                ignore_eos=ignore_eos,
-                want_logprobs=logprobs,
-                reuse_prefix=reuse_prefix,
-                # Synthetic models are noise at any length: only their speed matters, so no position limit.
-                allow_extrapolation=allow_extrapolation or self.synthetic,
-            )
-
+        make_request = functools.partial(
+            self._request, prompt, token_ids, messages, max_new_tokens, temperature, top_k, top_p, seed, stop,
+            max_context, allow_extrapolation, logprobs, ignore_eos, reuse_prefix,
+        )  # fmt: skip
         if self.parallel is None:
             request = make_request()
         else:  # rank 0's prompt and its seed: every rank then samples the same tokens
@@ -398,52 +475,167 @@ class LLM:
             raise
         return Stream(self._pieces(generation), release)
 
-    def _pieces(self, generation: Generation) -> Generator[str, None, GenerationResult]:
-        request = generation.request
-        stops = request.stop
-        decoder = StreamDecoder(self.tokenizer)
-        new_ids: list[int] = []
-        logprobs: list[float] = []
-        text, emitted = "", 0  # all text decoded so far; how much of it was handed out
-        hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
-        stopped = False
-        with closing(generation.tokens):  # closing runs the engine's finally, which completes the stats
-            for token, logprob in generation.tokens:
-                new_ids.append(token)
-                if logprob is not None:
-                    logprobs.append(logprob)
-                text += decoder.push(token)
-                cut = _find_stop(text, stops, emitted - hold)
-                if cut is not None:
-                    text, stopped = text[:cut], True
-                    break
-                if len(text) - hold > emitted:
-                    yield text[emitted : len(text) - hold]
-                    emitted = len(text) - hold
-            if not stopped:
-                text += decoder.flush()
-        # One count: the new tokens returned. An eos ends generation but is not part of the
-        # output, so it is neither in token_ids nor in stats.new_tokens.
-        generation.stats.new_tokens = len(new_ids)
-        if len(text) > emitted:
-            yield text[emitted:]
-        return GenerationResult(
-            text=text,
-            token_ids=new_ids,
-            prompt_token_ids=request.prompt_ids,
-            finish_reason="stop" if stopped else generation.finish_reason,
-            stats=generation.stats,
-            logprobs=logprobs if request.want_logprobs else None,
+    def _request(
+        self,
+        prompt: str | None,
+        token_ids: list[int] | None,
+        messages: list[dict[str, str]] | None,
+        max_new_tokens: int,
+        temperature: float | None,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | None,
+        stop: list[str] | str | None,
+        max_context: int | None,
+        allow_extrapolation: bool,
+        logprobs: bool,
+        ignore_eos: bool,
+        reuse_prefix: bool = True,
+    ) -> Request:
+        """A checked engine Request (a bad value raises UserError)."""
+        stops = check_request(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        return Request(
+            prompt_ids=self.encode_prompt(prompt, token_ids, messages),
+            params=self.sampling_params(temperature, top_k, top_p, seed),
+            max_new_tokens=max_new_tokens,
+            max_context=max_context,
+            stop=stops,
+            eos_ids=frozenset(self.eos_ids),
+            ignore_eos=ignore_eos,
+            want_logprobs=logprobs,
+            reuse_prefix=reuse_prefix,
+            # Synthetic models are noise at any length: only their speed matters, so no position limit.
+            allow_extrapolation=allow_extrapolation or self.synthetic,
         )
 
-    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+    def _pieces(self, generation: Generation) -> Generator[str, None, GenerationResult]:
+        text = _Text(self.tokenizer, generation.request)
+        with closing(generation.tokens):  # closing runs the engine's finally, which completes the stats
+            for token, logprob in generation.tokens:
+                if piece := text.push(token, logprob):
+                    yield piece
+                if text.stopped:
+                    break
+        if piece := text.flush():
+            yield piece
+        return text.result(generation)
+
+    def generate(self, prompt: str | None | Sequence[BatchItem] = None, **kwargs) -> GenerationResult:
         """Generate a continuation of `prompt` (or of `token_ids=`, or a chat reply to
         `messages=`). Sampling defaults come from the checkpoint's generation_config.json
-        (greedy when it does not sample); temperature=0 is greedy."""
+        (greedy when it does not sample); temperature=0 is greedy.
+
+        A list of prompts (texts, token-id lists, message lists or `PromptRequest`s) runs as one
+        batch and returns a list of results in order (see `stream_batch`)."""
+        if isinstance(prompt, list | tuple):
+            return self.generate_batch(prompt, **kwargs)
         with self.stream(prompt, **kwargs) as stream:
             for _ in stream:
                 pass
         return stream.result
+
+    # ---- many prompts at once -----------------------------------------------------------
+    def generate_batch(self, prompts: Sequence[BatchItem], **kwargs) -> list[GenerationResult]:
+        """Every prompt's result, in order; a refused one has finish_reason "error" and `.error`."""
+        with self.stream_batch(prompts, **kwargs) as stream:
+            for _ in stream:
+                pass
+        return stream.results
+
+    def stream_batch(
+        self,
+        prompts: Sequence[BatchItem],
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        on_result: Callable[[int, GenerationResult], None] | None = None,
+        **defaults,
+    ) -> BatchStream:
+        """Run many prompts as one continuously refilled batch; iterate for (prompt index, text
+        piece) as pieces are decoded (requests interleave). Each item is a text, a list of token
+        ids, a list of chat messages, or a `PromptRequest` with its own settings; `defaults`
+        (generate's keywords: max_new_tokens, temperature, stop, ...) apply where an item sets
+        none. `on_result(index, result)` is called as each request ends; afterwards `.results`
+        holds every result in order. A request that is refused (empty prompt, too long, ...)
+        gets a result with finish_reason "error" and the reason in `.error`; the others go on.
+        Each request yields the tokens it would alone (greedy; seeded sampling too)."""
+        self._check_single_process("batched generation")
+        unknown = sorted(set(defaults) - set(BATCH_DEFAULTS))
+        if unknown:
+            raise UserError(
+                f"unknown batch settings {', '.join(unknown)}; known: {', '.join(BATCH_DEFAULTS)}"
+            )
+        if not isinstance(prompts, list | tuple) or not prompts:
+            raise UserError("give a non-empty list of prompts")
+        check_int("max_batch", max_batch, 1)
+        settings = {**BATCH_DEFAULTS, **defaults}
+        check_request(
+            settings["max_new_tokens"], settings["temperature"], settings["top_k"], settings["top_p"],
+            settings["seed"], settings["stop"],
+        )  # fmt: skip
+        requests = [self._batch_request(item, settings) for item in prompts]
+        release = self._turns.acquire()
+        try:
+            batch = Batch(self.engine, requests, max_batch)
+        except BaseException:
+            release()
+            raise
+        stream = BatchStream(None, release, [None] * len(requests), batch.progress)
+        stream._pieces = self._batch_pieces(batch, requests, stream.results, on_result)
+        return stream
+
+    def _batch_request(self, item: BatchItem, settings: dict) -> Request | UserError:
+        """An item as a Request, or the UserError that refuses it (reported as its result)."""
+        try:
+            if isinstance(item, dict):
+                item = PromptRequest.from_dict(item)
+            if isinstance(item, str):
+                item = PromptRequest(prompt=item)
+            elif isinstance(item, list | tuple) and item and all(isinstance(m, dict) for m in item):
+                item = PromptRequest(messages=list(item))
+            elif isinstance(item, list | tuple):
+                item = PromptRequest(token_ids=list(item))
+            elif not isinstance(item, PromptRequest):
+                raise UserError(
+                    f"a prompt must be a text, token ids, messages or a PromptRequest, got {item!r}"
+                )
+            own = {k: v for k, v in item.settings().items() if v is not None}
+            merged = {**settings, **own}
+            return self._request(
+                item.prompt, item.token_ids, item.messages, *(merged[k] for k in BATCH_DEFAULTS)
+            )
+        except UserError as e:
+            return e
+
+    def _batch_pieces(
+        self,
+        batch: Batch,
+        requests: list[Request | UserError],
+        results: list[GenerationResult | None],
+        on_result: Callable[[int, GenerationResult], None] | None,
+    ) -> Generator[tuple[int, str], None, None]:
+        texts = {i: _Text(self.tokenizer, r) for i, r in enumerate(requests) if isinstance(r, Request)}
+        events = batch.events()
+        with closing(events):
+            for event in events:
+                i = event.index
+                if event.error is not None:
+                    request = requests[i]
+                    prompt_ids = request.prompt_ids if isinstance(request, Request) else []
+                    results[i] = GenerationResult(
+                        "", [], prompt_ids, "error", GenerationStats(), error=event.error
+                    )
+                elif event.done:
+                    if piece := texts[i].flush():
+                        yield i, piece
+                    results[i] = texts[i].result(event.generation)
+                else:
+                    if piece := texts[i].push(event.token, event.logprob):
+                        yield i, piece
+                    if texts[i].stopped:
+                        batch.finish(i)
+                    continue
+                if on_result is not None:
+                    on_result(i, results[i])
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""
@@ -459,6 +651,58 @@ def with_seed(request: Request) -> Request:
     if request.params.seed is None:
         request.params.seed = int.from_bytes(os.urandom(8), "little") >> 1
     return request
+
+
+class _Text:
+    """One request's new tokens -> text pieces: never a broken UTF-8 character, nothing past the
+    first stop string (text that may still turn into one is held back)."""
+
+    def __init__(self, tokenizer: Tokenizer | ByteTokenizer, request: Request):
+        self.request = request
+        self.decoder = StreamDecoder(tokenizer)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text, self.emitted = "", 0  # all text decoded so far; how much of it was handed out
+        self.hold = max((len(s) for s in request.stop), default=1) - 1  # a stop string may be forming
+        self.stopped = False
+
+    def push(self, token: int, logprob: float | None) -> str:
+        """Add a token; -> the text that can be handed out now ("" if none)."""
+        self.token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        self.text += self.decoder.push(token)
+        cut = _find_stop(self.text, self.request.stop, self.emitted - self.hold)
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
+            return ""
+        if len(self.text) - self.hold > self.emitted:
+            piece, self.emitted = (
+                self.text[self.emitted : len(self.text) - self.hold],
+                len(self.text) - self.hold,
+            )
+            return piece
+        return ""
+
+    def flush(self) -> str:
+        """The end: -> the text held back (and the decoder's last bytes unless stopped)."""
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        piece, self.emitted = self.text[self.emitted :], len(self.text)
+        return piece
+
+    def result(self, generation: Generation) -> GenerationResult:
+        # One count: the new tokens returned. An eos ends generation but is not part of the
+        # output, so it is neither in token_ids nor in stats.new_tokens.
+        generation.stats.new_tokens = len(self.token_ids)
+        return GenerationResult(
+            text=self.text,
+            token_ids=self.token_ids,
+            prompt_token_ids=self.request.prompt_ids,
+            finish_reason="stop" if self.stopped else generation.finish_reason,
+            stats=generation.stats,
+            logprobs=self.logprobs if self.request.want_logprobs else None,
+        )
 
 
 def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:

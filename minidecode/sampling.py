@@ -1,14 +1,23 @@
-"""Next-token choice: greedy, temperature, top-k, top-p; all on the device with no host sync."""
+"""Next-token choice: greedy, temperature, top-k, top-p, per sequence, on the device, no host sync.
+
+Each sequence's settings live in device tensors (`SamplingRows`), so one captured decode step
+serves any mix of settings in a batch. The randomness is a counter-based hash of (the request's
+seed, the position being sampled, the token id): a seeded request draws the same tokens whatever
+batch it runs in, in whatever order, and no generator state is shared between sequences.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
 
 from .validate import check_sampling
+
+GREEDY, SAMPLE, FILTER = "greedy", "sample", "filter"  # what a batch's decode step must do
 
 
 @dataclass
@@ -16,7 +25,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy (argmax)
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1: no nucleus cut
-    seed: int | None = None
+    seed: int | None = None  # None: a fresh random seed per request
 
     def validate(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
@@ -25,26 +34,105 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def mode(self) -> str:
+        """GREEDY, SAMPLE (no cuts) or FILTER (top-k / top-p cuts)."""
+        if self.greedy:
+            return GREEDY
+        return FILTER if self.top_k or self.top_p < 1 else SAMPLE
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] float32 -> next token ids [B] int64."""
-    if params.greedy:
-        return argmax(logits)
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1 - params.top_p
-        drop[:, -1] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    probs = logits.softmax(dim=-1)
-    # Gumbel-style draw: argmax(p / E) with E ~ Exponential(1) picks index i with probability p_i,
-    # and unlike torch.multinomial it needs no synchronisation with the host.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return argmax(probs / noise)
+
+def batch_mode(params: list[SamplingParams]) -> str:
+    """The least work that serves every sequence: FILTER if any cuts, SAMPLE if any samples."""
+    modes = {p.mode for p in params}
+    return FILTER if FILTER in modes else SAMPLE if SAMPLE in modes else GREEDY
+
+
+@dataclass
+class SamplingRows:
+    """Per-sequence sampling settings, [B] device tensors each (a captured step reads them)."""
+
+    temperature: torch.Tensor  # float32, 0: greedy
+    top_k: torch.Tensor  # int64, 0: no cut
+    top_p: torch.Tensor  # float32, 1: no cut
+    seed: torch.Tensor  # int64 in [0, 2^63)
+
+    @classmethod
+    def zeros(cls, batch: int, device: torch.device) -> SamplingRows:
+        dtypes = (torch.float32, torch.long, torch.float32, torch.long)
+        return cls(*(torch.zeros(batch, dtype=dtype, device=device) for dtype in dtypes))
+
+    def set(self, row: int, params: SamplingParams) -> None:
+        """Row `row` takes `params`; an unseeded request gets a fresh random seed."""
+        seed = secrets.randbits(63) if params.seed is None else params.seed
+        values = (params.temperature, params.top_k, params.top_p, seed)
+        for tensor, value in zip(self.tensors(), values, strict=True):
+            tensor[row] = value
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.temperature, self.top_k, self.top_p, self.seed
+
+    def rows(self, n: int, first: int = 0) -> SamplingRows:
+        """Rows first..first+n-1 (views: a graph captured on them sees later writes)."""
+        return SamplingRows(*(t[first : first + n] for t in self.tensors()))
+
+    def move(self, src: int, dst: int) -> None:
+        for t in self.tensors():
+            t[dst] = t[src]
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, mode: str) -> torch.Tensor:
+    """logits [B, V] float32 -> next token ids [B] int64. positions [B] int64: where each sampled
+    token goes (the random draw's counter). mode: GREEDY (every row argmax), SAMPLE (some rows
+    sample, none cut), FILTER (some rows cut by top-k / top-p). Greedy rows stay argmax in any mode."""
+    greedy = argmax(logits)
+    if mode == GREEDY:
+        return greedy
+    temperature = rows.temperature[:, None]  # [B, 1]
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)
+    if mode == FILTER:
+        scaled = _cut(scaled, rows.top_k, rows.top_p)
+    probs = scaled.softmax(dim=-1)
+    # Exponential race: argmax(p_i / E_i), E_i ~ Exponential(1) i.i.d., picks i with probability
+    # p_i (like torch.multinomial, but with no host sync and with E from the counter-based hash).
+    noise = -torch.log(_uniform(rows.seed, positions, logits.shape[-1]))  # [B, V]
+    drawn = argmax(probs / noise)
+    return torch.where(rows.temperature > 0, drawn, greedy)
+
+
+def _cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per-row top-k then top-p (nucleus) cuts as transformers' warpers make them: top-k keeps the
+    tokens >= the k-th largest logit (ties kept); top-p then keeps the smallest set of most likely
+    tokens whose mass reaches top_p (always the most likely one). top_k [B] (0: off), top_p [B]."""
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)  # [B]
+    kth = sorted_logits.gather(-1, (k - 1)[:, None])  # [B, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    drop_sorted = (before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to token order
+    return logits.masked_fill(drop | (logits < kth), -math.inf)
+
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # a 32-bit mixing multiplier < 2^31: int64 products never overflow
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 values in [0, 2^32)."""
+    x = ((x ^ (x >> 16)) * _MUL) & _M32
+    x = ((x ^ (x >> 16)) * _MUL) & _M32
+    return x ^ (x >> 16)
+
+
+def _uniform(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 uniforms in (0, 1) from hash(seed [B], position [B], token id)."""
+    key = _mix32(_mix32(seed & _M32) ^ (seed >> 32)) ^ _mix32(positions & _M32)  # [B]
+    ids = torch.arange(vocab, device=seed.device)
+    bits = _mix32(_mix32(key[:, None] ^ ids[None, :]) ^ key[:, None])  # [B, V] in [0, 2^32)
+    return ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 random bits: exact in float32, never 0 or 1
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -89,20 +89,23 @@ class Attention(nn.Module):
         lengths: torch.Tensor,
         kv: LayerKV,
         pdl: bool,
+        starts: torch.Tensor | None = None,
     ) -> None:
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
         in place. cos/sin [B, D]; positions [B] int64 where the new token goes; lengths [B] int32
-        = positions + 1; pdl chains the kernels (kernels/ops.py)."""
+        = positions + 1 (0: an idle batch slot); starts [B] int64: where each sequence's region
+        begins in a cache of one shared row (kv [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
         B = x.shape[0]
         k_cache, v_cache, k_scale, v_scale = kv  # [B, Hkv, S, D]; FP8: scales [B, Hkv, S]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        written = positions if starts is None else starts + positions  # cache positions of the new K/V
         q = ops.rope_and_cache(
-            qkv, cos, sin, positions, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
+            qkv, cos, sin, written, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
             k_scale=k_scale, v_scale=v_scale, static_scales=self.kv_static_scales,
         )  # fmt: skip
         out = self.attend(
-            q, k_cache, v_cache, lengths, self.scale, pdl=pdl, k_scale=k_scale, v_scale=v_scale
+            q, k_cache, v_cache, lengths, self.scale, pdl=pdl, k_scale=k_scale, v_scale=v_scale, starts=starts
         )  # [B, Hq, D]
         self.o_proj.add_to(x, out.view(B, -1), pdl)
 
@@ -254,19 +257,34 @@ class Transformer(nn.Module):
         return self.model.norm(x[:, -1] if last_only else x)
 
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, pdl: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        pdl: bool = False,
+        starts: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B], positions [B] int64 on the device -> final-normed hidden [B, hidden].
+
+        A batch of B sequences: with `starts` [B] int64, sequence b's positions 0.. live at cache
+        positions starts[b].. of a cache with one shared row (contiguous regions, one per
+        sequence); `active` [B] int32 0/1 marks idle slots, whose attention reads nothing (their
+        K/V row is still written at starts + positions: the caller points them at a spare
+        position). Each sequence gets exactly what it gets alone: RoPE's length for dynamic NTK /
+        LongRoPE is its own position + 1 (transformers: the longest position + 1 of the pass).
 
         Pure device work with fixed shapes (the engine captures it in a CUDA graph): the residual
         stream x is updated in place by o_proj and down_proj; nine launches per layer on CUDA,
         chained by programmatic dependent launch when `pdl` (kernels/ops.py)."""
-        cos, sin = self.rope.cos_sin(positions, positions.max() + 1)  # [B, D]
+        cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
         lengths = (positions + 1).to(torch.int32)  # [B] context after this token
+        if active is not None:
+            lengths = lengths * active
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x, pdl)
-            layer.self_attn.decode(x, h, cos, sin, positions, lengths, cache.layer(i), pdl)
+            layer.self_attn.decode(x, h, cos, sin, positions, lengths, cache.layer(i), pdl, starts)
             layer.mlp.decode(x, layer.post_attention_layernorm(x, pdl), pdl)
         return self.model.norm(x, pdl)
 

@@ -144,18 +144,29 @@ class ParallelTransformer(Transformer):
         return -(-context // self.parallel.cp) + 1
 
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, pdl: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        pdl: bool = False,
+        starts: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As Transformer.decode; with cp > 1, the new K/V go to the rank whose range holds the
-        position (the scratch row elsewhere) and attention runs over each rank's range."""
+        position (the scratch row elsewhere) and attention runs over each rank's range. Under cp a
+        sequence owns its cache row (no `starts`: batches in regions of one row are not split)."""
         if self.parallel.cp == 1:
-            return super().decode(tokens, positions, cache, pdl)
+            return super().decode(tokens, positions, cache, pdl, starts, active)
+        if starts is not None:
+            raise ValueError("context-parallel decode keeps each sequence in its own cache row (no starts)")
         span = cache.max_len - 1
         local = positions - self.parallel.cp_rank * span  # [B]
         held = (local >= 0) & (local < span)
         write_at = torch.where(held, local, span)  # [B] int64: the scratch row when not ours
         lengths = local.add(1).clamp(0, span).to(torch.int32)  # [B] our valid positions
-        cos, sin = self.rope.cos_sin(positions, positions.max() + 1)  # [B, D]
+        if active is not None:
+            lengths = lengths * active
+        cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
         x = self.model.embed_tokens(tokens)  # [B, hidden]
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x, pdl)

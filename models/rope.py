@@ -70,7 +70,8 @@ class RotaryEmbedding:
 
     def inv_freq_for(self, seq_len: torch.Tensor) -> torch.Tensor:
         """Inverse frequencies [D/2] (float32) for a forward pass whose longest sequence is seq_len
-        (a 0-d int64 device tensor): only dynamic NTK and LongRoPE depend on it."""
+        (a 0-d int64 device tensor; or [B, 1], one length per sequence -> [B, D/2]): only dynamic
+        NTK and LongRoPE depend on it."""
         rope = self.rope
         if rope.rope_type == "dynamic":
             # transformers: base * ((factor * L / max_pos) - (factor - 1)) ** (dim / (dim - 2)),
@@ -88,7 +89,7 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [..., T] int64 -> cos, sin [..., T, D] float32 (already times attention_scaling)."""
-        inv_freq = self.inv_freq_for(seq_len).double()  # [D/2]
+        inv_freq = self.inv_freq_for(seq_len).double()  # [D/2], or [B, D/2] per sequence
         angles = positions.double().unsqueeze(-1) * inv_freq  # [..., T, D/2] in float64
         angles = torch.cat((angles, angles), dim=-1)  # [..., T, D]: rotate-half layout
         cos = (angles.cos() * self.attention_scaling).float()

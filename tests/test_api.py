@@ -3,6 +3,7 @@ streaming, stop strings, sampling, eos ids from generation_config.json, log-prob
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -19,7 +20,7 @@ from transformers.generation.logits_process import (
 
 import minidecode
 from minidecode import LLM, SamplingParams
-from minidecode.sampling import argmax, sample
+from minidecode.sampling import SamplingRows, argmax, sample
 from minidecode.tokenizer import StreamDecoder
 
 MAX_POS = 512
@@ -214,8 +215,10 @@ def test_sample_distribution_matches_transformers_warpers(params):
         warpers.append(TopPLogitsWarper(params.top_p))
     ref = warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0].softmax(-1)
 
-    generator = torch.Generator().manual_seed(1)
-    draws = sample(logits.expand(N, V).contiguous(), params, generator)
+    rows = SamplingRows.zeros(N, torch.device("cpu"))
+    for i in range(N):  # N requests with N seeds: each draws once from the same logits
+        rows.set(i, dataclasses.replace(params, seed=i))
+    draws = sample(logits.expand(N, V).contiguous(), rows, torch.zeros(N, dtype=torch.long), params.mode)
     freq = torch.bincount(draws, minlength=V).double() / N
     assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(ref).flatten().tolist())
     assert (freq - ref.double()).abs().max().item() < 0.015  # > 6 standard deviations

@@ -96,7 +96,7 @@ def test_help_describes_every_option():
     from minidecode_cli.cli import app
 
     group = typer.main.get_command(app)
-    for name in ("generate", "info"):
+    for name in ("generate", "batch", "info"):
         for param in group.commands[name].params:
             assert param.help, f"{name} {param.name} has no help text"
         proc = subprocess.run([*CLI, name, "--help"], capture_output=True, text=True, env=ENV, timeout=60)

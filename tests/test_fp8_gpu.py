@@ -13,6 +13,7 @@ from minidecode.cache import FP8
 
 pytestmark = pytest.mark.gpu
 
+
 @pytest.fixture(scope="module")
 def model_dir(checkpoint_factory):
     return checkpoint_factory("gpu-llama-hd64", "default", max_positions=4096)  # head_dim 64

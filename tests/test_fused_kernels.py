@@ -128,6 +128,26 @@ def test_rope_and_cache(dtype, qk_norm):
         torch.testing.assert_close(outs[1][0, 0].double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("triton", [False, True])
+def test_rope_and_cache_into_one_shared_row(triton):
+    """A batch whose sequences own regions of one cache row [1, Hkv, S, D]: each sequence's K/V
+    land at its own (region) position of that row, exactly the rows a per-sequence cache gets."""
+    torch.manual_seed(2)
+    B, Hq, Hkv, D, S = 3, 4, 2, 16, 30
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device=DEVICE)
+    cos, sin = torch.randn(B, D, device=DEVICE), torch.randn(B, D, device=DEVICE)
+    per_row = [torch.zeros(B, Hkv, S, D, device=DEVICE) for _ in "kv"]
+    shared = [torch.zeros(1, Hkv, S, D, device=DEVICE) for _ in "kv"]
+    positions, written = torch.tensor([1, 4, 0], device=DEVICE), torch.tensor([1, 14, 25], device=DEVICE)
+    q_ref = rope_and_cache(qkv, cos, sin, positions, *per_row, Hq, triton=triton)
+    q = rope_and_cache(qkv, cos, sin, written, *shared, Hq, triton=triton)
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    for ref, got in zip(per_row, shared, strict=True):
+        for b in range(B):
+            assert torch.equal(got[0, :, written[b]], ref[b, :, positions[b]])
+        assert int((got != 0).any(-1).sum()) == B * Hkv  # nothing else written
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     torch.manual_seed(2)

@@ -315,7 +315,7 @@ def test_fp8_rejects_bad_input(device):
     q, (k8, ks), (v8, vs), lens, _ = make_inputs(device, [5], 4, 2, fp8=True)
     with pytest.raises(ValueError, match="needs k_scale and v_scale"):
         la.lean_attention(q, k8, v8, lens, 0.1)
-    with pytest.raises(ValueError, match=r"k_scale must be \[B, Hkv, S\]"):
+    with pytest.raises(ValueError, match=r"k_scale must be \[C, Hkv, S\]"):
         la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks[:, :1], v_scale=vs)
     with pytest.raises(ValueError, match="v_scale must be"):
         la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks, v_scale=vs.half())
@@ -367,3 +367,183 @@ def test_cuda_graph_growing_context(start, fp8):
         err = rel_err(out, reference(q, k if fp8 else kc, v if fp8 else vc, lens, 128**-0.5))
         assert err < TOL[torch.bfloat16], f"relative error {err:.2e} at lengths {lens.tolist()}"
         assert counters_zero()
+
+
+# ---- a batch in regions of one shared cache row ---------------------------------------------
+
+
+def pack_regions(k, lengths, gaps):
+    """The batch's per-row caches [B, Hkv, S, ...] laid out as regions of one row [1, Hkv, P, ...]
+    (sequence b at starts[b], `gaps[b]` NaN positions before it, so a wrong start reads NaN; e4m3
+    bytes get its NaN pattern 0x7F)."""
+    nan = 0x7F if k.dtype == torch.uint8 else float("nan")
+    starts, rows, at = [], [], 0
+    for b, n in enumerate(lengths):
+        rows.append(torch.full_like(k[b : b + 1, :, : gaps[b]], nan))
+        starts.append(at + gaps[b])
+        rows.append(k[b : b + 1, :, :n])
+        at += gaps[b] + n
+    rows.append(torch.full_like(k[:1, :, :5], nan))  # past the last region
+    return torch.cat(rows, dim=2), torch.tensor(starts, dtype=torch.int64, device=k.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_regions_of_one_shared_row(device, fp8):
+    """Sequences of different lengths in regions of one cache row (a batch with per-sequence
+    `starts`), with idle slots (length 0) that must cost nothing and disturb no one: each active
+    sequence equals the float64 reference of its own cache."""
+    lengths = [3 * BLOCK_FP8 + 7, 0, 40, BLOCK + 1, 0]
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    q, k, v, lens, *_ = make_inputs(device, [max(n, 1) for n in lengths], 8, 2, dtype=dtype, fp8=fp8)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    active = lens > 0
+    gaps = [3, 9, 0, 17, 2]
+    kw = {}
+    if fp8:  # e4m3 rows move as bytes (the CPU's cat has no float8)
+        (k8, ks), (v8, vs) = k, v
+        k_row, starts = pack_regions(k8.view(torch.uint8), lengths, gaps)
+        v_row = pack_regions(v8.view(torch.uint8), lengths, gaps)[0]
+        k_row, v_row = k_row.view(k8.dtype), v_row.view(v8.dtype)
+        kw["k_scale"], kw["v_scale"] = pack_regions(ks, lengths, gaps)[0], pack_regions(vs, lengths, gaps)[0]
+    else:
+        (k_row, starts), (v_row, _) = pack_regions(k, lengths, gaps), pack_regions(v, lengths, gaps)
+    out = torch.full_like(q, float("nan"))
+    la.lean_attention(q, k_row, v_row, lens, 64**-0.5, num_ctas=5, out=out, starts=starts, **kw)
+    assert counters_zero()
+    idx = active.nonzero()[:, 0]  # the reference, on each active sequence's own cache
+    sub = (lambda t: (t[0][idx], t[1][idx])) if fp8 else (lambda t: t[idx])
+    ref = reference(q[idx], sub(k), sub(v), lens[idx], 64**-0.5)
+    tol = FP8_TOL[dtype] if fp8 else TOL[dtype]
+    assert rel_err(out[idx], ref) < tol
+    assert out[~active].isnan().all(), "an idle slot's output was written"
+
+
+# ---- FP8 cache with V blocked and transposed (v_layout="blocked_t") ---------------------------
+
+V_BLOCK = la.V_BLOCK
+E4M3_MAX = 0x7E  # 448, finite: what a blocked V cache may hold past a length inside its last block
+
+
+def test_to_v_blocked_t_layout():
+    """Element [c, h, p // V_BLOCK, d, p % V_BLOCK] is V[c, h, p, d]; the padding is zero bytes."""
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(1, 127, (2, 3, 2 * V_BLOCK + 5, 8), generator=gen, dtype=torch.uint8)
+    vt = la.to_v_blocked_t(raw.view(torch.float8_e4m3fn))
+    assert vt.dtype == torch.float8_e4m3fn and list(vt.shape) == [2, 3, 3, 8, V_BLOCK]
+    got = vt.view(torch.uint8)
+    for p in (0, 1, V_BLOCK - 1, V_BLOCK, 2 * V_BLOCK + 4):
+        assert torch.equal(got[:, :, p // V_BLOCK, :, p % V_BLOCK], raw[:, :, p])
+    assert got[:, :, 2, :, 5:].eq(0).all()
+    with pytest.raises(ValueError, match="1-byte V cache"):
+        la.to_v_blocked_t(raw.half())
+
+
+def blocked_v(v8, lengths):
+    """to_v_blocked_t of the e4m3 cache v8 [B, Hkv, S, D], its bytes past each length set to 448:
+    finite, but far off, so any weight the kernel gave them would show."""
+    raw = v8.view(torch.uint8).clone()
+    for b, n in enumerate(lengths):
+        raw[b, :, n:] = E4M3_MAX
+    return la.to_v_blocked_t(raw.view(v8.dtype))
+
+
+def check_fp8_vt(device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=torch.float16, **kw):
+    """The blocked layout against the float64 reference on the dequantized (standard) cache."""
+    q, (k8, ks), (v8, vs), lens, _ = make_inputs(device, lengths, hq, hkv, head_dim, dtype, fp8=True)
+    scale = head_dim**-0.5
+    vt = blocked_v(v8, lengths)
+    out = run_lean(q, (k8, ks), (vt, vs), lens, scale, num_ctas, v_layout="blocked_t", **kw)
+    err = rel_err(out, reference(q, (k8, ks), (v8, vs), lens, scale))
+    assert err < FP8_TOL[dtype], f"relative error {err:.2e} against the dequantized cache"
+
+
+def dequants(device):
+    """The kernel's e4m3 decodes to test: the interpreter runs the integer one (no float8 casts)."""
+    return [la.DEQUANT_BITS] if device == "cpu" else [la.DEQUANT_CVT, la.DEQUANT_BITS]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1, V_BLOCK - 1, V_BLOCK + 1, BLOCK_FP8, BLOCK_FP8 + V_BLOCK + 3])
+@pytest.mark.parametrize("num_ctas", [1, 3])
+def test_fp8_vt_block_edges(device, n, num_ctas):
+    for dequant in dequants(device):
+        check_fp8_vt(device, [n], hq=8, hkv=2, num_ctas=num_ctas, fp8_dequant=dequant)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_ctas", [3, 7])
+def test_fp8_vt_ragged_batch(device, num_ctas):
+    lengths = [1, BLOCK_FP8 - 1, 2 * BLOCK_FP8 + 3, 37, V_BLOCK]
+    if device == "cuda":
+        lengths += [5000, 100_001]
+    for dtype in [*fp8_dtypes(device), torch.float32]:
+        for dequant in dequants(device):
+            check_fp8_vt(device, lengths, hq=8, hkv=2, num_ctas=num_ctas, dtype=dtype, fp8_dequant=dequant)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "config",
+    [
+        la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_chunk=4),
+        la.LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4),
+    ],
+    ids=["one-block-tiles", "block_n-128"],
+)
+def test_fp8_vt_llama_shape_and_configs(device, config):
+    """32 q / 8 KV heads, head_dim 128, tiles of one and of two V blocks, heads split over CTAs."""
+    lengths = [3 * BLOCK_FP8 + 17, 100] if device == "cpu" else [131_072 + 5, 999]
+    check_fp8_vt(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=5, config=config)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_vt_regions_of_one_shared_row(device):
+    """Regions of one cache row starting at multiples of V_BLOCK (the layout's contract), idle
+    slots included: each active sequence equals the reference of its own cache. Whole blocks
+    between regions hold e4m3 NaN patterns (never read), a region's last block 448s past its end."""
+    lengths = [3 * BLOCK_FP8 + 7, 0, 40, BLOCK + 1, 0]
+    dtype = fp8_dtypes(device)[0]
+    q, (k8, ks), (v8, vs), *_ = make_inputs(device, [max(n, 1) for n in lengths], 8, 2, dtype=dtype, fp8=True)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    gaps, at = [], 0
+    for b, n in enumerate(lengths):  # each region starts at a multiple of V_BLOCK, 1-2 blocks apart
+        gaps.append((-at) % V_BLOCK + (b % 2 + 1) * V_BLOCK)
+        at += gaps[-1] + n
+    k_row, starts = pack_regions(k8.view(torch.uint8), lengths, gaps)
+    v_row = pack_regions(v8.view(torch.uint8), lengths, gaps)[0]
+    for s, n in zip(starts.tolist(), lengths, strict=True):
+        v_row[:, :, s + n : -(-(s + n) // V_BLOCK) * V_BLOCK] = E4M3_MAX
+    k_scale, v_scale = pack_regions(ks, lengths, gaps)[0], pack_regions(vs, lengths, gaps)[0]
+    vt_row = la.to_v_blocked_t(v_row.view(v8.dtype))
+    out = torch.full_like(q, float("nan"))
+    la.lean_attention(
+        q, k_row.view(k8.dtype), vt_row, lens, 64**-0.5, k_scale=k_scale, v_scale=v_scale,
+        starts=starts, num_ctas=5, out=out, v_layout="blocked_t",
+    )  # fmt: skip
+    assert counters_zero()
+    idx = (lens > 0).nonzero()[:, 0]
+    ref = reference(q[idx], (k8[idx], ks[idx]), (v8[idx], vs[idx]), lens[idx], 64**-0.5)
+    assert rel_err(out[idx], ref) < FP8_TOL[dtype]
+    assert out[lens == 0].isnan().all(), "an idle slot's output was written"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_vt_rejects_bad_input(device):
+    q, (k8, ks), (v8, vs), lens, (k, v) = make_inputs(device, [70], 4, 2, fp8=True)
+    vt = la.to_v_blocked_t(v8)
+    kw = {"k_scale": ks, "v_scale": vs}
+    with pytest.raises(ValueError, match="v_layout must be one of"):
+        la.lean_attention(q, k8, vt, lens, 0.1, v_layout="transposed", **kw)
+    with pytest.raises(ValueError, match=r"'blocked_t' V cache must be \[C, Hkv, ceil"):
+        la.lean_attention(q, k8, v8, lens, 0.1, v_layout="blocked_t", **kw)
+    with pytest.raises(ValueError, match="is for a float8_e4m3fn cache"):
+        v16 = torch.zeros(vt.shape, dtype=q.dtype, device=device)  # the blocked shape, q's dtype
+        la.lean_attention(q, k, v16, lens, 0.1, v_layout="blocked_t")
+    small = la.LeanConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, merge_chunk=4)
+    with pytest.raises(ValueError, match="block_n a multiple of"):
+        la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", config=small, **kw)
+    if device == "cpu":
+        starts = torch.tensor([V_BLOCK + 1], dtype=torch.int64)
+        with pytest.raises(ValueError, match=f"multiple of {V_BLOCK}"):
+            la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", starts=starts, **kw)

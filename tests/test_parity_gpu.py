@@ -130,10 +130,7 @@ def graph_and_eager_runs(gpu_checkpoint, prompt_ids, family, rope, **sampling) -
     for graph in (True, False):
         llm = LLM(model_dir, device="cuda", dtype="bfloat16", cuda_graph=graph)
         kw = dict(max_new_tokens=256, allow_extrapolation=True, ignore_eos=True)
-        runs[graph] = [
-            llm.generate(token_ids=ids, **kw, **sampling).token_ids
-            for _ in range(2)
-        ]
+        runs[graph] = [llm.generate(token_ids=ids, **kw, **sampling).token_ids for _ in range(2)]
         assert all(len(r) == 256 for r in runs[graph])
     return runs
 

@@ -98,3 +98,90 @@ def test_cpu_prompt_in_query_blocks_equals_causal(monkeypatch, past, T):
     out = causal_attention(q, k, v, D**-0.5)
     ref = math_with_lse(torch.cat([torch.zeros(B, G, past, D), q], 2).double(), k, v, True, D**-0.5)[0]
     assert rel_err(out, ref[:, :, past:]) < 1e-5
+
+
+def causal_rows(q, k, v, scale):
+    """float64 causal attention of the last t of P + t positions: query i sees keys 0..P+i."""
+    t, keys = q.shape[2], k.shape[2]
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale  # [B, G, t, P + t]
+    hidden = torch.ones(t, keys, dtype=torch.bool, device=q.device).triu(keys - t + 1)
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ v.double()
+
+
+def recording(attend, calls):
+    """`attend` that also notes each call's K shape and whether K lies in `calls`' first entry's
+    storage (the cache: no copy of K/V was made)."""
+
+    def call(q, k, v, causal, **kw):
+        calls.append((tuple(k.shape), k.untyped_storage().data_ptr() == calls[0]))
+        return attend(q, k, v, causal, **kw)
+
+    return call
+
+
+# (B, past, T, block, sms, split): a past of c x n keys (255 = 5 x 51), one with a remainder
+# (203 = 10 x 20 + 3), B = 2, three query blocks each splitting its own past (300, 364 = 5 x 72
+# + 4, 428 keys), and no split where the full call fills over half the SMs or the past is short.
+SPLIT_CASES = [
+    (1, 255, 5, 64, 8, True),
+    (2, 203, 7, 64, 16, True),
+    (1, 300, 150, 64, 8, True),
+    (1, 255, 5, 64, 4, False),
+    (2, 20, 5, 64, 64, False),
+]
+
+
+@pytest.mark.parametrize("B, past, T, block, sms, split", SPLIT_CASES)
+def test_split_past_equals_the_full_causal_rows(monkeypatch, B, past, T, block, sms, split):
+    """A short block after a long past: its past keys cut into chunks stacked on the batch axis of
+    one call (views of the cache, no copy) and merged by log-sum-exp give the rows of full causal
+    attention, for the float64 reference `attend` and for PyTorch's CPU flash attention."""
+    monkeypatch.setattr(prefill, "SPLIT_MIN_KEYS", 16)
+    torch.manual_seed(2)
+    G, D = 3, 16
+    S = past + T + 9
+    k_cache, v_cache = torch.randn(B, 2, S, D), torch.randn(B, 2, S, D)  # [B, Hkv, S, D]
+    k, v = k_cache[:, 1:2, : past + T], v_cache[:, 1:2, : past + T]  # one KV head, as prefill takes it
+    q = torch.randn(B, G, T, D)
+    ref = causal_rows(q, k, v, D**-0.5)
+    for attend, tol in [(math_with_lse, 1e-6), (prefill.cpu_flash_with_lse, 1e-5)]:
+        calls = [k_cache.untyped_storage().data_ptr()]
+        attend = recording(functools.partial(attend, scale=D**-0.5), calls)
+        out = blocked_causal_attention(q, k, v, block, attend, sms)
+        assert rel_err(out, ref) < tol
+        assert all(same_storage for _, same_storage in calls[1:])
+        chunked = [shape for shape, _ in calls[1:] if shape[0] > B]  # [n, 1, c, D], c >= 16
+        assert bool(chunked) == split
+        assert all(shape[1] == 1 and shape[2] >= 16 for shape in chunked)
+
+
+def test_past_chunks_on_llama_3_8b_shapes_fill_two_waves_of_132_sms():
+    """4 query heads a KV head, 132 SMs: 100 queries after 512k keys take 66 chunks (264 CTAs,
+    2 waves); after 128k, 32 chunks of the minimum 4096 keys; 2048 queries 4 chunks (256 CTAs);
+    4096 queries (128 CTAs) or two sequences of 2048 already fill half the GPU: no split."""
+    assert prefill.past_chunks(1, 4, 100, 524288, 132) == 66
+    assert prefill.past_chunks(1, 4, 100, 131072, 132) == 32
+    assert prefill.past_chunks(1, 4, 2048, 524288, 132) == 4
+    assert prefill.past_chunks(1, 4, 4096, 524288, 132) == 1
+    assert prefill.past_chunks(2, 4, 2048, 524288, 132) == 1
+    assert prefill.past_chunks(2, 4, 100, 524288, 132) == 66
+    assert prefill.past_chunks(1, 4, 100, 8191, 132) == 1
+    assert prefill.past_chunks(1, 4, 100, 524288, None) == 1
+
+
+@pytest.mark.gpu
+def test_split_past_on_cudnn_equals_the_full_causal_rows(monkeypatch):
+    """cuDNN through causal_attention: 100 queries of two sequences after 40000 cached keys go
+    through 9 chunks of 4444 keys (and a 4-key remainder) a sequence, as accurate as one call."""
+    calls = [None]
+    monkeypatch.setattr(prefill, "cudnn_with_lse", recording(prefill.cudnn_with_lse, calls))
+    torch.manual_seed(0)
+    B, past, T, G, D = 2, 40000, 100, 4, 128
+    q = torch.randn(B, G, T, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, 1, past + T, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    exact = causal_rows(q, k, v, D**-0.5)
+    out = causal_attention(q, k, v, D**-0.5, "cudnn")
+    assert (9, 1, 4444, D) in [shape for shape, _ in calls[1:]]
+    one_call = blocked_causal_attention(q, k, v, T, functools.partial(cudnn_with_lse, scale=D**-0.5))
+    assert rel_err(out, exact) < 1.5 * rel_err(one_call, exact) + 1e-3

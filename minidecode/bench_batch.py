@@ -1,0 +1,298 @@
+"""Batched decode throughput (`minidecode bench --batch SPEC`): many sequences decoded together,
+against the batched roofline and two peers measured in the same run.
+
+Batched roofline: a step reads the weights once for the whole batch plus every sequence's K/V
+(its own context), so tok/s <= B x read ceiling / (weights + sum of the contexts x KV bytes per
+position), with the contexts at each window's mean.
+
+Peers: `padded` is the same runtime with the decode attention replaced by PyTorch SDPA's flash
+kernel over every sequence padded to the batch's longest context (what a runtime without ragged
+attention pays; flash cannot mask padding, so this peer is for time only: its padded K/V are one
+buffer read B times through a stride-0 batch view, and its tokens are not used). `transformers`
+is transformers' greedy `generate` on the left-padded batch (SDPA, dynamic cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from minidecode.kernels import ops
+
+from .batching import Batch
+from .bench import (
+    Ceilings,
+    Spread,
+    TokenClock,
+    _free,
+    _import_transformers,
+    benchmark_prompt,
+    measure_ceilings,
+    out_of_memory_message,
+    pad_id_for,
+    special_token_ids,
+    step_bytes,
+    transformers_peer,
+    window_contexts,
+    window_rates,
+)
+from .engine import Request
+from .errors import UserError
+from .llm import LLM
+
+BATCH_PEERS = {
+    "padded": "same runtime, SDPA flash over the batch padded to the longest (time only)",
+    "transformers": "transformers generate, left-padded batch (sdpa, dynamic cache)",
+}
+WARM_STEPS = 4  # decode steps before the first timed window (graph capture for the bucket)
+
+
+def parse_batch_spec(spec: str) -> list[int]:
+    """ "8x32k" -> 8 prompts of 32768 tokens; "256k,4k,8k" -> one prompt per length."""
+
+    def tokens(text: str) -> int:
+        m = re.fullmatch(r"(\d+)([kKmM]?)", text.strip())
+        if not m or int(m.group(1)) < 1:
+            raise UserError(f"bad length {text!r} in --batch {spec!r} (like 4096, 32k or 1m)")
+        return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
+
+    m = re.fullmatch(r"(\d+)x(.+)", spec.strip())
+    if m:
+        if int(m.group(1)) < 1:
+            raise UserError(f"--batch {spec!r}: the batch size must be >= 1")
+        return [tokens(m.group(2))] * int(m.group(1))
+    lengths = [tokens(part) for part in spec.split(",")]
+    return lengths
+
+
+@dataclass
+class BatchPeerResult:
+    peer: str  # a BATCH_PEERS key
+    decode_tokens_per_s: Spread | None = None
+    error: str | None = None
+
+
+@dataclass
+class BatchResult:
+    spec: str
+    lengths: list[int]
+    window: int
+    prefill_seconds: float  # every prompt, one after another
+    decode_tokens_per_s: Spread  # all sequences together
+    roofline_tokens_per_s: Spread
+    percent_of_roofline: Spread
+    bytes_per_step: Spread
+    peak_memory_gib: float | None
+    peers: list[BatchPeerResult] = field(default_factory=list)
+
+
+def timed_batch(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+    """Greedy decode of exactly new_tokens for every prompt, all in one batch: (prefill seconds,
+    host time of each step's hand-out; the first is the prefilled tokens')."""
+    requests = [
+        Request(
+            ids,
+            llm.sampling_params(0, None, None, None),
+            new_tokens,
+            ignore_eos=True,
+            allow_extrapolation=True,
+        )
+        for ids in prompts
+    ]
+    batch = Batch(llm.engine, requests, max_batch=len(prompts))
+    t0, times, seen = time.perf_counter(), [], 0
+    for event in batch.events():
+        if event.error is not None:
+            raise UserError(f"request {event.index} was refused: {event.error}")
+        if event.token is not None:
+            seen += 1
+            if seen % len(prompts) == 0:  # every sequence has its token of this step
+                times.append(time.perf_counter())
+    return times[0] - t0, times
+
+
+@contextlib.contextmanager
+def padded_flash_attention(smax: int) -> Iterator[None]:
+    """The decode attention replaced by SDPA flash over [B, Hkv, smax, D]: every sequence padded
+    to smax positions (stride-0 batch view of the first smax positions of the cache row)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(
+        q, k_cache, v_cache, lengths, scale, triton=None, pdl=False, k_scale=None, v_scale=None, starts=None
+    ):
+        B, Hq, D = q.shape
+        Hkv = k_cache.shape[1]
+        k = k_cache[:1, :, :smax].expand(B, -1, -1, -1)  # [B, Hkv, smax, D]
+        v = v_cache[:1, :, :smax].expand(B, -1, -1, -1)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v, scale=scale)
+        return out.reshape(B, Hq, D)
+
+    original = ops.decode_attention
+    ops.decode_attention = attend
+    try:
+        yield
+    finally:
+        ops.decode_attention = original
+
+
+def transformers_batch_rates(
+    model, prompts: list[list[int]], new_tokens: int, pad_id: int, window: int
+) -> list[float]:
+    """transformers' greedy generate on the left-padded batch: decode tok/s (all sequences) per window."""
+    longest = max(map(len, prompts))
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p) :] = torch.tensor(p)
+        mask[b, longest - len(p) :] = 1
+    device = next(model.parameters()).device
+    clock = TokenClock(device)
+    with torch.inference_mode():
+        model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            streamer=clock,
+        )
+    return [len(prompts) * r for r in window_rates(clock.times[1:], window)]
+
+
+def run_batch_bench(
+    llm: LLM,
+    specs: list[str],
+    window: int = 32,
+    repeats: int = 3,
+    peers: tuple[str, ...] = ("padded",),
+    peer_max_batch_tokens: int = 300_000,
+    log: Callable[[str], None] = print,
+) -> tuple[list[BatchResult], Ceilings]:
+    """Each batch spec: minidecode's batched decode (median and range of `repeats` windows of
+    `window` steps), its batched roofline, and the peers (transformers only where the padded
+    batch holds at most peer_max_batch_tokens tokens)."""
+    unknown = [p for p in peers if p not in BATCH_PEERS]
+    if unknown:
+        raise UserError(f"unknown batch peer {unknown[0]!r}; known: {', '.join(BATCH_PEERS)}")
+    batches = [(spec, parse_batch_spec(spec)) for spec in specs]
+    ceilings = measure_ceilings(llm.device, 2.0 if llm.device.type == "cuda" else 0.25)
+    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.kv_bytes_per_token)
+    special = special_token_ids(llm)
+    pad_id = pad_id_for(special)
+    excluded = special | {pad_id}
+    new_tokens = 1 + WARM_STEPS + repeats * window
+    timed_batch(llm, [benchmark_prompt(llm.config.vocab_size, 64, 1, excluded)] * 2, 8)  # compile, warm up
+    results = []
+    for spec, lengths in batches:
+        prompts = [
+            benchmark_prompt(llm.config.vocab_size, n, 1000 * i + n, excluded) for i, n in enumerate(lengths)
+        ]
+        if llm.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(llm.device)
+        prefill, times = timed_batch(llm, prompts, new_tokens)
+        B = len(prompts)
+        rates = [B * r for r in window_rates(times[WARM_STEPS:], window)]
+        contexts = [
+            sum(window_contexts(n + WARM_STEPS, window, repeats)[r] for n in lengths) for r in range(repeats)
+        ]
+        step = [per_step.at(c) for c in contexts]
+        roofline = [B * ceilings.read_bytes_per_s / b for b in step]
+        result = BatchResult(
+            spec=spec,
+            lengths=lengths,
+            window=window,
+            prefill_seconds=prefill,
+            decode_tokens_per_s=Spread.of(rates),
+            roofline_tokens_per_s=Spread.of(roofline),
+            percent_of_roofline=Spread.of([100 * r / f for r, f in zip(rates, roofline, strict=True)]),
+            bytes_per_step=Spread.of(step),
+            peak_memory_gib=torch.cuda.max_memory_allocated(llm.device) / 2**30
+            if llm.device.type == "cuda"
+            else None,
+        )
+        log(
+            f"minidecode batch {spec}: decode {result.decode_tokens_per_s.format()} tok/s, "
+            f"{result.percent_of_roofline.median:.0f}% of the batched roofline "
+            f"({result.roofline_tokens_per_s.median:,.0f} tok/s), prefill {prefill:.2f} s"
+        )
+        if "padded" in peers:
+            peer = BatchPeerResult("padded")
+            try:
+                with padded_flash_attention(max(lengths) + new_tokens):
+                    _, times = timed_batch(llm, prompts, new_tokens)
+                peer.decode_tokens_per_s = Spread.of(
+                    [B * r for r in window_rates(times[WARM_STEPS:], window)]
+                )
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                peer.error = (
+                    out_of_memory_message(e) if isinstance(e, torch.OutOfMemoryError) else str(e)[:200]
+                )
+            result.peers.append(peer)
+            log(f"  {BATCH_PEERS['padded']}: {_summary(peer)}")
+        results.append(result)
+    if "transformers" in peers:
+        _import_transformers()
+        llm.engine.release()
+        _free(llm.device)
+        model = transformers_peer(llm)
+        for result in results:
+            peer = BatchPeerResult("transformers")
+            if len(result.lengths) * max(result.lengths) > peer_max_batch_tokens:
+                peer.error = f"not run (padded batch over {peer_max_batch_tokens:,} tokens)"
+            else:
+                prompts = [
+                    benchmark_prompt(llm.config.vocab_size, n, 1000 * i + n, excluded)
+                    for i, n in enumerate(result.lengths)
+                ]
+                try:
+                    rates = transformers_batch_rates(model, prompts, new_tokens, pad_id, window)
+                    peer.decode_tokens_per_s = Spread.of(rates[1:] if len(rates) > 1 else rates)
+                except torch.OutOfMemoryError as e:
+                    peer.error = out_of_memory_message(e)
+                _free(llm.device)
+            result.peers.append(peer)
+            log(f"  {BATCH_PEERS['transformers']} {result.spec}: {_summary(peer)}")
+    return results, ceilings
+
+
+def _summary(peer: BatchPeerResult) -> str:
+    return peer.error or f"decode {peer.decode_tokens_per_s.format()} tok/s"
+
+
+def format_batch_table(results: list[BatchResult], ceilings: Ceilings) -> str:
+    """The markdown table of a batch run; peer cells say the ratio minidecode / peer."""
+    peers = [p.peer for p in results[0].peers] if results else []
+    head = ["batch", "sequences x context", "decode tok/s (all)", "% of batched roofline", "prefill s"]
+    head += [BATCH_PEERS[p] for p in peers]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in results:
+        shape = (
+            f"{len(r.lengths)} ({min(r.lengths):,}-{max(r.lengths):,})"
+            if len(set(r.lengths)) > 1
+            else f"{len(r.lengths)} x {r.lengths[0]:,}"
+        )
+        cells = [
+            r.spec,
+            shape,
+            r.decode_tokens_per_s.format(),
+            f"{r.percent_of_roofline.median:.0f}%",
+            f"{r.prefill_seconds:.2f}",
+        ]
+        for p in r.peers:
+            if p.error:
+                cells.append(p.error)
+            else:
+                ratio = r.decode_tokens_per_s.median / p.decode_tokens_per_s.median
+                cells.append(f"{p.decode_tokens_per_s.format()} ({ratio:.2f}x)")
+        rows.append("| " + " | ".join(cells) + " |")
+    rows.append("")
+    rows.append(f"Read ceiling measured in the run: {ceilings.read_bytes_per_s / 1e9:,.0f} GB/s.")
+    return "\n".join(rows)
