@@ -16,6 +16,7 @@ one tp_rank (they hold the same heads).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from collections.abc import Callable
@@ -207,6 +208,9 @@ def init_parallel(tp: int, cp: int, device: str | torch.device | None) -> Parall
         backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, **kwargs)
+        # Ended before the interpreter's own teardown: a process group left to it aborts the
+        # process ("terminate called without an active exception"), a failure after the work.
+        atexit.register(_end_process_group)
     if dist.get_world_size() != tp * cp:
         raise UserError(
             f"the process group has {dist.get_world_size()} ranks but tp {tp} x cp {cp} = {tp * cp}"
@@ -223,6 +227,11 @@ def init_parallel(tp: int, cp: int, device: str | torch.device | None) -> Parall
             parallel.cp_group = group
     parallel.check_same(tp=tp, cp=cp, device=dev.type)
     return parallel
+
+
+def _end_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _rank_device(device: str | torch.device | None) -> torch.device:
