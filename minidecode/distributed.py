@@ -98,6 +98,12 @@ def rank_config(cfg: ModelConfig, plan: ShardPlan) -> ModelConfig:
     )
 
 
+def rank_positions(context: int, cp: int) -> int:
+    """Cache positions each context-parallel rank holds for a context: its range of ceil(context /
+    cp) positions plus one scratch row (where the other ranks' new tokens are written)."""
+    return context if cp == 1 else -(-context // cp) + 1
+
+
 @dataclass
 class Parallel:
     """This process's place among tp x cp ranks, and the collectives over its groups."""

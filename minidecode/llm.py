@@ -784,11 +784,11 @@ def describe(
     if (tp, cp) != (1, 1):
         from minidecode.models.parallel import rank_weight_bytes
 
-        from .distributed import rank_config, shard_plan
+        from .distributed import rank_config, rank_positions, shard_plan
 
         shard = shard_plan(cfg, tp, 0)
         rank_cfg, plan_weights = rank_config(cfg, shard), rank_weight_bytes(cfg, shard, tp, dt.itemsize)
-        positions = context if cp == 1 else -(-context // cp) + 1  # + the scratch row
+        positions = rank_positions(context, cp)
         parallel = (
             f"parallel     tp {tp} x cp {cp} = {tp * cp} GPUs (torchrun); each GPU holds "
             f"{rank_cfg.num_heads} q / {rank_cfg.num_kv_heads} kv heads, MLP {rank_cfg.intermediate_size}, "

@@ -29,7 +29,14 @@ from torch import nn
 
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
-from minidecode.distributed import Parallel, ShardPlan, merge_partials, rank_config, shard_plan
+from minidecode.distributed import (
+    Parallel,
+    ShardPlan,
+    merge_partials,
+    rank_config,
+    rank_positions,
+    shard_plan,
+)
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
 
@@ -138,10 +145,7 @@ class ParallelTransformer(Transformer):
 
     # ---- context parallel -------------------------------------------------------------------------
     def cache_len(self, context: int) -> int:
-        """span = ceil(context / cp) positions per rank, plus the scratch row."""
-        if self.parallel.cp == 1:
-            return context
-        return -(-context // self.parallel.cp) + 1
+        return rank_positions(context, self.parallel.cp)
 
     def decode(
         self,

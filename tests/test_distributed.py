@@ -351,3 +351,24 @@ def test_two_gpus_match_one(tmp_path, split):
     out = tmp_path / "ranks"
     out.mkdir()
     check_ranks_match_one_process(spawn(2, job, out), job)
+
+
+def test_info_plans_each_gpu():
+    """`info --tp 4` on Llama-3-70B shapes: one GPU's weights (a quarter of every layer's
+    projections, the whole embedding, a quarter of the lm_head's 128,256 rows, rounded up) and
+    KV cache (2 of the 8 KV heads), counted here from the published shape; `--cp 4` holds a
+    quarter of the positions (plus one scratch row)."""
+    from minidecode.llm import describe
+
+    h, inter, layers, vocab, d = 8192, 28672, 80, 128256, 128
+    per_layer = h * d * (16 + 2 + 2 + 16) + 3 * h * inter // 4 + 2 * h  # q, k, v, o; MLP; norms
+    weights = layers * per_layer + vocab * h + 32064 * h + h
+    plan = describe("synthetic:llama-3-70b", context=524288, dtype="bf16", device="cpu", tp=4)
+    assert f"weights {weights * 2 / 2**30:.2f} GiB" in plan
+    kv = 524288 * 2 * layers * 2 * d * 2  # positions x (K, V) x layers x 2 KV heads x D x bf16
+    assert f"KV cache {kv / 2**30:.2f} GiB in bfloat16 (80 KiB/token)" in plan
+    assert "per GPU" in plan and "16 q / 2 kv heads" in plan
+    plan = describe("synthetic:llama-3-70b", context=524288, dtype="bf16", device="cpu", cp=4)
+    assert (
+        f"KV cache {(131072 + 1) * 320 * 1024 / 2**30:.2f} GiB" in plan and "131,073 cache positions" in plan
+    )
