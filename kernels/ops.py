@@ -198,7 +198,7 @@ def decode_attention(
         )  # fmt: skip
         return (out, lse) if return_lse else out
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device) if return_lse else None
     firsts = [0] * q.shape[0] if starts is None else starts.tolist()
     for b, (first, n) in enumerate(zip(firsts, lengths.tolist(), strict=True)):
         if n == 0:
