@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minidecode.kernels import ops
+from minidecode.models.llama import Attention
 
 from .batching import Batch
 from .bench import (
@@ -134,12 +134,12 @@ def padded_flash_attention(smax: int) -> Iterator[None]:
             out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v, scale=scale)
         return out.reshape(B, Hq, D)
 
-    original = ops.decode_attention
-    ops.decode_attention = attend
+    original = Attention.attend
+    Attention.attend = staticmethod(attend)
     try:
         yield
     finally:
-        ops.decode_attention = original
+        Attention.attend = original
 
 
 def transformers_batch_rates(
