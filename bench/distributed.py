@@ -38,7 +38,7 @@ from minidecode import LLM
 from minidecode.bench import measure_ceilings
 from minidecode.cache import FP8
 from minidecode.distributed import merge_partials
-from minidecode.engine import kv_dtype_name
+from minidecode.engine import capture, kv_dtype_name
 
 MODES = {
     "tp": dict(model="synthetic:llama-3-70b", kv="auto", contexts=[1024, 131072, 524288]),
@@ -92,14 +92,7 @@ def decode_seconds(llm: LLM, context: int) -> float:
 
 def graph_seconds(fn, replays: int = 20) -> float:
     """Seconds per call of fn (collectives included) replayed in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(fn, fn)
     graph.replay()
     torch.cuda.synchronize()
     dist.barrier()

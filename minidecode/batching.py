@@ -230,7 +230,8 @@ class Batch:
                 continue
             state = self._state
             host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
-            host_logprob[:n].copy_(state.logprob[:n], non_blocking=True)
+            if any(seq.generation.request.want_logprobs for seq in self.running):
+                host_logprob[:n].copy_(state.logprob[:n], non_blocking=True)
             if copied is not None:
                 copied.record()
             self._step(n)  # the next step runs while these tokens are handed out

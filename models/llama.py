@@ -277,14 +277,28 @@ class Transformer(nn.Module):
         Pure device work with fixed shapes (the engine captures it in a CUDA graph): the residual
         stream x is updated in place by o_proj and down_proj; nine launches per layer on CUDA,
         chained by programmatic dependent launch when `pdl` (kernels/ops.py)."""
-        cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
         lengths = (positions + 1).to(torch.int32)  # [B] context after this token
         if active is not None:
             lengths = lengths * active
+        return self.decode_layers(tokens, positions, positions, lengths, cache, pdl, starts)
+
+    def decode_layers(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        written: torch.Tensor,
+        lengths: torch.Tensor,
+        cache: KVCache,
+        pdl: bool,
+        starts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layers of a decode step: RoPE at `positions` [B], the new K/V written at cache
+        positions `written` [B] (+ starts), attention over `lengths` [B] -> final-normed hidden."""
+        cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x, pdl)
-            layer.self_attn.decode(x, h, cos, sin, positions, lengths, cache.layer(i), pdl, starts)
+            layer.self_attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, starts)
             layer.mlp.decode(x, layer.post_attention_layernorm(x, pdl), pdl)
         return self.model.norm(x, pdl)
 

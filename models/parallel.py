@@ -170,13 +170,7 @@ class ParallelTransformer(Transformer):
         lengths = local.add(1).clamp(0, span).to(torch.int32)  # [B] our valid positions
         if active is not None:
             lengths = lengths * active
-        cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
-        x = self.model.embed_tokens(tokens)  # [B, hidden]
-        for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x, pdl)
-            layer.self_attn.decode(x, h, cos, sin, write_at, lengths, cache.layer(i), pdl)
-            layer.mlp.decode(x, layer.post_attention_layernorm(x, pdl), pdl)
-        return self.model.norm(x, pdl)
+        return self.decode_layers(tokens, positions, write_at, lengths, cache, pdl)
 
     def prefill(
         self,
