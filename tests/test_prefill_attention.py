@@ -185,3 +185,12 @@ def test_split_past_on_cudnn_equals_the_full_causal_rows(monkeypatch):
     assert (9, 1, 4444, D) in [shape for shape, _ in calls[1:]]
     one_call = blocked_causal_attention(q, k, v, T, functools.partial(cudnn_with_lse, scale=D**-0.5))
     assert rel_err(out, exact) < 1.5 * rel_err(one_call, exact) + 1e-3
+
+
+def test_a_single_key_is_its_value():
+    """A 1-token prompt: attention over one key returns its value for every query head."""
+    q, k, v = torch.randn(2, 3, 1, 16), torch.randn(2, 1, 1, 16), torch.randn(2, 1, 1, 16)
+    out = causal_attention(q, k, v, 0.25)
+    torch.testing.assert_close(out, v.expand(2, 3, 1, 16))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref)
