@@ -58,16 +58,11 @@ class Fp8Variant:
 
 
 # --fp8-variants times these as columns of one run (bench/NOTES-attention.md); the first is the
-# default path. "vt": V stored blocked and transposed (to_v_blocked_t), so the P.V operand needs
-# no byte-wise transpose; n128*: BLOCK_N 128 with 4 warps and 2 CTAs an SM, or with 4 stages.
-N128_W4_C2 = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4)
-N128_S4 = LeanConfig(block_n=128, num_warps=8, num_stages=4, ctas_per_sm=1, merge_chunk=4)
+# runtime's path: V blocked and transposed per 64 positions (the layout the FP8 cache stores), the
+# config chosen by the cache's positions (default_config). "standard": V in K's layout.
 FP8_VARIANTS = {
-    "cvt": Fp8Variant(la.DEQUANT_CVT),
-    "vt": Fp8Variant(la.DEQUANT_CVT, v_layout="blocked_t"),
-    "n128w4c2": Fp8Variant(la.DEQUANT_CVT, N128_W4_C2),
-    "n128s4": Fp8Variant(la.DEQUANT_CVT, N128_S4),
-    "vt_n128w4c2": Fp8Variant(la.DEQUANT_CVT, N128_W4_C2, v_layout="blocked_t"),
+    "blocked": Fp8Variant(la.DEQUANT_CVT, v_layout="blocked_t"),
+    "standard": Fp8Variant(la.DEQUANT_CVT),
 }
 
 
@@ -625,7 +620,10 @@ def main() -> None:
     args.config = default_config(HEAD_DIM, DTYPE)
     env = environment(args.commit)
     env["lean_config"] = dataclasses.asdict(args.config)
-    env["lean_fp8_config"] = dataclasses.asdict(default_config(HEAD_DIM, DTYPE, fp8=True))
+    env["lean_fp8_config"] = {
+        f"below {la.FP8_LONG_POSITIONS} positions": dataclasses.asdict(la.FP8_CONFIG),
+        "from there": dataclasses.asdict(la.FP8_LONG_CONFIG),
+    }
     env["fp8_variants"] = {n: dataclasses.asdict(FP8_VARIANTS[n]) for n in args.fp8_variants}
     env["command"] = "python3 bench/attention.py " + " ".join(sys.argv[1:])
     env["reduction_gbs"] = read_ceiling_gbs()

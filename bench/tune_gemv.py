@@ -8,7 +8,10 @@ in a decode step) and reports microseconds per call and GB/s. Peers in the same 
   programmatic dependent launch (PDL lets each call start while the previous one drains, as the
   step's kernels do).
 
-    python bench/tune_gemv.py [--out DIR]
+    python bench/tune_gemv.py [--rows 1 16] [--out DIR]
+
+--rows: the rows of x (a batched decode step multiplies B tokens' activations), up to the
+GEMV's MAX_ROWS.
 """
 
 from __future__ import annotations
@@ -47,13 +50,13 @@ def name(c: GemvConfig) -> str:
     return f"N{c.block_n} K{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
-def tune_shape(N: int, K: int, fusion: str) -> dict[str, float]:
+def tune_shape(N: int, K: int, fusion: str, rows: int) -> dict[str, float]:
     """Microseconds per call of cuBLAS and of every config (checked first) on one shape."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
     weights = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(LAYERS)]
-    x = torch.randn(1, K, device=dev, dtype=dt)
-    res = torch.randn(1, N, device=dev, dtype=dt)
+    x = torch.randn(rows, K, device=dev, dtype=dt)
+    res = torch.randn(rows, N, device=dev, dtype=dt)
 
     def triton_calls(config: GemvConfig, pdl: bool):
         residual = res if fusion == "residual" else None
@@ -64,34 +67,38 @@ def tune_shape(N: int, K: int, fusion: str) -> dict[str, float]:
     else:
         cublas = [lambda w=w: res.add_(F.linear(x, w)) for w in weights]
     exact = x.double() @ weights[0].double().T
-    row = {"cublas": time_graph(cublas)}
+    row = {"cublas": time_graph(cublas).median}
     for c in CONFIGS:  # check, then time
         zeros = torch.zeros_like(res) if fusion == "residual" else None
         got = gemv(x, weights[0], residual=zeros, config=c).double()
         err = ((got - exact).norm() / exact.norm()).item()
         assert err < 2e-2, f"{N}x{K} {name(c)}: rel err {err}"
-        row[name(c)] = time_graph(triton_calls(c, True))
-    row["default no pdl"] = time_graph(triton_calls(CONFIGS[0], False))
+        row[name(c)] = time_graph(triton_calls(c, True)).median
+    row["default no pdl"] = time_graph(triton_calls(CONFIGS[0], False)).median
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (batch size)")
     parser.add_argument("--out", type=Path, default=Path("bench/logs"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    print("| matrix | cuBLAS (old path) us | default, PDL | default, no PDL | best config | best us | GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for label, (N, K, fusion) in SHAPES.items():
-        row = tune_shape(N, K, fusion)
-        torch.cuda.empty_cache()
-        best = min((k for k in row if k.startswith("N")), key=row.get)
-        results[label] = {"N": N, "K": K, "us": row, "best": best}
-        print(
-            f"| {label} | {row['cublas']:.1f} | {row[name(CONFIGS[0])]:.1f} | {row['default no pdl']:.1f} "
-            f"| {best} | {row[best]:.1f} | {N * K * 2 / row[best] / 1e3:.0f} |"
-        )
+    print("| rows | matrix | cuBLAS us (GB/s) | default | no PDL | best config | best us | GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for rows in args.rows:
+        for label, (N, K, fusion) in SHAPES.items():
+            row = tune_shape(N, K, fusion, rows)
+            torch.cuda.empty_cache()
+            best = min((k for k in row if k.startswith("N")), key=row.get)
+            results[f"{rows} x {label}"] = {"rows": rows, "N": N, "K": K, "us": row, "best": best}
+            gbs = N * K * 2 / 1e3
+            print(
+                f"| {rows} | {label} | {row['cublas']:.1f} ({gbs / row['cublas']:.0f}) "
+                f"| {row[name(CONFIGS[0])]:.1f} | {row['default no pdl']:.1f} | {best} | {row[best]:.1f} "
+                f"| {gbs / row[best]:.0f} |"
+            )
     (args.out / "tune-gemv.json").write_text(json.dumps(results, indent=1))
     for label, r in results.items():
         print(label, " ".join(f"{k}={v:.1f}" for k, v in r["us"].items()))

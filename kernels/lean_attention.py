@@ -61,14 +61,16 @@ class LeanConfig:
 DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> LeanConfig:
+def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positions: int = 0) -> LeanConfig:
     """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
     twice the bytes, so half the positions per tile and two stages keep them within shared
-    memory (fp32 is for tests, not speed)."""
+    memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) from
+    FP8_LONG_POSITIONS up takes FP8_LONG_CONFIG: a shape, not the lengths, decides, so a CUDA
+    graph captured for a cache replays one config however its context grows."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if fp8:
-        return FP8_CONFIG
+        return FP8_LONG_CONFIG if positions >= FP8_LONG_POSITIONS else FP8_CONFIG
     if dtype == torch.float32:
         return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
     return DEFAULT_CONFIG
@@ -87,6 +89,13 @@ DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # e4m3 value / fp16 valu
 # softmax, scale and loop work over twice the bytes: 1.30-1.34x faster than the bf16 config
 # from 128k up (H200, bench/NOTES-attention.md). 204 KiB of shared memory, one CTA per SM.
 FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
+# Long caches: 128 positions a tile, 4 warps, 2 CTAs an SM (2 x 96 KiB of shared memory). With V
+# blocked ("blocked_t") the loop is bound by instruction issue, not bytes: two smaller CTAs an SM
+# keep more independent tiles in flight. 1.16x (128k) to 1.36x (512k) over the bf16 cache, where
+# FP8_CONFIG gives 1.13x and 1.23x; below ~64k it is slower (0.79x at 4k, FP8_CONFIG 1.12x) (H200,
+# bench/NOTES-attention.md).
+FP8_LONG_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4)
+FP8_LONG_POSITIONS = 65536  # cache positions (all rows) from which an FP8 cache takes FP8_LONG_CONFIG
 
 # V cache layouts (lean_attention's v_layout). "standard": [C, Hkv, S, D] like K. "blocked_t": an
 # e4m3 V cache stored per block of V_BLOCK positions with the positions contiguous,
@@ -598,7 +607,7 @@ def lean_attention(
     if lengths.dtype != torch.int32:
         lengths = lengths.to(torch.int32)
 
-    config = config or default_config(D, q.dtype, fp8)
+    config = config or default_config(D, q.dtype, fp8, positions=C * S)
     if blocked and config.block_n % V_BLOCK != 0:
         raise ValueError(f"v_layout 'blocked_t' needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     grid = _grid_size(q.device, config, num_ctas)
