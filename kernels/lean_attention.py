@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import quant
+
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -104,7 +106,7 @@ FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, m
 # the kernel instead (tl.where on the bytes or on the fp16 operand, even only in the last tile)
 # brings the shared-memory round trip back (offline sm_90 SASS, bench/NOTES-attention.md).
 V_LAYOUTS = ("standard", "blocked_t")
-V_BLOCK = 64
+V_BLOCK = quant.V_BLOCK  # 64: the layout the FP8 cache stores (kernels/quant.py)
 
 
 @triton.jit
