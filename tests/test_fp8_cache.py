@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from minidecode import LLM, UserError
 from minidecode.bench import step_bytes
 from minidecode.cache import FP8, KVCache
-from minidecode.kernels.ops import decode_attention, rope_and_cache
 from minidecode.kernels import ops
 from minidecode.kernels.lean_attention import to_v_blocked_t
+from minidecode.kernels.ops import decode_attention, rope_and_cache
 from minidecode.kernels.quant import V_BLOCK, dequantize_fp8, quantize_fp8, read_v_rows, v_blocks
 from minidecode.kernels.reference import decode_attention_reference
 from minidecode.llm import resolve_kv_cache_dtype
@@ -75,7 +75,8 @@ def test_rope_and_cache_twin_writes_quantize_fp8_of_the_rotated_rows(dtype, stat
         assert torch.equal(q, q_ref)
         written.append((k8, v8, ks, vs))
     k8, v8, ks, vs = written[0]
-    k_want8, k_want_scale = quantize_fp8(kc[batch, :, positions], static and static[0])  # [B, Hkv, D], [B, Hkv]
+    # [B, Hkv, D] e4m3, [B, Hkv] float32
+    k_want8, k_want_scale = quantize_fp8(kc[batch, :, positions], static and static[0])
     v_want8, v_want_scale = quantize_fp8(vc[batch, :, positions], static and static[1])
     assert torch.equal(k8[batch, :, positions].view(torch.uint8), k_want8.view(torch.uint8))
     v_standard = torch.zeros(C, Hkv, S, D, dtype=torch.uint8)  # V in K's layout, zeros elsewhere

@@ -133,7 +133,8 @@ def test_rope_and_cache_fp8_needs_scales_and_a_blocked_v():
 # ---- the blocked V layout ------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "start, length",
-    [(0, 1), (5, 20), (V_BLOCK - 3, 3), (V_BLOCK - 3, 4), (7, 2 * V_BLOCK + 11), (2 * V_BLOCK, V_BLOCK), (0, 0)],
+    [(0, 1), (5, 20), (V_BLOCK - 3, 3), (V_BLOCK - 3, 4), (7, 2 * V_BLOCK + 11), (2 * V_BLOCK, V_BLOCK)]
+    + [(0, 0)],
 )
 def test_v_rows_round_trip_against_to_v_blocked_t(start, length):
     """write_v_rows of positions start..start+length-1 (unaligned heads and tails, whole blocks)
