@@ -9,10 +9,10 @@ linear            x [B, K], weight [N, K], bias [N] -> [B, N]            gemv / 
 linear_residual   residual [B, N] += linear(x [B, K]), in place          gemv            F.linear, +=
 rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_triton    rotate, index_put
 decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
+silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
 An FP8 (float8_e4m3fn) cache stores V blocked, [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
 (kernels/quant.py's layout; K and the scales as usual).
-silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
 The twins round as transformers does and run on the CPU (and serve as the tests' reference).
 `triton=None` picks the Triton path for CUDA tensors; tests pass triton=True to run it on CPU

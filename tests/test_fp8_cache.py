@@ -107,10 +107,10 @@ def test_decode_attention_reads_the_dequantized_blocked_cache(triton):
     are never weighed (set to the largest e4m3 value: any weight on them shows)."""
     torch.manual_seed(2)
     B, Hq, Hkv, S, D = 2, 4, 2, V_BLOCK + 12, 64
-    q = torch.randn(B, Hq, D)
-    k8, ks = quantize_fp8(torch.randn(B, Hkv, S, D) * 4)
-    v8, vs = quantize_fp8(torch.randn(B, Hkv, S, D))
-    lengths = torch.tensor([5, V_BLOCK + 9], dtype=torch.int32)
+    q = torch.randn(B, Hq, D, device=DEVICE)
+    k8, ks = quantize_fp8(torch.randn(B, Hkv, S, D, device=DEVICE) * 4)
+    v8, vs = quantize_fp8(torch.randn(B, Hkv, S, D, device=DEVICE))
+    lengths = torch.tensor([5, V_BLOCK + 9], dtype=torch.int32, device=DEVICE)
     exact = decode_attention_reference(
         q, dequantize_fp8(k8, ks), dequantize_fp8(v8, vs), lengths, 0.25, compute_dtype=torch.float64
     )
