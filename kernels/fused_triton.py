@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import FP8_DTYPE, SCALE_FLOOR
+from .quant import FP8_DTYPE, SCALE_FLOOR, V_BLOCK, v_blocks
 
 
 @triton.jit
@@ -106,16 +106,21 @@ def _rope_cache_kernel(
     cache_stride_h,
     scale_stride_b,
     scale_stride_h,
+    v_stride_b,
+    v_stride_h,
+    v_stride_blk,
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8: tl.constexpr,
     STATIC: tl.constexpr,
     SCALE_FLOOR: tl.constexpr,
+    V_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Program (b, h): h < HQ rotates query head h into Q [B, HQ, D]; otherwise KV head h - HQ is
     # rotated (k) and copied (v) into the caches [B, HKV, S, D] at position Pos[b]. FP8: the caches
-    # are uint8 views of e4m3, and each row's scale goes to KS / VS [B, HKV, S] float32.
+    # are uint8 views of e4m3, V blocked [B, HKV, S / V_BLOCK, D, V_BLOCK] (v_stride_*), and each
+    # row's scale goes to KS / VS [B, HKV, S] float32.
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, D)
@@ -143,7 +148,9 @@ def _rope_cache_kernel(
             k8, k_scale = _quantize_e4m3(k.to(v.dtype).to(tl.float32), SCALE_FLOOR, k_static, STATIC)
             v8, v_scale = _quantize_e4m3(v.to(tl.float32), SCALE_FLOOR, v_static, STATIC)
             tl.store(KC + dst, k8)
-            tl.store(VC + dst, v8)
+            # block pos // V_BLOCK, slot pos % V_BLOCK of each head_dim element (stride V_BLOCK)
+            v_blk = (pos // V_BLOCK) * v_stride_blk + offs * V_BLOCK + pos % V_BLOCK
+            tl.store(VC + b * v_stride_b + j * v_stride_h + v_blk, v8)
             s_dst = b * scale_stride_b + j * scale_stride_h + pos
             tl.store(KS + s_dst, k_scale)
             tl.store(VS + s_dst, v_scale)
@@ -169,16 +176,23 @@ def rope_and_cache(
     static_scales=None,
 ):
     """Caches [C, Hkv, S, D] with C = B (a row per sequence) or 1 (every sequence writes into the
-    one row, at its own `positions`). FP8: k_cache / v_cache float8_e4m3fn and k_scale / v_scale
-    float32 [C, Hkv, S] (kernels/quant.py's scheme, computed here per written row, or the
-    checkpoint's `static_scales` (k, v) floats)."""
+    one row, at its own `positions`). FP8: k_cache / v_cache float8_e4m3fn, v_cache blocked
+    [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK], and k_scale / v_scale float32 [C, Hkv, S]
+    (kernels/quant.py's scheme, computed here per written row, or the checkpoint's
+    `static_scales` (k, v) floats)."""
     B = qkv.shape[0]
     C, Hkv, S, D = k_cache.shape
     if C not in (B, 1):
         raise ValueError(f"the cache has {C} rows for a batch of {B}: expected {B} or 1")
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.stride(2) == D
+    assert k_cache.stride(3) == 1 and k_cache.stride(2) == D
     fp8 = k_cache.dtype == FP8_DTYPE
     if fp8:
+        want = (C, Hkv, v_blocks(S), D, V_BLOCK)
+        if v_cache.shape != want or v_cache.stride()[3:] != (V_BLOCK, 1):
+            raise ValueError(
+                f"an FP8 V cache must be blocked [C, Hkv, ceil(S / {V_BLOCK}), D, {V_BLOCK}] = {list(want)} "
+                f"(each block contiguous), got {list(v_cache.shape)}"
+            )
         if k_scale is None or v_scale is None:
             raise ValueError("an FP8 cache needs k_scale and v_scale ([B, Hkv, S] float32)")
         if k_scale.shape != (C, Hkv, S) or k_scale.dtype != torch.float32 or k_scale.stride(-1) != 1:
@@ -193,6 +207,7 @@ def rope_and_cache(
             raise ValueError("v_scale must match k_scale (shape, dtype, strides)")
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:
+        assert k_cache.stride() == v_cache.stride()
         k_scale = v_scale = k_cache  # unused pointers
     q = torch.empty(B, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
@@ -216,11 +231,15 @@ def rope_and_cache(
         k_cache.stride(1),
         (k_scale.stride(0) if C == B else 0) if fp8 else 0,
         k_scale.stride(1) if fp8 else 0,
+        v_cache.stride(0) if C == B else 0,
+        v_cache.stride(1),
+        v_cache.stride(2),  # FP8: the stride of V's blocks
         D=D,
         HAS_NORM=has_norm,
         FP8=fp8,
         STATIC=static_scales is not None,
         SCALE_FLOOR=SCALE_FLOOR,
+        V_BLOCK=V_BLOCK,
         USE_PDL=use_pdl,
         num_warps=1,
         **({"launch_pdl": True} if use_pdl else {}),

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import quant
+
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -113,7 +115,7 @@ FP8_LONG_POSITIONS = 65536  # cache positions (all rows) from which an FP8 cache
 # the kernel instead (tl.where on the bytes or on the fp16 operand, even only in the last tile)
 # brings the shared-memory round trip back (offline sm_90 SASS, bench/NOTES-attention.md).
 V_LAYOUTS = ("standard", "blocked_t")
-V_BLOCK = 64
+V_BLOCK = quant.V_BLOCK  # 64: the layout the FP8 cache stores (kernels/quant.py)
 
 
 @triton.jit

@@ -11,6 +11,9 @@ rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_t
 decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
+An FP8 (float8_e4m3fn) cache stores V blocked, [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
+(kernels/quant.py's layout; K and the scales as usual).
+
 The twins round as transformers does and run on the CPU (and serve as the tests' reference).
 `triton=None` picks the Triton path for CUDA tensors; tests pass triton=True to run it on CPU
 tensors under TRITON_INTERPRET=1. `pdl=True` chains the Triton kernels with programmatic
@@ -25,7 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .quant import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from .quant import FP8_DTYPE, V_BLOCK, dequantize_fp8, quantize_fp8, read_v_rows
 from .reference import decode_attention_reference
 
 
@@ -126,7 +129,9 @@ def rope_and_cache(
 
     FP8 cache (float8_e4m3fn): the rows written are quantize_fp8 of the model-dtype k and v, their
     scales go to k_scale / v_scale [C, Hkv, S] float32; `static_scales` (k, v) are a checkpoint's
-    calibrated scales, used instead of each row's own.
+    calibrated scales, used instead of each row's own. v_cache is blocked there,
+    [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]: position p's row goes to block p // V_BLOCK, slot
+    p % V_BLOCK of each head_dim element (kernels/quant.py).
     """
     if _triton(qkv, triton):
         from . import fused_triton
@@ -150,6 +155,9 @@ def rope_and_cache(
         k_scale[batch, :, positions] = k_row_scale
         v_scale[batch, :, positions] = v_row_scale
         k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))  # index_put: no fp8
+        k_cache[batch, :, positions] = k
+        v_cache[batch, :, positions // V_BLOCK, :, positions % V_BLOCK] = v  # [B, Hkv, D] into the blocks
+        return q
     k_cache[batch, :, positions] = k
     v_cache[batch, :, positions] = v
     return q
@@ -168,7 +176,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared by the batch)
-    v_cache: torch.Tensor,  # [C, Hkv, S, D]
+    v_cache: torch.Tensor,  # [C, Hkv, S, D]; FP8: blocked [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
     lengths: torch.Tensor,  # [B] int32 on q's device: valid positions per sequence (0: idle)
     scale: float,
     triton: bool | None = None,
@@ -181,7 +189,8 @@ def decode_attention(
     """One decode step of attention: each sequence's single new query over its cached context,
     positions starts[b] .. starts[b] + lengths[b] - 1 of its cache row (the lean stream-K kernel,
     which dequantizes an FP8 cache in registers; the twin dequantizes the valid positions to
-    float32 first, and loops over the batch on the host, so it is not graph-safe). An idle
+    float32 first, and loops over the batch on the host, so it is not graph-safe). An FP8 cache's V
+    is blocked (the kernel's v_layout "blocked_t"): starts must be multiples of V_BLOCK. An idle
     sequence (length 0) gets no output: the kernel leaves its row unwritten, the twin zeros it.
 
     return_lse also returns each query head's log-sum-exp of the scaled scores (natural log),
@@ -194,7 +203,7 @@ def decode_attention(
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         out = lean_attention(
             q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, starts=starts,
-            use_pdl=_pdl(q, pdl), lse=lse,
+            use_pdl=_pdl(q, pdl), lse=lse, v_layout="blocked_t" if k_cache.dtype == FP8_DTYPE else "standard",
         )  # fmt: skip
         return (out, lse) if return_lse else out
     out = torch.zeros_like(q)
@@ -204,10 +213,13 @@ def decode_attention(
         if n == 0:
             continue
         row, span = b if k_cache.shape[0] > 1 else 0, slice(first, first + n)
-        k, v = k_cache[row : row + 1, :, span], v_cache[row : row + 1, :, span]  # [1, Hkv, n, D]
-        if k_cache.dtype == FP8_DTYPE:  # float32 values of the valid positions
+        k = k_cache[row : row + 1, :, span]  # [1, Hkv, n, D]
+        if k_cache.dtype == FP8_DTYPE:  # float32 values of the valid positions, V from its blocks
             k = dequantize_fp8(k, k_scale[row : row + 1, :, span])
+            v = read_v_rows(v_cache[row : row + 1], first, first + n)  # [1, Hkv, n, D] e4m3
             v = dequantize_fp8(v, v_scale[row : row + 1, :, span])
+        else:
+            v = v_cache[row : row + 1, :, span]
         length = torch.tensor([n], device=lengths.device)
         if return_lse:
             out[b : b + 1], lse[b : b + 1] = decode_attention_reference(

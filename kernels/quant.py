@@ -18,6 +18,12 @@ A checkpoint may ship a static per-layer scale instead (`k_scale` / `v_scale` sc
 compressed-tensors `kv_cache_scheme`): pass it as `static_scale`. The scale tensor is then filled
 with that value, and elements beyond 448 * static_scale are clamped to +-448 (saturated), as the
 checkpoint's calibration assumed.
+
+Layout: the cache stores K as `[..., S, D]` and V blocked, `[..., ceil(S / V_BLOCK), D, V_BLOCK]`
+(element [..., p // V_BLOCK, d, p % V_BLOCK] is V[..., p, d]), the lean decode kernel's
+"blocked_t" layout (kernels/lean_attention.py, V_BLOCK): positions contiguous inside a block make
+the P.V dot's operand need no transpose. write_v_rows / read_v_rows move runs of positions in and
+out of it for every host-side reader and writer (prefill, cache files, the PyTorch twins).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 1e-30  # smallest scale: an all-zero row divides by this, not by zero
+V_BLOCK = 64  # positions per block of the blocked V layout (kernels/lean_attention.py imports it)
 
 
 def quantize_fp8(x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,3 +63,41 @@ def dequantize_fp8(
     if scale.shape != x_fp8.shape[:-1]:
         raise ValueError(f"scale must be {tuple(x_fp8.shape[:-1])}, got {tuple(scale.shape)}")
     return (x_fp8.float() * scale.float()[..., None]).to(dtype)
+
+
+def v_blocks(positions: int) -> int:
+    """Blocks of the blocked V layout that hold `positions` positions: ceil(positions / V_BLOCK)."""
+    return -(-positions // V_BLOCK)
+
+
+def write_v_rows(v_blocked: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """Write rows [..., T, D] at positions start..start+T-1 of a blocked V [..., nb, D, V_BLOCK]
+    (1-byte dtype, moved as bytes: float8 has few CPU ops); other positions are left as they are.
+
+    `v_blocked.transpose(-1, -2)` is a [..., nb, V_BLOCK, D] view whose (block, slot) index is the
+    position; its blocks cannot merge into one position axis (a block's stride is D * V_BLOCK,
+    not V_BLOCK), so a run is written as a head up to a block boundary, whole blocks, and a tail."""
+    by_pos = v_blocked.view(torch.uint8).transpose(-1, -2)  # [..., nb, V_BLOCK, D]
+    rows = rows.view(torch.uint8)
+    T = rows.shape[-2]
+    head = min(-start % V_BLOCK, T)  # positions before the first block boundary
+    if head:
+        slot = start % V_BLOCK
+        by_pos[..., start // V_BLOCK, slot : slot + head, :] = rows[..., :head, :]
+    whole = (T - head) // V_BLOCK
+    first = (start + head) // V_BLOCK  # the first whole block
+    if whole:
+        body = rows[..., head : head + whole * V_BLOCK, :].unflatten(-2, (whole, V_BLOCK))
+        by_pos[..., first : first + whole, :, :] = body  # [..., whole, V_BLOCK, D]
+    tail = T - head - whole * V_BLOCK  # positions in a last, partial block
+    if tail:
+        by_pos[..., first + whole, :tail, :] = rows[..., T - tail :, :]
+
+
+def read_v_rows(v_blocked: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Positions start..end-1 of a blocked V [..., nb, D, V_BLOCK] as [..., end - start, D]
+    (a copy, in v_blocked's dtype)."""
+    first, stop = start // V_BLOCK, v_blocks(end)
+    by_pos = v_blocked.view(torch.uint8)[..., first:stop, :, :].transpose(-1, -2)  # [..., n, V_BLOCK, D]
+    rows = by_pos.flatten(-3, -2)  # [..., n * V_BLOCK, D]: a copy (see write_v_rows)
+    return rows[..., start - first * V_BLOCK : end - first * V_BLOCK, :].view(v_blocked.dtype)

@@ -128,6 +128,7 @@ class Batch:
         if not 1 <= max_batch <= BUCKETS[-1]:
             raise UserError(f"max_batch must be in [1, {BUCKETS[-1]}], got {max_batch}")
         self.engine, self.max_batch = engine, max_batch
+        self.granule = KVCache.region_granule(engine.kv_dtype)  # region sizes and starts: multiples of it
         self.requests = requests
         self.progress = BatchProgress(total=len(requests))
         self._finish: set[int] = set()
@@ -150,6 +151,11 @@ class Batch:
             self._cache = self._state = self._graphs = None
 
     # ---- setup ---------------------------------------------------------------------------
+    def _region_size(self, request: Request) -> int:
+        """The positions of a request's region: its context, rounded up to whole V blocks for an
+        FP8 cache (so every region, and the spare position after them, starts on a block)."""
+        return -(-request.context // self.granule) * self.granule
+
     def _refusals(self) -> Iterator[BatchEvent]:
         """Check every request; yields the refused ones' errors and queues the others."""
         self.waiting: deque[int] = deque()
@@ -168,7 +174,6 @@ class Batch:
         """The cache: room for the max_batch largest requests if memory allows, else what fits.
         A request larger than the whole cache is refused; the others go on."""
         engine, cfg = self.engine, self.engine.config
-        contexts = sorted((self.requests[i].context for i in self.waiting), reverse=True)
         longest_prompt = max((len(self.requests[i].prompt_ids) for i in self.waiting), default=1)
         per_token = engine.kv_bytes_per_token
         # The largest prefill's temporaries, and a decode step's [B, vocab] sampling temporaries.
@@ -176,13 +181,19 @@ class Batch:
             cfg, longest_prompt, engine.prefill_chunk, engine.dtype, engine.device, engine.kv_dtype
         )
         reserved += self.max_batch * cfg.vocab_size * 32
-        fit = max(0, (free_memory(engine.device) - reserved) // per_token)
-        capacity = min(sum(contexts[: self.max_batch]) + 1, fit)  # + 1: the idle slots' spare position
+        # FP8: the spare position's V block is padded to whole blocks (its other V_BLOCK - 1 positions)
+        padding = KVCache.bytes_needed(cfg.num_layers, cfg.num_kv_heads, 1, cfg.head_dim, engine.kv_dtype)
+        padding -= per_token
+        fit = max(0, (free_memory(engine.device) - reserved - padding) // per_token)
+        sizes = sorted((self._region_size(self.requests[i]) for i in self.waiting), reverse=True)
+        capacity = min(sum(sizes[: self.max_batch]) + 1, fit)  # + 1: the idle slots' spare position
+        # The regions fill [0, spare): FP8 region starts (and so spare) are multiples of V_BLOCK.
+        spare = (capacity - 1) // self.granule * self.granule if capacity > 0 else -1
         for i in list(self.waiting):
-            if self.requests[i].context > capacity - 1:
+            if self._region_size(self.requests[i]) > spare:
                 self.waiting.remove(i)
                 self.progress.failed += 1
-                context, room = self.requests[i].context, max(capacity - 1, 0)
+                context, room = self.requests[i].context, max(spare, 0)
                 yield BatchEvent(
                     i,
                     done=True,
@@ -190,7 +201,7 @@ class Batch:
                     f"but only {room:,} tokens ({_gib(room * per_token)}) fit on {engine.device} beside the "
                     f"weights ({_gib(weight_bytes(engine.model))}) and activations",
                 )
-        self.capacity = capacity if self.waiting else 0
+        self.capacity = spare + 1 if self.waiting else 0
         self.spare = self.capacity - 1  # idle slots write their (ignored) K/V here
         self.regions = Regions(self.spare)
         self._cache = (
@@ -277,7 +288,7 @@ class Batch:
         state.positions[last] = 0
         state.tokens[last] = 0
         request, stats = seq.generation.request, seq.generation.stats
-        self.regions.give(seq.start, request.context)
+        self.regions.give(seq.start, self._region_size(request))
         stats.decode_seconds = time.perf_counter() - seq.t_first if seq.t_first else 0.0
         steps = stats.new_tokens - 1
         stats.decode_tokens_per_s = (
@@ -299,14 +310,14 @@ class Batch:
         while self.waiting and len(self.running) < self.max_batch:
             index = self.waiting[0]
             request = self.requests[index]
-            start = self.regions.take(request.context)
+            start = self.regions.take(self._region_size(request))
             if start is None:
                 break  # in order: the head waits for room (no request overtakes it for ever)
             self.waiting.popleft()
             try:
                 self._prefill(index, request, start)
             except UserError as e:
-                self.regions.give(start, request.context)
+                self.regions.give(start, self._region_size(request))
                 self.progress.failed += 1
                 yield BatchEvent(index, done=True, error=str(e))
         self.progress.waiting, self.progress.running = len(self.waiting), len(self.running)
@@ -318,7 +329,7 @@ class Batch:
         n = stats.prompt_tokens = stats.prefilled_tokens = len(request.prompt_ids)
         stats.kv_cache_dtype = kv_dtype_name(engine.kv_dtype)
         t0 = time.perf_counter()
-        region = self._cache.region(start, request.context)
+        region = self._cache.region(start, self._region_size(request))
         prompt = torch.tensor([request.prompt_ids], device=engine.device)  # [1, T]
 
         def prefill() -> torch.Tensor:  # [1, V] float32 logits of the last position

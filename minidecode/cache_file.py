@@ -2,10 +2,12 @@
 
 The file holds only the valid positions: each stored cache tensor (positions on dim 3, e.g. K
 and V `[layers, B, Hkv, S, D]`) becomes `[layers, B, Hkv, length, ...]`, plus `token_ids`
-[length] int64. Its `__metadata__` records the format version, the model's identity (a hash of
-config.json and a weights fingerprint), the cache dtype and the length; loading refuses a file
-that does not match. One (layer, sequence, KV head) run of positions is contiguous both in the
-cache and in the file, so the file is streamed run by run through one small host buffer: never a
+[length] int64; an FP8 cache's V holds blocks of V_BLOCK positions on dim 3 (minidecode/cache.py),
+so the file holds its ceil(length / V_BLOCK) blocks, `[layers, B, Hkv, blocks, D, V_BLOCK]`.
+Its `__metadata__` records the format version, the model's identity (a hash of config.json and a
+weights fingerprint), the cache dtype and the length; loading refuses a file that does not
+match. One (layer, sequence, KV head) run of positions is contiguous both in the cache and in
+the file, so the file is streamed run by run through one small host buffer: never a
 second full copy in host memory. Writes go to a temporary file in the same folder, fsynced and
 renamed over the target: a crash mid-write leaves no half-written file under the target name.
 """
@@ -28,7 +30,11 @@ from torch import nn
 from .errors import UserError
 
 FORMAT = "minidecode.kv-cache"
-FORMAT_VERSION = 1
+# 2: an FP8 cache's V is stored blocked. A format-1 FP8 file (V by position) is refused, not
+# converted: it is a cache, which a prefill makes again. Format-1 files of other cache dtypes hold
+# exactly format 2's layout and load as they are.
+FORMAT_VERSION = 2
+FP8_BLOCKED_SINCE = 2
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 ST_DTYPES = {
     torch.float32: "F32",
@@ -67,18 +73,18 @@ def weights_fingerprint(model: nn.Module, samples: int = 16) -> str:
     return digest.hexdigest()[:32]
 
 
-def _pieces(tensor: torch.Tensor, length: int):
-    """The contiguous runs of positions 0..length-1: tensor[l, b, h, :length] for every (l, b, h),
-    in the file's (row-major) order."""
+def _pieces(tensor: torch.Tensor):
+    """The contiguous runs of positions: tensor[l, b, h] for every (l, b, h), in the file's
+    (row-major) order."""
     for index in itertools.product(*(range(n) for n in tensor.shape[:3])):
-        yield tensor[index][:length]
+        yield tensor[index]
 
 
-def _host_buffer(tensors: list[torch.Tensor], length: int) -> torch.Tensor | None:
+def _host_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """One pinned staging buffer for the largest run (CUDA); None on the CPU (no staging)."""
     if tensors[0].device.type != "cuda":
         return None
-    nbytes = max(length * t[0, 0, 0].numel() // t.shape[3] * t.element_size() for t in tensors)
+    nbytes = max(t[0, 0, 0].numel() * t.element_size() for t in tensors)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
@@ -87,8 +93,8 @@ def _as_bytes(t: torch.Tensor):
     return t.view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()
 
 
-def _write_tensor(f, tensor: torch.Tensor, length: int, staging: torch.Tensor | None) -> None:
-    for piece in _pieces(tensor, length):
+def _write_tensor(f, tensor: torch.Tensor, staging: torch.Tensor | None) -> None:
+    for piece in _pieces(tensor):
         if staging is None:
             f.write(_as_bytes(piece.contiguous()))
             continue
@@ -100,15 +106,16 @@ def _write_tensor(f, tensor: torch.Tensor, length: int, staging: torch.Tensor | 
 def write_cache_file(
     path: Path, tensors: dict[str, torch.Tensor], token_ids: list[int], metadata: dict[str, str]
 ) -> int:
-    """Write positions 0..len(token_ids)-1 of `tensors` (positions on dim 3) and the token ids to
-    `path`, atomically; returns the file's size in bytes."""
+    """Write `tensors` (a cache's stored tensors cut on dim 3 to positions 0..len(token_ids)-1:
+    KVCache.region(0, length).tensors()) and the token ids to `path`, atomically; returns the
+    file's size in bytes."""
     length = len(token_ids)
     ids = torch.tensor(token_ids, dtype=torch.int64)
     header: dict = {"__metadata__": {"format": FORMAT, "format_version": str(FORMAT_VERSION), **metadata}}
     header["__metadata__"]["length"] = str(length)
     offset = 0
     for name, t in [*tensors.items(), ("token_ids", ids)]:
-        shape = [length] if name == "token_ids" else [*t.shape[:3], length, *t.shape[4:]]
+        shape = list(t.shape)
         nbytes = t.element_size() * int(torch.Size(shape).numel())
         header[name] = {
             "dtype": ST_DTYPES[t.dtype],
@@ -118,7 +125,7 @@ def write_cache_file(
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    staging = _host_buffer(list(tensors.values()), length)
+    staging = _host_buffer(list(tensors.values()))
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -126,7 +133,7 @@ def write_cache_file(
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for t in tensors.values():
-                _write_tensor(f, t, length, staging)
+                _write_tensor(f, t, staging)
             f.write(_as_bytes(ids))
             f.flush()
             os.fsync(f.fileno())
@@ -199,6 +206,11 @@ def open_cache_file(path: Path, identity: dict[str, str], layout: Layout) -> Cac
             for key, why in IDENTITY_ERRORS.items():
                 if meta.get(key) != identity[key]:
                     raise bad(why.format(found=meta.get(key), expected=identity[key]))
+            if version < FP8_BLOCKED_SINCE and identity["cache_dtype"] == "float8_e4m3fn":
+                raise bad(
+                    f"holds an FP8 cache in format {version}, whose V layout this minidecode no longer "
+                    "reads: prefill the prompt again and save a new cache file"
+                )
             length = int(meta["length"])
             expected = dict(layout(length), token_ids=(torch.int64, (length,)))
             if set(header) != set(expected) or length < 1:
@@ -231,15 +243,16 @@ def _read_exactly(f, buffer, path: Path) -> None:
         got += n
 
 
-def read_cache_file(file: CacheFile, tensors: dict[str, torch.Tensor], count: int) -> None:
-    """Copy positions 0..count-1 of every stored tensor from `file` into the cache `tensors`,
-    one run of positions at a time (through one pinned buffer on CUDA, straight in on the CPU)."""
-    staging = _host_buffer(list(tensors.values()), count)
+def read_cache_file(file: CacheFile, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill the cache `tensors` (its stored tensors cut on dim 3 to the positions wanted, at most
+    the file's: KVCache.region(0, count).tensors()) from the start of each run of `file`, one run
+    at a time (through one pinned buffer on CUDA, straight in on the CPU)."""
+    staging = _host_buffer(list(tensors.values()))
     with open(file.path, "rb", buffering=0) as f:
         for name, t in tensors.items():
             _, shape, offset = file.entries[name]
             run_bytes = torch.Size(shape[3:]).numel() * t.element_size()  # one file run: length positions
-            for i, piece in enumerate(_pieces(t, count)):
+            for i, piece in enumerate(_pieces(t)):
                 f.seek(offset + i * run_bytes)
                 if staging is None:
                     _read_exactly(f, _as_bytes(piece), file.path)

@@ -293,7 +293,8 @@ class Engine:
     # ---- memory -------------------------------------------------------------------------
     def plan(self, max_context: int, prompt_len: int) -> MemoryPlan:
         cfg = self.config
-        kv = self.model.cache_len(max_context) * self.kv_bytes_per_token
+        positions = self.model.cache_len(max_context)
+        kv = KVCache.bytes_needed(cfg.num_layers, cfg.num_kv_heads, positions, cfg.head_dim, self.kv_dtype)
         free = free_memory(self.device)
         activations = activation_bytes(
             cfg, prompt_len, self.prefill_chunk, self.dtype, self.device, self.kv_dtype,
@@ -367,7 +368,8 @@ class Engine:
         if self.cache is None or self.loaded is not None or not self.cached_ids:
             raise UserError("there is no prefilled cache to save: run a request first")
         meta = dict(self._identity(identity), rope_length=str(self.angles_len))
-        return write_cache_file(Path(path), self.cache.tensors(), self.cached_ids, meta)
+        valid = self.cache.region(0, len(self.cached_ids)).tensors()  # dim 3 cut to the valid positions
+        return write_cache_file(Path(path), valid, self.cached_ids, meta)
 
     def load_cache(self, path: str | Path, identity: dict[str, str]) -> int:
         """Check the cache file at `path` against this model and make it the cached prefix: the
@@ -521,7 +523,7 @@ class Engine:
         stats.reused_tokens, stats.prefilled_tokens = start, n - start
         if loaded is not None and start:
             t0 = time.perf_counter()
-            read_cache_file(loaded, self.cache.tensors(), start)
+            read_cache_file(loaded, self.cache.region(0, start).tensors())
             stats.cache_load_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         # Layer-major prefill: progress counts chunks of every layer, scaled to prompt tokens.
@@ -580,6 +582,7 @@ class Engine:
             return
         key = (id(self.cache), mode, want_logprobs, self.pdl)
         if self._graph_key != key:
+            # dim 3 index 0 holds position 0 (an FP8 cache's V: the whole first block, a superset)
             position0 = {name: t[:, :, :, 0].clone() for name, t in self.cache.tensors().items()}
             self._graph = None
             self.state.positions.zero_()

@@ -796,7 +796,7 @@ def describe(
             f"and {positions:,} cache positions"
         )
     kv_per_token = KVCache.bytes_per_token(cfg.num_layers, rank_cfg.num_kv_heads, cfg.head_dim, kv_dt)
-    kv = kv_per_token * positions
+    kv = KVCache.bytes_needed(cfg.num_layers, rank_cfg.num_kv_heads, positions, cfg.head_dim, kv_dt)
     chunk = prefill_chunk or default_prefill_chunk(dev)
     act = activation_bytes(rank_cfg, context, chunk, dt, dev, kv_dt, positions)
     free = free_memory(dev)

@@ -19,7 +19,7 @@ from minidecode.cache import KVCache, LayerKV
 from minidecode.config import ModelConfig
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import causal_attention
-from minidecode.kernels.quant import dequantize_fp8, quantize_fp8
+from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 
 from .rope import RotaryEmbedding
 
@@ -96,7 +96,7 @@ class Attention(nn.Module):
         = positions + 1 (0: an idle batch slot); starts [B] int64: where each sequence's region
         begins in a cache of one shared row (kv [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
         B = x.shape[0]
-        k_cache, v_cache, k_scale, v_scale = kv  # [B, Hkv, S, D]; FP8: scales [B, Hkv, S]
+        k_cache, v_cache, k_scale, v_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         written = positions if starts is None else starts + positions  # cache positions of the new K/V
@@ -317,21 +317,24 @@ def _quantize_into(
     static_scales: tuple[float, float] | None,
 ) -> None:
     """Quantize a layer's new K and V (staging [B, Hkv, start + T, D], model dtype) into its FP8
-    cache positions start..start+T-1, `chunk` positions at a time (bounded float32 temporaries)."""
-    end = staging[0].shape[2]
-    statics = static_scales or (None, None)
-    for cache, scales, stage, static in zip(kv[:2], kv[2:], staging, statics, strict=True):
-        for s in range(start, end, chunk):
-            e = min(s + chunk, end)
-            cache[:, :, s:e], scales[:, :, s:e] = quantize_fp8(stage[:, :, s:e], static)
+    cache positions start..start+T-1, `chunk` positions at a time (bounded float32 temporaries);
+    V goes into its blocks (kernels/quant.py's layout)."""
+    (k_stage, v_stage), end = staging, staging[0].shape[2]
+    k_static, v_static = static_scales or (None, None)
+    for s in range(start, end, chunk):
+        e = min(s + chunk, end)
+        kv.k[:, :, s:e], kv.k_scale[:, :, s:e] = quantize_fp8(k_stage[:, :, s:e], k_static)
+        v8, kv.v_scale[:, :, s:e] = quantize_fp8(v_stage[:, :, s:e], v_static)  # [B, Hkv, e - s, D]
+        write_v_rows(kv.v, s, v8)
 
 
 def _dequantize_prefix(kv: LayerKV, staging: list[torch.Tensor], start: int, chunk: int) -> None:
     """Fill staging positions 0..start-1 with the cached prefix, dequantized (what decode reads)."""
-    for cache, scales, stage in zip(kv[:2], kv[2:], staging, strict=True):
-        for s in range(0, start, chunk):
-            e = min(s + chunk, start)
-            stage[:, :, s:e] = dequantize_fp8(cache[:, :, s:e], scales[:, :, s:e], stage.dtype)
+    k_stage, v_stage = staging
+    for s in range(0, start, chunk):
+        e = min(s + chunk, start)
+        k_stage[:, :, s:e] = dequantize_fp8(kv.k[:, :, s:e], kv.k_scale[:, :, s:e], k_stage.dtype)
+        v_stage[:, :, s:e] = dequantize_fp8(read_v_rows(kv.v, s, e), kv.v_scale[:, :, s:e], v_stage.dtype)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -10,7 +10,9 @@ import torch
 from minidecode import LLM, PromptRequest
 from minidecode import batching as batching_module
 from minidecode.batching import Regions
-from minidecode.engine import activation_bytes
+from minidecode.engine import Request, activation_bytes
+from minidecode.kernels.quant import V_BLOCK
+from minidecode.models.llama import Attention
 
 MAX_POS = 512
 
@@ -145,6 +147,45 @@ def test_fp8_cache_batch_equals_fp8_alone(llama, ragged):
     )
     assert [r.token_ids for r in results] == alone
     assert all(r.stats.kv_cache_dtype == "fp8_e4m3" for r in results)
+
+
+def test_fp8_batch_regions_start_on_v_blocks(llama, ragged, monkeypatch):
+    """With an FP8 cache every region is sized up to whole V blocks, so each sequence's start (what
+    the decode kernel finds its V blocks from) is a multiple of V_BLOCK, also when finished
+    regions are reused (max_batch 2)."""
+    llm = load(llama, kv_cache_dtype="fp8")
+    seen, attend = [], Attention.attend
+
+    def recording_attend(q, k_cache, v_cache, lengths, scale, **kwargs):
+        seen.append(kwargs["starts"].clone())
+        return attend(q, k_cache, v_cache, lengths, scale, **kwargs)
+
+    monkeypatch.setattr(Attention, "attend", staticmethod(recording_attend))
+    items = [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in ragged]
+    results = llm.generate(items, temperature=0, ignore_eos=True, max_batch=2)
+    assert all(r.error is None for r in results)
+    starts = torch.cat(seen)
+    assert len(set(starts.tolist())) >= 3 and bool((starts % V_BLOCK == 0).all()), starts.unique()
+
+
+def test_fp8_batch_cache_rounds_to_v_blocks_within_its_memory(llama, monkeypatch):
+    """Memory for 300 positions: the FP8 batch cache holds regions up to 256 positions (whole V
+    blocks) plus the idle slots' spare position on a block of its own, and its bytes, V's padding
+    included, stay within that memory; a request needing more than 256 is refused."""
+    llm = load(llama, kv_cache_dtype="fp8")
+    engine, cfg = llm.engine, llm.config
+    requests = [Request([1, 2, 3], max_new_tokens=120), Request([1, 2, 3], max_new_tokens=260)]
+    budget = 300 * engine.kv_bytes_per_token
+    reserved = activation_bytes(cfg, 3, engine.prefill_chunk, llm.dtype, llm.device, llm.kv_dtype)
+    reserved += 2 * cfg.vocab_size * 32
+    monkeypatch.setattr(batching_module, "free_memory", lambda device: reserved + budget)
+    batch = batching_module.Batch(engine, requests, max_batch=2)
+    assert list(batch._refusals()) == []
+    (refused,) = list(batch._allocate())
+    assert refused.index == 1 and "only 256 tokens" in refused.error
+    assert batch.spare == 256 and batch._cache.max_len == 257
+    assert batch._cache.v.shape[3] == 5 and batch._cache.nbytes <= budget
+    assert batch._state.starts.eq(256).all()  # idle slots write the spare position, a block start
 
 
 def test_single_requests_work_after_a_batch(llama, prompt_ids):

@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import max_rel_err, rel_err
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from minidecode import LLM, UserError
 from minidecode.bench import step_bytes
 from minidecode.cache import FP8, KVCache
+from minidecode.kernels import ops
+from minidecode.kernels.lean_attention import to_v_blocked_t
 from minidecode.kernels.ops import decode_attention, rope_and_cache
-from minidecode.kernels.quant import dequantize_fp8, quantize_fp8
+from minidecode.kernels.quant import V_BLOCK, dequantize_fp8, quantize_fp8, read_v_rows, v_blocks
 from minidecode.kernels.reference import decode_attention_reference
 from minidecode.llm import resolve_kv_cache_dtype
 from minidecode.models.presets import preset_config
@@ -46,33 +49,45 @@ def _rope_inputs(dtype, B=2, Hq=4, Hkv=2, D=16):
 BF16_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.gpu)  # the interpreter's bf16 rounds wrongly
 
 
+@pytest.mark.parametrize("shared_row", [False, True])
 @pytest.mark.parametrize("static", [None, (0.02, 0.05)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_GPU])
-def test_rope_and_cache_twin_writes_quantize_fp8_of_the_rotated_rows(dtype, static):
+def test_rope_and_cache_twin_writes_quantize_fp8_of_the_rotated_rows(dtype, static, shared_row):
     """The twin's FP8 write is exactly quantize_fp8 of what the model-dtype cache would hold (k
-    rotated, v as projected); the Triton writer (interpreter on CPU) writes the same bits."""
-    B, Hq, Hkv, D, S = 2, 4, 2, 16, 10
-    qkv, cos, sin, positions = _rope_inputs(dtype)
-    kc, vc = (torch.zeros(B, Hkv, S, D, dtype=dtype, device=DEVICE) for _ in "kv")
+    rotated, v as projected), V in its block: the bytes of to_v_blocked_t of a standard-layout V;
+    the Triton writer (interpreter on CPU) writes the same bits. shared_row: one cache row that
+    both sequences write into, each at its own position (a batch in regions)."""
+    B, Hq, Hkv, D, S = 2, 4, 2, 16, V_BLOCK + 10
+    qkv, cos, sin, _ = _rope_inputs(dtype)
+    positions = torch.tensor([3, V_BLOCK + 5], device=DEVICE)  # blocks 0 and 1
+    C = 1 if shared_row else B
+    kc, vc = (torch.zeros(C, Hkv, S, D, dtype=dtype, device=DEVICE) for _ in "kv")
     q_ref = rope_and_cache(qkv, cos, sin, positions, kc, vc, Hq, triton=False)
-    batch = torch.arange(B, device=DEVICE)
+    batch = torch.zeros(B, dtype=torch.long, device=DEVICE) if shared_row else torch.arange(B, device=DEVICE)
     written = []
     for triton in (False, True):
-        k8, v8 = (torch.zeros(B, Hkv, S, D, dtype=FP8, device=DEVICE) for _ in "kv")
-        ks, vs = (torch.full((B, Hkv, S), -1.0, device=DEVICE) for _ in "kv")
+        k8 = torch.zeros(C, Hkv, S, D, dtype=FP8, device=DEVICE)
+        v8 = torch.zeros(C, Hkv, v_blocks(S), D, V_BLOCK, dtype=FP8, device=DEVICE)
+        ks, vs = (torch.full((C, Hkv, S), -1.0, device=DEVICE) for _ in "kv")
         q = rope_and_cache(
             qkv, cos, sin, positions, k8, v8, Hq, triton=triton, k_scale=ks, v_scale=vs, static_scales=static
         )
         assert torch.equal(q, q_ref)
         written.append((k8, v8, ks, vs))
     k8, v8, ks, vs = written[0]
-    for cache8, scale, ref, st in ((k8, ks, kc, static and static[0]), (v8, vs, vc, static and static[1])):
-        want8, want_scale = quantize_fp8(ref[batch, :, positions], st)  # [B, Hkv, D], [B, Hkv]
-        assert torch.equal(cache8[batch, :, positions].view(torch.uint8), want8.view(torch.uint8))
+    # [B, Hkv, D] e4m3, [B, Hkv] float32
+    k_want8, k_want_scale = quantize_fp8(kc[batch, :, positions], static and static[0])
+    v_want8, v_want_scale = quantize_fp8(vc[batch, :, positions], static and static[1])
+    assert torch.equal(k8[batch, :, positions].view(torch.uint8), k_want8.view(torch.uint8))
+    v_standard = torch.zeros(C, Hkv, S, D, dtype=torch.uint8)  # V in K's layout, zeros elsewhere
+    v_standard[batch.cpu(), :, positions.cpu()] = v_want8.view(torch.uint8).cpu()
+    assert torch.equal(v8.view(torch.uint8).cpu(), to_v_blocked_t(v_standard))  # every byte
+    for scale, want_scale in ((ks, k_want_scale), (vs, v_want_scale)):
         assert torch.equal(scale[batch, :, positions], want_scale)
         assert (scale[0, :, 4] == -1).all()  # other positions untouched
     (k8t, v8t, kst, vst), (k8, v8, ks, vs) = written[1], written[0]
     if dtype == torch.bfloat16:  # GPU: within one e4m3 step of the twin (see the note below)
+        v8t, v8 = (read_v_rows(v, 0, S) for v in (v8t, v8))  # [C, Hkv, S, D], to scale by position
         for got8, got_s, want8, want_s in ((k8t, kst, k8, ks), (v8t, vst, v8, vs)):
             differ = (got8.view(torch.uint8) != want8.view(torch.uint8)).sum().item()
             print(f"Triton vs twin: {differ} of {got8.numel()} e4m3 codes differ; scales equal:",
@@ -85,30 +100,56 @@ def test_rope_and_cache_twin_writes_quantize_fp8_of_the_rotated_rows(dtype, stat
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bits, also of the scales
 
 
-def test_decode_attention_twin_reads_the_dequantized_cache():
+@pytest.mark.parametrize("triton", [False, True])
+def test_decode_attention_reads_the_dequantized_blocked_cache(triton):
+    """The twin and the lean kernel (interpreter on CPU) read an FP8 cache with V blocked: the
+    output is float64 attention over the dequantized valid positions; the bytes past each length
+    are never weighed (set to the largest e4m3 value: any weight on them shows)."""
     torch.manual_seed(2)
-    B, Hq, Hkv, S, D = 2, 4, 2, 12, 16
-    q = torch.randn(B, Hq, D)
-    k8, ks = quantize_fp8(torch.randn(B, Hkv, S, D) * 4)
-    v8, vs = quantize_fp8(torch.randn(B, Hkv, S, D))
-    lengths = torch.tensor([5, 12], dtype=torch.int32)
-    out = decode_attention(q, k8, v8, lengths, 0.25, triton=False, k_scale=ks, v_scale=vs)
+    B, Hq, Hkv, S, D = 2, 4, 2, V_BLOCK + 12, 64
+    q = torch.randn(B, Hq, D, device=DEVICE)
+    k8, ks = quantize_fp8(torch.randn(B, Hkv, S, D, device=DEVICE) * 4)
+    v8, vs = quantize_fp8(torch.randn(B, Hkv, S, D, device=DEVICE))
+    lengths = torch.tensor([5, V_BLOCK + 9], dtype=torch.int32, device=DEVICE)
     exact = decode_attention_reference(
         q, dequantize_fp8(k8, ks), dequantize_fp8(v8, vs), lengths, 0.25, compute_dtype=torch.float64
     )
-    torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5)
+    loud = v8.view(torch.uint8).clone()
+    for b, n in enumerate(lengths.tolist()):
+        loud[b, :, n:] = 0x7E  # 448: finite (the kernel's contract), but loud if weighed
+    v_blocked = to_v_blocked_t(loud.view(FP8))
+    out = decode_attention(q, k8, v_blocked, lengths, 0.25, triton=triton, k_scale=ks, v_scale=vs)
+    # the twin: float32 math; the kernel: fp16 dot operands (tests/test_lean_attention.py's FP8_TOL)
+    assert rel_err(out, exact) < (2e-3 if triton else 1e-6)
 
 
 def test_cache_counts_and_names_its_scales():
     cache = KVCache(3, 1, 2, 10, 16, FP8, "cpu")
     assert set(cache.tensors()) == {"k", "v", "k_scale", "v_scale"}
     assert cache.k_scale.shape == (3, 1, 2, 10) and cache.k_scale.dtype == torch.float32
-    assert KVCache.bytes_needed(3, 2, 10, 16, FP8) == cache.nbytes == 2 * 3 * 2 * 10 * (16 + 4)
+    assert cache.v.shape == (3, 1, 2, 1, 16, V_BLOCK)  # V blocked: one block of 64 holds 10 positions
+    assert cache.v.view(torch.uint8).eq(0).all()  # zero-filled: the bytes past a length are finite
+    # per position: K row + two scales; V: whole blocks (54 positions of padding here)
+    assert KVCache.bytes_needed(3, 2, 10, 16, FP8) == cache.nbytes == 3 * 2 * (10 * (16 + 4 + 4) + 64 * 16)
     layer = cache.layer(1)
     assert layer.k.shape == (1, 2, 10, 16) and layer.v_scale.shape == (1, 2, 10)
     plain = KVCache(3, 1, 2, 10, 16, torch.bfloat16, "cpu")
     assert set(plain.tensors()) == {"k", "v"} and plain.layer(0).k_scale is None
     assert KVCache.bytes_needed(3, 2, 10, 16, torch.bfloat16) == plain.nbytes == 2 * 3 * 2 * 10 * 16 * 2
+
+
+def test_cache_regions_start_on_v_blocks():
+    """A region of an FP8 cache starts on a V block and its V is the blocks that hold its positions;
+    another start is refused (the decode kernel finds a region's V from its start)."""
+    cache = KVCache(2, 1, 2, 4 * V_BLOCK, 16, FP8, "cpu")
+    region = cache.region(V_BLOCK, V_BLOCK + 1)
+    assert region.k.shape == (2, 1, 2, V_BLOCK + 1, 16) and region.v_scale.shape == (2, 1, 2, V_BLOCK + 1)
+    assert region.v.shape == (2, 1, 2, 2, 16, V_BLOCK)
+    assert region.v.data_ptr() == cache.v[:, :, :, 1].data_ptr()  # a view from block 1
+    with pytest.raises(ValueError, match=f"regions start at multiples of {V_BLOCK}, got 5"):
+        cache.region(5, 10)
+    plain = KVCache(2, 1, 2, 100, 16, torch.float32, "cpu").region(5, 10)
+    assert plain.v.shape == plain.k.shape == (2, 1, 2, 10, 16)
 
 
 # ---- the shipped model -------------------------------------------------------------------------
@@ -152,16 +193,51 @@ def test_fp8_prefill_equals_model_dtype_prefill_and_quantizes_its_kv(llm, heldou
     ids = torch.tensor([heldout_ids[:300]])
     with torch.inference_mode():
         plain, fp8 = new_cache(llm, 320, torch.float32), new_cache(llm, 320, FP8)
-        ref = llm.model.prefill(ids, plain, 128, last_only=False)
-        out = llm.model.prefill(ids, fp8, 128, last_only=False)
+        ref = llm.model.prefill(ids, plain, 100, last_only=False)  # chunks that end inside V blocks
+        out = llm.model.prefill(ids, fp8, 100, last_only=False)
     assert torch.equal(out, ref)  # attention read the unquantized K/V
     for name in ("k", "v"):
         want8, want_scale = quantize_fp8(plain.tensors()[name][:, :, :, :300])
-        assert torch.equal(fp8.tensors()[name][:, :, :, :300].view(torch.uint8), want8.view(torch.uint8))
         assert torch.equal(fp8.tensors()[name + "_scale"][:, :, :, :300], want_scale)
+        if name == "k":
+            assert torch.equal(fp8.k[:, :, :, :300].view(torch.uint8), want8.view(torch.uint8))
+        else:  # V blocked: to_v_blocked_t of the standard layout, zeros past position 300
+            want_blocked = to_v_blocked_t(want8.flatten(0, 1)).unflatten(0, want8.shape[:2])
+            assert torch.equal(fp8.v.view(torch.uint8), want_blocked.view(torch.uint8))
     # and through the API
     fp8_llm = LLM(device="cpu", dtype="float32", kv_cache_dtype="fp8")
     assert torch.equal(fp8_llm.logits(heldout_ids[:200]), llm.logits(heldout_ids[:200]))
+
+
+def test_fp8_decode_equals_the_float32_path_over_dequantized_rows(llm, heldout_ids, monkeypatch):
+    """Teacher-forced decode steps that cross V block boundaries (positions 50..129) with the FP8
+    cache give the logits of a float32 cache whose rows are quantized and dequantized as they are
+    written (prefill's and every step's): the values an FP8 cache returns, in the standard layout.
+    So the blocked V is written and read back at the right positions."""
+    prefix, steps = 50, 80
+    fp8_logits, fed = decode_logits(llm, heldout_ids, prefix, FP8, steps, greedy=False)
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:  # rows [..., D] as an FP8 cache returns them
+        return dequantize_fp8(*quantize_fp8(x), x.dtype)
+
+    write = ops.rope_and_cache
+
+    def write_rounded(qkv, cos, sin, positions, k_cache, v_cache, *args, **kwargs):
+        q = write(qkv, cos, sin, positions, k_cache, v_cache, *args, **kwargs)
+        for cache in (k_cache, v_cache):  # [1, Hkv, S, D] float32
+            cache[0, :, positions] = rounded(cache[0, :, positions])
+        return q
+
+    monkeypatch.setattr(ops, "rope_and_cache", write_rounded)
+    model, cache = llm.model, new_cache(llm, prefix + steps, torch.float32)
+    with torch.inference_mode():
+        logits = [model.logits(model.prefill(torch.tensor([heldout_ids[:prefix]]), cache, 2048))[0]]
+        for t in (cache.k, cache.v):
+            t[:, :, :, :prefix] = rounded(t[:, :, :, :prefix])
+        for i, token in enumerate(fed):
+            hidden = model.decode(torch.tensor([token]), torch.tensor([prefix + i]), cache)
+            logits.append(model.logits(hidden)[0])
+    assert max_rel_err(fp8_logits, torch.stack(logits)) < 1e-5
 
 
 def test_fp8_perplexity_through_decode_within_one_percent(llm, heldout_ids):
@@ -272,7 +348,8 @@ def test_memory_plan_stats_and_json_name_the_cache_dtype(tiny_llama):
     cfg = llm.config
     plan = llm.engine.plan(1000, 10)
     assert plan.kv_cache_dtype == "fp8_e4m3"
-    assert plan.kv_cache_bytes == 1000 * 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+    per_head_layer = 1000 * 2 * (cfg.head_dim + 4) + (1024 - 1000) * cfg.head_dim  # V padded to 16 blocks
+    assert plan.kv_cache_bytes == cfg.num_layers * cfg.num_kv_heads * per_head_layer
     args = ["generate", str(tiny_llama), "-p", "hi", "-n", "3", "--device", "cpu", "--kv-cache-dtype", "fp8"]
     result = cli(*args, "--json")
     assert result.exit_code == 0, result.stderr

@@ -21,6 +21,8 @@ from typer.testing import CliRunner
 
 from minidecode import LLM, UserError
 from minidecode import cache_file as cache_file_module
+from minidecode.cache_file import read_cache_file
+from minidecode.kernels.quant import V_BLOCK, read_v_rows, v_blocks
 from minidecode_cli.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,7 +176,7 @@ def test_cache_file_is_safetensors_of_the_valid_positions(saved):
     path, ids, k = saved
     with safe_open(path, "pt") as f:
         meta = f.metadata()
-        assert meta["format_version"] == "1" and meta["cache_dtype"] == "float32"
+        assert meta["format_version"] == "2" and meta["cache_dtype"] == "float32"
         assert int(meta["length"]) == len(ids) and len(meta["config_sha256"]) == 64
         assert f.get_tensor("token_ids").tolist() == ids
         assert torch.equal(f.get_tensor("k"), k)
@@ -241,7 +243,8 @@ def bad_files(saved, tmp_path, checkpoint_factory, model_dir):
     truncated, corrupted, newer = tmp_path / "truncated", tmp_path / "corrupted", tmp_path / "newer"
     truncated.write_bytes(data[:-100])
     corrupted.write_bytes(data[:20] + b"\xff" * 8 + data[28:])
-    rewrite_header(path, newer, lambda h: h["__metadata__"].update(format_version="2"))
+    newer_version = str(cache_file_module.FORMAT_VERSION + 1)
+    rewrite_header(path, newer, lambda h: h["__metadata__"].update(format_version=newer_version))
     other_config = checkpoint_factory("llama", "default", max_positions=256)
     other_weights = checkpoint_factory("llama", "default", max_positions=512, seed=1)
     return [
@@ -289,11 +292,11 @@ def test_a_failed_write_leaves_no_file(model_dir, tmp_path, monkeypatch):
     target.write_bytes(b"an earlier cache")
     writes = []
 
-    def failing_write(f, tensor, length, staging):
+    def failing_write(f, tensor, staging):
         writes.append(tensor)
         if len(writes) == 2:  # the K tensor is on disk, V fails midway
             raise OSError(28, "No space left on device")
-        original(f, tensor, length, staging)
+        original(f, tensor, staging)
 
     original = cache_file_module._write_tensor
     monkeypatch.setattr(cache_file_module, "_write_tensor", failing_write)
@@ -363,3 +366,56 @@ def test_fp8_cache_reuses_the_dequantized_prefix(model_dir, tmp_path):
     # the file holds document + question B: all but the last prompt token come from it, quantized
     assert again.stats.reused_tokens == len(DOC + QUESTION_B) - 1 and again.token_ids == exact.token_ids
     assert abs(again.logprobs[0] - exact.logprobs[0]) < 0.05
+
+
+def test_fp8_cache_file_holds_v_blocks_and_loads_them_exactly(model_dir, tmp_path):
+    """An FP8 cache file holds V as the ceil(n / 64) blocks of its n positions (the cache's own
+    bytes), and reading it back, whole or a prefix that ends inside a block, restores every valid
+    position's K, V and scales."""
+    llm = load(model_dir, kv_cache_dtype="fp8")
+    greedy(llm, DOC + QUESTION_A, max_context=400)
+    path = tmp_path / "doc.cache"
+    llm.save_cache(path)
+    cache, n = llm.engine.cache, len(llm.engine.cached_ids)
+    blocks = v_blocks(n)
+    assert n % V_BLOCK and cache.v.shape[3] > blocks  # a partial last block, more blocks in the cache
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["cache_dtype"] == "float8_e4m3fn"
+        v = f.get_tensor("v")
+        assert v.shape == (*cache.v.shape[:3], blocks, *cache.v.shape[4:])
+        assert torch.equal(v.view(torch.uint8), cache.v[:, :, :, :blocks].view(torch.uint8))
+    fresh = load(model_dir, kv_cache_dtype="fp8")
+    assert fresh.load_cache(path) == n
+    for count in (n, 100):
+        target = fresh.engine._new_cache(400)
+        read_cache_file(fresh.engine.loaded, target.region(0, count).tensors())
+        for name in ("k", "k_scale", "v_scale"):
+            got, want = (getattr(c, name)[:, :, :, :count] for c in (target, cache))
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+        got, want = (read_v_rows(c.v, 0, count) for c in (target, cache))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_format_1_fp8_cache_file_is_refused_other_dtypes_load(model_dir, saved, tmp_path):
+    """Format 1 stored an FP8 cache's V by position: such a file is refused in one line (a cache
+    is made again by a prefill); a format-1 file of another dtype has today's layout and loads."""
+    llm = load(model_dir, kv_cache_dtype="fp8")
+    greedy(llm, DOC, max_context=400)
+    cache, n = llm.engine.cache, len(llm.engine.cached_ids)
+    written = tmp_path / "fp8.cache"
+    llm.save_cache(written)
+    with safe_open(written, "pt") as f:
+        meta = f.metadata()
+    by_position = dict(cache.region(0, n).tensors(), v=read_v_rows(cache.v, 0, n))  # format 1's V
+    old = tmp_path / "fp8-v1.cache"
+    cache_file_module.write_cache_file(old, by_position, llm.engine.cached_ids, meta)
+    rewrite_header(old, old, lambda h: h["__metadata__"].update(format_version="1"))
+    with pytest.raises(UserError) as refused:
+        load(model_dir, kv_cache_dtype="fp8").load_cache(old)
+    assert str(refused.value) == (
+        f"cache file {old} holds an FP8 cache in format 1, whose V layout this minidecode no longer "
+        "reads: prefill the prompt again and save a new cache file"
+    )
+    plain_old = tmp_path / "float32-v1.cache"
+    rewrite_header(saved[0], plain_old, lambda h: h["__metadata__"].update(format_version="1"))
+    assert load(model_dir).load_cache(plain_old) == len(saved[1])

@@ -1,11 +1,22 @@
-"""FP8 (e4m3) KV-cache quantization: the PyTorch reference against float64 math, and the Triton
-cache writer (rope_and_cache with an FP8 cache) against the reference."""
+"""FP8 (e4m3) KV-cache quantization: the PyTorch reference against float64 math, the Triton
+cache writer (rope_and_cache with an FP8 cache) against the reference, and the blocked V layout's
+row writer / reader against to_v_blocked_t of a standard-layout cache."""
 
 import pytest
 import torch
 
 from minidecode.kernels.fused_triton import rope_and_cache
-from minidecode.kernels.quant import FP8_MAX, SCALE_FLOOR, dequantize_fp8, quantize_fp8
+from minidecode.kernels.lean_attention import to_v_blocked_t
+from minidecode.kernels.quant import (
+    FP8_MAX,
+    SCALE_FLOOR,
+    V_BLOCK,
+    dequantize_fp8,
+    quantize_fp8,
+    read_v_rows,
+    v_blocks,
+    write_v_rows,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,60 +76,80 @@ def test_dequantize_rejects_bad_input():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_rope_and_cache_writes_fp8(dtype):
     """The Triton writer's e4m3 rows and scales equal quantize_fp8 of the rows it writes into a
-    model-dtype cache (same kernel, same rotation); other positions stay untouched."""
+    model-dtype cache (same kernel, same rotation); V lands in its block (the bytes of
+    to_v_blocked_t of a standard-layout cache); other positions stay untouched."""
     gen = torch.Generator().manual_seed(2)
-    B, Hq, Hkv, D, S = 2, 4, 2, 64, 9
+    B, Hq, Hkv, D, S = 2, 4, 2, 64, V_BLOCK + 9
     qkv = (torch.randn(B, (Hq + 2 * Hkv) * D, generator=gen) * 30).to(dtype).to(DEVICE)
     qkv[0, (Hq + Hkv) * D : (Hq + Hkv + 1) * D] = 0  # a zero V row: the scale floor
     qkv[1, Hq * D] = 1e-3  # tiny values beside large ones: e4m3 subnormals
     angles = torch.rand(B, D // 2, generator=gen, dtype=torch.float64) * 6
     angles = torch.cat((angles, angles), -1)
     cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
-    positions = torch.tensor([3, 8], device=DEVICE)
+    positions = torch.tensor([3, V_BLOCK + 8], device=DEVICE)  # the second in block 1
 
     kc = torch.zeros(B, Hkv, S, D, dtype=dtype, device=DEVICE)
     vc = torch.zeros_like(kc)
     q_ref = rope_and_cache(qkv, cos, sin, positions, kc, vc, Hq, None, None, 1e-6, False)
     k8 = torch.zeros(B, Hkv, S, D, dtype=torch.float8_e4m3fn, device=DEVICE)
-    v8 = torch.zeros_like(k8)
+    v8 = torch.zeros(B, Hkv, v_blocks(S), D, V_BLOCK, dtype=torch.float8_e4m3fn, device=DEVICE)
     ks = torch.full((B, Hkv, S), float("nan"), device=DEVICE)
     vs = torch.full_like(ks, float("nan"))
     q = rope_and_cache(qkv, cos, sin, positions, k8, v8, Hq, None, None, 1e-6, False, k_scale=ks, v_scale=vs)
     assert torch.equal(q, q_ref)
-    for got8, got_scale, written in ((k8, ks, kc), (v8, vs, vc)):
+    v_standard = torch.zeros_like(k8)  # what V would hold in K's layout
+    for got8, got_scale, written in ((k8, ks, kc), (v_standard, vs, vc)):
         for b, pos in enumerate(positions.tolist()):
             ref8, ref_scale = quantize_fp8(written[b, :, pos])
             assert torch.equal(got_scale[b, :, pos], ref_scale)
-            assert torch.equal(got8[b, :, pos].float(), ref8.float())  # +0 and -0 compare equal
+            if got8 is v_standard:
+                v_standard[b, :, pos] = ref8
+            else:
+                assert torch.equal(got8[b, :, pos].float(), ref8.float())  # +0 and -0 compare equal
         untouched = torch.ones(B, S, dtype=torch.bool)
-        untouched[0, 3] = untouched[1, 8] = False
+        untouched[0, 3] = untouched[1, V_BLOCK + 8] = False
         assert got_scale.isnan().permute(0, 2, 1)[untouched].all()
-        assert got8.float().eq(0).permute(0, 2, 1, 3)[untouched].all()
+    assert k8.float().eq(0).permute(0, 2, 1, 3)[untouched].all()
+    assert torch.equal(v8.float(), to_v_blocked_t(v_standard.cpu()).to(DEVICE).float())  # every byte
     assert vs[0, 0, 3] == SCALE_FLOOR
 
 
-def test_rope_and_cache_fp8_needs_scales():
+def test_rope_and_cache_fp8_needs_scales_and_a_blocked_v():
     qkv = torch.randn(1, 4 * 64, device=DEVICE, dtype=torch.float16)
     cos = sin = torch.ones(1, 64, device=DEVICE)
+    position = torch.tensor([0], device=DEVICE)
     k8 = torch.zeros(1, 1, 4, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
+    v8 = torch.zeros(1, 1, 1, 64, V_BLOCK, dtype=torch.float8_e4m3fn, device=DEVICE)
     with pytest.raises(ValueError, match="k_scale"):
-        rope_and_cache(
-            qkv, cos, sin, torch.tensor([0], device=DEVICE), k8, k8.clone(), 2, None, None, 1e-6, False
-        )
+        rope_and_cache(qkv, cos, sin, position, k8, v8, 2, None, None, 1e-6, False)
     bad = torch.zeros(1, 1, 3, device=DEVICE)
     with pytest.raises(ValueError, match="k_scale must be"):
-        rope_and_cache(
-            qkv,
-            cos,
-            sin,
-            torch.tensor([0], device=DEVICE),
-            k8,
-            k8.clone(),
-            2,
-            None,
-            None,
-            1e-6,
-            False,
-            bad,
-            bad,
-        )
+        rope_and_cache(qkv, cos, sin, position, k8, v8, 2, None, None, 1e-6, False, bad, bad)
+    scales = torch.zeros(1, 1, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"an FP8 V cache must be blocked \[C, Hkv, ceil\(S / 64\), D, 64\]"):
+        rope_and_cache(qkv, cos, sin, position, k8, k8.clone(), 2, None, None, 1e-6, False, scales, scales)
+
+
+# ---- the blocked V layout ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "start, length",
+    [(0, 1), (5, 20), (V_BLOCK - 3, 3), (V_BLOCK - 3, 4), (7, 2 * V_BLOCK + 11), (2 * V_BLOCK, V_BLOCK)]
+    + [(0, 0)],
+)
+def test_v_rows_round_trip_against_to_v_blocked_t(start, length):
+    """write_v_rows of positions start..start+length-1 (unaligned heads and tails, whole blocks)
+    writes exactly the bytes to_v_blocked_t puts there for a standard-layout cache holding those
+    rows, leaves every other byte as it was, and read_v_rows gives the rows back."""
+    gen = torch.Generator().manual_seed(start + length)
+    B, Hkv, S, D = 2, 3, 3 * V_BLOCK + 5, 8
+    old = torch.randint(0, 0x7F, (B, Hkv, S, D), generator=gen, dtype=torch.uint8)  # earlier contents
+    rows = torch.randint(0, 0x7F, (B, Hkv, length, D), generator=gen, dtype=torch.uint8)
+    fp8 = torch.float8_e4m3fn
+    blocked = to_v_blocked_t(old.view(fp8))
+    write_v_rows(blocked, start, rows.view(fp8))
+    want = old.clone()
+    want[:, :, start : start + length] = rows
+    assert torch.equal(blocked.view(torch.uint8), to_v_blocked_t(want.view(fp8)).view(torch.uint8))
+    for lo, hi in ((start, start + length), (0, S), (start // 2, min(S, start + length + 70))):
+        got = read_v_rows(blocked, lo, hi)
+        assert got.dtype == fp8 and torch.equal(got.view(torch.uint8), want[:, :, lo:hi])
