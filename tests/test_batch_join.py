@@ -161,7 +161,7 @@ def test_a_joiner_that_closes_early_ends_only_its_own_requests(llama, greedy, pr
     hands out few of their tokens), A's requests finish with their greedy tokens."""
     llm = load(llama)
     watch = Watch(monkeypatch)
-    a_prompts = [(prompt_ids(21, seed=11), 24), (prompt_ids(30, seed=12), 20)]
+    a_prompts = [(prompt_ids(21, seed=11), 40), (prompt_ids(30, seed=12), 36)]
     b_closed = threading.Event()
 
     def on_result(i: int, result: GenerationResult) -> None:
@@ -189,7 +189,7 @@ def test_a_joiner_that_closes_early_ends_only_its_own_requests(llama, greedy, pr
     assert [r.token_ids for r in a_out["value"][1:]] == [greedy(ids, m) for ids, m in a_prompts]
     a_tokens = 1 + sum(m for _, m in a_prompts)
     b_tokens = watch.batches[0].progress.new_tokens - a_tokens
-    assert 1 <= b_tokens < 30  # of the 120 B asked for: its requests stopped when it left
+    assert 1 <= b_tokens <= 8  # of the 120 B asked for: its requests stopped when it left
     assert None in b_out["value"]  # closed before its requests ended
     assert llm.engine.busy is False
 
@@ -314,24 +314,34 @@ def test_a_thread_with_an_open_stream_that_calls_again_is_refused(llama, greedy,
     gets the clear error instead of waiting for itself; its stream is left intact."""
     llm = load(llama)
     ids = prompt_ids(18, seed=50)
-    with llm.stream_batch([ids], max_new_tokens=12, temperature=0, ignore_eos=True) as stream:
-        pieces = iter(stream)
-        next(pieces)
-        for call in (
-            lambda: llm.generate(token_ids=ids),
-            lambda: llm.generate([ids]),
-            lambda: llm.logits(ids),
-        ):
+    refused = []
+
+    def calls_again() -> list[int]:  # on a thread of its own: waiting for itself fails the test
+        with llm.stream_batch([ids], max_new_tokens=12, temperature=0, ignore_eos=True) as stream:
+            pieces = iter(stream)
+            next(pieces)
+            for call in (
+                lambda: llm.generate(token_ids=ids),
+                lambda: llm.generate([ids]),
+                lambda: llm.logits(ids),
+            ):
+                with pytest.raises(UserError, match="still generating.*close the previous stream"):
+                    call()
+                refused.append(call)
+            for _ in pieces:
+                pass
+        with llm.stream(token_ids=ids, max_new_tokens=12, temperature=0, ignore_eos=True) as single:
+            single_pieces = iter(single)
+            next(single_pieces)
             with pytest.raises(UserError, match="still generating.*close the previous stream"):
-                call()
-        for _ in pieces:
-            pass
-    assert stream.results[0].token_ids == greedy(ids, 12)
-    with llm.stream(token_ids=ids, max_new_tokens=12, temperature=0, ignore_eos=True) as single:
-        single_pieces = iter(single)
-        next(single_pieces)
-        with pytest.raises(UserError, match="still generating.*close the previous stream"):
-            llm.generate([ids])
+                llm.generate([ids])
+            refused.append(single)
+        return stream.results[0].token_ids
+
+    thread, out = start(calls_again)
+    finish(thread)
+    assert out.get("error") is None and len(refused) == 4
+    assert out["value"] == greedy(ids, 12)
     assert llm.generate([ids], max_new_tokens=12, temperature=0, ignore_eos=True)[0].token_ids == greedy(
         ids, 12
     )
