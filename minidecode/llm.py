@@ -74,7 +74,8 @@ class Stream:
     """Iterate for text pieces as they are decoded; `.result` holds the full result afterwards.
 
     A stream holds its model from creation until it is exhausted or closed (`close()`, or use it
-    as a context manager): other threads' calls on that model wait their turn meanwhile."""
+    as a context manager): other threads' calls on that model wait their turn meanwhile (a stream
+    that joined a running batch holds only its request in it)."""
 
     _pieces: Generator[str, None, GenerationResult]
     _release: Callable[[], None]
@@ -152,7 +153,8 @@ BatchItem = str | list[int] | list[dict[str, str]] | PromptRequest | dict
 @dataclass
 class BatchStream:
     """Iterate for (prompt index, text piece); `.results` fills in as requests end (all set once
-    the iteration ends). Holds the model until exhausted or closed, like `Stream`."""
+    the iteration ends). Holds its requests in the batch until exhausted or closed (closing ends
+    them; the requests of other callers that joined the batch go on)."""
 
     _pieces: Generator[tuple[int, str], None, None] | None
     _release: Callable[[], None]
@@ -166,7 +168,8 @@ class BatchStream:
             self.close()
 
     def close(self) -> None:
-        """Stop (requests still running end where they are) and give the model to the next caller."""
+        """Stop (this stream's requests still running end where they are); the batch ends, giving
+        the model to the next caller, once no caller's requests remain."""
         if self._pieces is not None:
             self._pieces.close()
         self._release()
