@@ -345,6 +345,8 @@ class _Turns:
                 if not ended:
                     ended = True
                     self._open[me] -= 1
+                    if not self._open[me]:
+                        del self._open[me]  # threads come and go: keep only those with a stream
 
         return end
 
