@@ -16,6 +16,7 @@ tensors, so one graph serves every step of every mix of requests.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -50,6 +51,11 @@ DEFAULT_MAX_BATCH = 32
 def bucket(n: int) -> int:
     """The smallest bucket that holds n running sequences."""
     return next(b for b in BUCKETS if b >= n)
+
+
+def check_max_batch(max_batch: int) -> None:
+    if not 1 <= max_batch <= BUCKETS[-1]:
+        raise UserError(f"max_batch must be in [1, {BUCKETS[-1]}], got {max_batch}")
 
 
 class Regions:
@@ -120,21 +126,51 @@ class _Sequence:
 
 class Batch:
     """One run of many requests on an engine: it takes the engine (which must be idle) for the
-    run, frees the single-request cache, and frees its own cache at the end."""
+    run, frees the single-request cache, and frees its own cache at the end. Requests may be
+    added while it runs (`add`, from any thread); it ends when every request has ended."""
 
     def __init__(
         self, engine: Engine, requests: list[Request | UserError], max_batch: int = DEFAULT_MAX_BATCH
     ):
-        if not 1 <= max_batch <= BUCKETS[-1]:
-            raise UserError(f"max_batch must be in [1, {BUCKETS[-1]}], got {max_batch}")
+        check_max_batch(max_batch)
         self.engine, self.max_batch = engine, max_batch
         self.granule = KVCache.region_granule(engine.kv_dtype)  # region sizes and starts: multiples of it
-        self.requests = requests
-        self.progress = BatchProgress(total=len(requests))
+        self.requests: list[Request | UserError] = []
+        self.progress = BatchProgress()
         self._finish: set[int] = set()
+        self._lock = threading.Lock()  # add() from other threads against the loop's look at the queue
+        self._incoming: deque[int] = deque()  # added, not yet checked
+        self._arrived: list[float] = []  # when each request was added (its time to first token starts)
+        self.waiting: deque[int] = deque()  # checked, waiting for a row and a region
+        self.capacity: int | None = None  # cache positions, once allocated
+        self.closed = False  # the loop has ended: add() takes nothing more
+        self.add(requests)
+
+    def add(self, requests: list[Request | UserError]) -> list[int] | None:
+        """Queue requests (also while the batch runs, from any thread); -> their indices, in order.
+
+        The cache is allocated once, at the first step, for the requests added by then. A request
+        added later waits, in order, for a row and a region large enough; one larger than the whole
+        cache could never run in it: then none of the requests is taken and add returns None, as it
+        does once the batch has ended, so the caller can run them in a batch of its own afterwards
+        (whose cache is sized to them, refusing only what memory refuses)."""
+        with self._lock:
+            capacity = self.capacity
+            if self.closed or (
+                capacity is not None
+                and any(isinstance(r, Request) and self._region_size(r) > capacity - 1 for r in requests)
+            ):
+                return None
+            first = len(self.requests)
+            self.requests.extend(requests)
+            self._arrived.extend([time.perf_counter()] * len(requests))
+            self._incoming.extend(range(first, len(self.requests)))
+            self.progress.total += len(requests)
+            return list(range(first, len(self.requests)))
 
     def finish(self, index: int) -> None:
-        """End request `index` now (its caller saw a stop string): no further tokens are handed out."""
+        """End request `index` now (its caller saw a stop string or stopped reading): no further
+        tokens are handed out; one still waiting ends without running (thread-safe)."""
         self._finish.add(index)
 
     @torch.inference_mode()
@@ -147,6 +183,8 @@ class Batch:
             engine.release()  # the batch's cache replaces the single-request one
             yield from self._run()
         finally:
+            with self._lock:
+                self.closed = True
             engine.busy = False
             self._cache = self._state = self._graphs = None
 
@@ -157,9 +195,11 @@ class Batch:
         return -(-request.context // self.granule) * self.granule
 
     def _refusals(self) -> Iterator[BatchEvent]:
-        """Check every request; yields the refused ones' errors and queues the others."""
-        self.waiting: deque[int] = deque()
-        for i, request in enumerate(self.requests):
+        """Check the requests added since the last look; yields the refused ones' errors and
+        queues the others."""
+        while self._incoming:
+            i = self._incoming.popleft()
+            request = self.requests[i]
             try:
                 if isinstance(request, UserError):
                     raise request
@@ -229,12 +269,19 @@ class Batch:
         if cuda:
             torch.cuda.reset_peak_memory_stats(engine.device)
         self.t_start = time.perf_counter()
-        yield from self._refusals()
-        yield from self._allocate()
+        with self._lock:  # the cache is sized to every request added so far; add() sees its capacity
+            setup = [*self._refusals(), *self._allocate()]
+        yield from setup
         host_tokens = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
         host_logprob = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
         copied = torch.cuda.Event() if cuda else None
-        while self.waiting or self.running:
+        while True:
+            with self._lock:  # requests added meanwhile join the queue; none left: the batch ends
+                refused = [*self._refusals()]
+                self.closed = not (self.waiting or self.running)
+            yield from refused
+            if self.closed:
+                break
             yield from self._admit()
             n = len(self.running)
             if n == 0:
@@ -264,7 +311,7 @@ class Batch:
             return
         if stats.new_tokens == 0:
             seq.t_first = time.perf_counter()
-            stats.time_to_first_token = seq.t_first - self.t_start
+            stats.time_to_first_token = seq.t_first - max(self.t_start, self._arrived[seq.index])
         stats.new_tokens += 1
         if token in (frozenset() if request.ignore_eos else request.eos_ids):
             seq.generation.finish_reason = "eos"
@@ -310,6 +357,12 @@ class Batch:
         while self.waiting and len(self.running) < self.max_batch:
             index = self.waiting[0]
             request = self.requests[index]
+            if index in self._finish:  # its caller has gone before it started
+                self.waiting.popleft()
+                self._finish.discard(index)
+                self.progress.done += 1
+                yield BatchEvent(index, done=True, generation=Generation(request))
+                continue
             start = self.regions.take(self._region_size(request))
             if start is None:
                 break  # in order: the head waits for room (no request overtakes it for ever)

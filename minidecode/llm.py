@@ -8,8 +8,9 @@ import json
 import os
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ import torch
 
 from minidecode.models.llama import Transformer
 
-from .batching import DEFAULT_MAX_BATCH, Batch, BatchProgress
+from .batching import DEFAULT_MAX_BATCH, Batch, BatchEvent, BatchProgress, check_max_batch
 from .cache import FP8, KVCache
 from .cache_file import config_hash, weights_fingerprint
 from .config import ModelConfig
@@ -73,7 +74,8 @@ class Stream:
     """Iterate for text pieces as they are decoded; `.result` holds the full result afterwards.
 
     A stream holds its model from creation until it is exhausted or closed (`close()`, or use it
-    as a context manager): other threads' calls on that model wait their turn meanwhile."""
+    as a context manager): other threads' calls on that model wait their turn meanwhile (a stream
+    that joined a running batch holds only its request in it)."""
 
     _pieces: Generator[str, None, GenerationResult]
     _release: Callable[[], None]
@@ -151,7 +153,8 @@ BatchItem = str | list[int] | list[dict[str, str]] | PromptRequest | dict
 @dataclass
 class BatchStream:
     """Iterate for (prompt index, text piece); `.results` fills in as requests end (all set once
-    the iteration ends). Holds the model until exhausted or closed, like `Stream`."""
+    the iteration ends). Holds its requests in the batch until exhausted or closed (closing ends
+    them; the requests of other callers that joined the batch go on)."""
 
     _pieces: Generator[tuple[int, str], None, None] | None
     _release: Callable[[], None]
@@ -165,7 +168,8 @@ class BatchStream:
             self.close()
 
     def close(self) -> None:
-        """Stop (requests still running end where they are) and give the model to the next caller."""
+        """Stop (this stream's requests still running end where they are); the batch ends, giving
+        the model to the next caller, once no caller's requests remain."""
         if self._pieces is not None:
             self._pieces.close()
         self._release()
@@ -180,33 +184,214 @@ class BatchStream:
         self.close()
 
 
+class _Member:
+    """One caller's requests in a shared batch: its handle for their events, in its own indices."""
+
+    def __init__(self, shared: _SharedBatch, indices: list[int]):
+        self.shared = shared
+        self.indices = indices  # the caller's index i -> the batch's
+        self.own = {index: i for i, index in enumerate(indices)}
+        self.pending = set(indices)  # batch indices whose end the caller has not taken yet
+        self.queue: deque[BatchEvent] = deque()  # routed to it, not taken yet
+        self.open = True
+
+    def events(self) -> Iterator[BatchEvent]:
+        """Its events (indexed as the caller gave the requests) until each request has ended."""
+        while self.pending:
+            event = self.shared.next_event(self)
+            if event is None:  # the caller has left
+                return
+            if event.done:
+                self.pending.discard(event.index)
+            yield dataclasses.replace(event, index=self.own[event.index])
+
+    def finish(self, i: int) -> None:
+        """End the caller's request i now (a stop string): its end event follows."""
+        self.shared.batch.finish(self.indices[i])
+
+    def leave(self) -> None:
+        """The caller has gone (idempotent): its unfinished requests end, the others' go on."""
+        self.shared.leave(self)
+
+
+class _SharedBatch:
+    """A running Batch that the calls of several threads join. Its event loop is driven by
+    whichever caller needs an event while no other caller drives it (one step at a time, outside
+    the lock, so a joiner never waits for a step); each event goes to the queue of the caller that
+    owns its request, and callers with an empty queue wait on the condition (no busy-waiting).
+    The batch ends when its loop ends, fails, or its last caller leaves (then the driver, or the
+    leaver, closes it); `on_end` then gives the model back. An error in the loop (a CUDA error, an
+    interrupt) ends the batch for every caller: the thread that drove the step gets the exception
+    itself, every other caller with requests still running an error that names it."""
+
+    def __init__(self, batch: Batch, on_end: Callable[[], None]):
+        self.batch, self._on_end = batch, on_end
+        self._events = batch.events()
+        self._cond = threading.Condition()
+        self._owners: dict[int, _Member] = {}  # batch index -> the caller that owns it
+        self._callers = 0  # callers that have not left
+        self._driving = False  # a thread is inside the loop's next step
+        self._ended = False  # the loop ended, failed or was closed: no more events
+        self._error: BaseException | None = None
+
+    def join(self, requests: list[Request | UserError]) -> _Member | None:
+        """Add a caller's requests; None when the batch has ended or cannot hold them (Batch.add)."""
+        with self._cond:
+            if self._ended or (indices := self.batch.add(requests)) is None:
+                return None
+            member = _Member(self, indices)
+            self._owners.update(dict.fromkeys(indices, member))
+            self._callers += 1
+            return member
+
+    def next_event(self, member: _Member) -> BatchEvent | None:
+        """The member's next event (None once it has left), driving the loop while nobody else does."""
+        while True:
+            with self._cond:
+                while member.open and not member.queue and self._driving and self._error is None:
+                    self._cond.wait()
+                if not member.open:
+                    return None
+                if member.queue:
+                    return member.queue.popleft()
+                if self._error is not None:
+                    if isinstance(self._error, UserError):
+                        raise UserError(str(self._error))
+                    error = self._error
+                    raise RuntimeError(f"the batch failed in another thread: {error!r}") from error
+                if self._ended:  # the loop ends only after every request's end was routed
+                    raise RuntimeError("the batch ended before this caller's requests did")
+                self._driving = True
+            self._drive()
+
+    def _drive(self) -> None:
+        """One event of the loop (this thread alone), routed to its owner's queue."""
+        event, error = None, None
+        try:
+            event = next(self._events)
+        except StopIteration:
+            pass
+        except BaseException as e:  # re-raised here; the other callers get it from next_event
+            error = e
+            raise
+        finally:
+            with self._cond:
+                self._driving = False
+                ended = event is None and not self._ended  # the loop has ended: this thread ends the batch
+                if event is None:
+                    self._ended, self._error = True, error
+                elif (owner := self._owners.get(event.index)) is not None and owner.open:
+                    owner.queue.append(event)
+                deserted = self._deserted()
+                self._cond.notify_all()
+            if deserted:
+                self._close()
+            elif ended:
+                self._on_end()
+
+    def leave(self, member: _Member) -> None:
+        with self._cond:
+            if not member.open:
+                return
+            member.open = False
+            member.queue.clear()
+            self._callers -= 1
+            for index in member.pending:  # a waiting one never starts, a running one stops
+                self.batch.finish(index)
+            deserted = self._deserted()
+            self._cond.notify_all()
+        if deserted:
+            self._close()
+
+    def _deserted(self) -> bool:
+        """(Under the lock.) No caller is left, so the batch ends now; while a step is driven,
+        its driver decides after it (a leave from within that thread must not wait for it)."""
+        if self._ended or self._driving or self._callers:
+            return False
+        self._ended = True
+        return True
+
+    def _close(self) -> None:
+        self._events.close()  # the batch's finally: the engine is idle, its cache freed
+        self._on_end()
+
+
 class _Turns:
-    """One caller at a time on a model: other threads wait for their turn; the thread that holds
-    the model (an open stream) and calls again is refused, since waiting would never end."""
+    """Who runs on a model's one cache: one single request at a time, or one batch that the calls
+    of other threads join while it runs. A thread that calls again while its own stream is open is
+    refused, since it would wait for itself."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._holder: int | None = None
+        self._cond = threading.Condition()
+        self._busy = False  # a single request or a batch holds the cache
+        self._batch: _SharedBatch | None = None  # the running batch, open to joiners
+        self._open: Counter[int] = Counter()  # thread id -> its open calls on the model
 
-    def acquire(self) -> Callable[[], None]:
-        """Wait for the model; -> the function that gives it back (idempotent)."""
-        if self._holder == threading.get_ident():
-            raise UserError(
-                "this model is still generating: finish or close the previous stream first "
-                "(stream.close(), or `with llm.stream(...) as stream:`)"
-            )
-        self._lock.acquire()
-        self._holder = threading.get_ident()
-        released = False
+    def enter(self) -> Callable[[], None]:
+        """Note a call of this thread, refused while it has an open stream; -> its end (idempotent)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._open[me]:
+                raise UserError(
+                    "this model is still generating: finish or close the previous stream first "
+                    "(stream.close(), or `with llm.stream(...) as stream:`)"
+                )
+            self._open[me] += 1
+        ended = False
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._holder = None
-                self._lock.release()
+        def end() -> None:
+            nonlocal ended
+            with self._cond:
+                if not ended:
+                    ended = True
+                    self._open[me] -= 1
+                    if not self._open[me]:
+                        del self._open[me]  # threads come and go: keep only those with a stream
 
-        return release
+        return end
+
+    def take(self, join: list[Request | UserError] | None = None) -> _Member | None:
+        """Wait for the model and hold it (-> None; hand it back with `give_back`, or run a batch on
+        it with `open_batch`); or, given requests to `join`, add them to the batch that runs when
+        it can hold them (-> their member)."""
+        with self._cond:
+            while True:
+                if join is not None and self._batch is not None:
+                    member = self._batch.join(join)
+                    if member is not None:
+                        return member
+                if not self._busy:
+                    self._busy = True
+                    return None
+                self._cond.wait()
+
+    def open_batch(self, batch: Batch, requests: list[Request | UserError]) -> _Member:
+        """Run `batch` on the held model, open to joiners; -> the member of `requests`. The model
+        is given back when the batch ends."""
+        shared = _SharedBatch(batch, self.give_back)
+        member = shared.join(requests)
+        with self._cond:
+            self._batch = shared
+            self._cond.notify_all()
+        return member
+
+    def give_back(self) -> None:
+        with self._cond:
+            self._busy, self._batch = False, None
+            self._cond.notify_all()
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The model to this thread alone for a while (no batch to join)."""
+        end = self.enter()
+        try:
+            self.take()
+            try:
+                yield
+            finally:
+                self.give_back()
+        finally:
+            end()
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -332,7 +517,7 @@ class LLM:
             kv_dtype=self.kv_dtype,
             prefix_reuse=prefix_reuse and cp == 1,  # context-parallel prefill starts at position 0
         )
-        self._turns = _Turns()  # calls from several threads take turns on the one cache
+        self._turns = _Turns()  # calls from several threads take turns on the one cache, or join its batch
         self._identity: dict[str, str] | None = None  # computed on the first save/load
 
     @property
@@ -355,22 +540,16 @@ class LLM:
         """Save the prefilled cache (the last request's prompt and the answer tokens fed back, up to
         the last) to `path`, a safetensors file, atomically; returns its size in bytes."""
         self._check_single_process("saving a cache")
-        release = self._turns.acquire()
-        try:
+        with self._turns.hold():
             return self.engine.save_cache(path, self.identity)
-        finally:
-            release()
 
     def load_cache(self, path: str | Path) -> int:
         """Check the cache file at `path` against this model (refusing a mismatch) and make it the
         cached prefix: the next request that starts with its tokens reads them from the file instead
         of prefilling them. Returns the number of tokens it holds."""
         self._check_single_process("loading a cache")
-        release = self._turns.acquire()
-        try:
+        with self._turns.hold():
             return self.engine.load_cache(path, self.identity)
-        finally:
-            release()
 
     def _check_single_process(self, what: str) -> None:
         if self.parallel is not None:
@@ -456,7 +635,11 @@ class LLM:
         on_prefill_progress: Callable[[int, int], None] | None = None,
     ) -> Stream:
         """Like `generate`, but yields text pieces as they are decoded (never a broken UTF-8
-        character); after iteration, `.result` is the GenerationResult."""
+        character); after iteration, `.result` is the GenerationResult.
+
+        While a batch runs on this model (another thread's `generate([...])` or `stream_batch`),
+        the request joins it and gets the same tokens (its prefill is not reused from the cache,
+        and on_prefill_progress is not called); while another single request runs, it waits."""
         t_request = time.perf_counter()
         make_request = functools.partial(
             self._request, prompt, token_ids, messages, max_new_tokens, temperature, top_k, top_p, seed, stop,
@@ -466,14 +649,23 @@ class LLM:
             request = make_request()
         else:  # rank 0's prompt and its seed: every rank then samples the same tokens
             request = self.parallel.from_rank0(lambda: with_seed(make_request()))
-        release = self._turns.acquire()  # waits while another thread generates
+        if self.parallel is None:
+            self.engine.check_limits(request)  # refused here, whether it joins a batch or not
+        end = self._turns.enter()
         try:
+            member = self._turns.take(join=[request] if self.parallel is None else None)
+            if member is not None:
+                return Stream(self._joined_pieces(member, request), _both(member.leave, end))
             start = functools.partial(self.engine.generate, request, on_prefill_progress, t_request)
-            generation = start() if self.parallel is None else self.parallel.agree(start)  # refuses a bad one
+            try:  # generate refuses a bad request
+                generation = start() if self.parallel is None else self.parallel.agree(start)
+            except BaseException:
+                self._turns.give_back()
+                raise
         except BaseException:
-            release()
+            end()
             raise
-        return Stream(self._pieces(generation), release)
+        return Stream(self._pieces(generation), _both(self._turns.give_back, end))
 
     def _request(
         self,
@@ -520,13 +712,30 @@ class LLM:
             yield piece
         return text.result(generation)
 
+    def _joined_pieces(self, member: _Member, request: Request) -> Generator[str, None, GenerationResult]:
+        """A single request's pieces, from the running batch it joined."""
+        text = _Text(self.tokenizer, request)
+        for event in member.events():
+            if event.error is not None:
+                raise UserError(event.error)
+            if event.done:
+                if piece := text.flush():
+                    yield piece
+                return text.result(event.generation)
+            if piece := text.push(event.token, event.logprob):
+                yield piece
+            if text.stopped:
+                member.finish(0)  # its end follows
+        raise RuntimeError("the request left its batch before it ended")
+
     def generate(self, prompt: str | None | Sequence[BatchItem] = None, **kwargs) -> GenerationResult:
         """Generate a continuation of `prompt` (or of `token_ids=`, or a chat reply to
         `messages=`). Sampling defaults come from the checkpoint's generation_config.json
         (greedy when it does not sample); temperature=0 is greedy.
 
         A list of prompts (texts, token-id lists, message lists or `PromptRequest`s) runs as one
-        batch and returns a list of results in order (see `stream_batch`)."""
+        batch and returns a list of results in order (see `stream_batch`). Calls from other
+        threads meanwhile join that batch (see `stream_batch`)."""
         if isinstance(prompt, list | tuple):
             return self.generate_batch(prompt, **kwargs)
         with self.stream(prompt, **kwargs) as stream:
@@ -557,7 +766,17 @@ class LLM:
         none. `on_result(index, result)` is called as each request ends; afterwards `.results`
         holds every result in order. A request that is refused (empty prompt, too long, ...)
         gets a result with finish_reason "error" and the reason in `.error`; the others go on.
-        Each request yields the tokens it would alone (greedy; seeded sampling too)."""
+        Each request yields the tokens it would alone (greedy; seeded sampling too).
+
+        Calls from several threads share one batch: while a batch runs on this model, the prompts
+        of a later call (and a later single `generate` / `stream`) join its queue, in order, under
+        its max_batch, in the cache it allocated (none is allocated for them), and each caller
+        gets its own results and pieces only. The cache is sized when the batch starts to the
+        requests given by then; a call with a request larger than that whole cache does not join
+        but waits for the batch to end and runs in a batch of its own. The batch ends when every
+        request of every caller has ended; a caller that closes its stream ends its own requests
+        only. An error inside the batch's loop (a device error, an interrupt) ends it for every
+        caller that still has requests in it."""
         self._check_single_process("batched generation")
         unknown = sorted(set(defaults) - set(BATCH_DEFAULTS))
         if unknown:
@@ -567,20 +786,28 @@ class LLM:
         if not isinstance(prompts, list | tuple) or not prompts:
             raise UserError("give a non-empty list of prompts")
         check_int("max_batch", max_batch, 1)
+        check_max_batch(max_batch)
         settings = {**BATCH_DEFAULTS, **defaults}
         check_request(
             settings["max_new_tokens"], settings["temperature"], settings["top_k"], settings["top_p"],
             settings["seed"], settings["stop"],
         )  # fmt: skip
         requests = [self._batch_request(item, settings) for item in prompts]
-        release = self._turns.acquire()
+        end = self._turns.enter()
         try:
-            batch = Batch(self.engine, requests, max_batch)
+            member = self._turns.take(join=requests)
+            if member is None:  # the model is ours: a batch that later calls may join
+                try:
+                    member = self._turns.open_batch(Batch(self.engine, [], max_batch), requests)
+                except BaseException:
+                    self._turns.give_back()
+                    raise
         except BaseException:
-            release()
+            end()
             raise
-        stream = BatchStream(None, release, [None] * len(requests), batch.progress)
-        stream._pieces = self._batch_pieces(batch, requests, stream.results, on_result)
+        progress = BatchProgress(total=len(requests))
+        stream = BatchStream(None, _both(member.leave, end), [None] * len(requests), progress)
+        stream._pieces = self._batch_pieces(member, requests, stream.results, on_result, progress)
         return stream
 
     def _batch_request(self, item: BatchItem, settings: dict) -> Request | UserError:
@@ -608,42 +835,61 @@ class LLM:
 
     def _batch_pieces(
         self,
-        batch: Batch,
+        member: _Member,
         requests: list[Request | UserError],
         results: list[GenerationResult | None],
         on_result: Callable[[int, GenerationResult], None] | None,
+        progress: BatchProgress,
     ) -> Generator[tuple[int, str], None, None]:
         texts = {i: _Text(self.tokenizer, r) for i, r in enumerate(requests) if isinstance(r, Request)}
-        events = batch.events()
-        with closing(events):
-            for event in events:
-                i = event.index
-                if event.error is not None:
-                    request = requests[i]
-                    prompt_ids = request.prompt_ids if isinstance(request, Request) else []
-                    results[i] = GenerationResult(
-                        "", [], prompt_ids, "error", GenerationStats(), error=event.error
-                    )
-                elif event.done:
-                    if piece := texts[i].flush():
-                        yield i, piece
-                    results[i] = texts[i].result(event.generation)
-                else:
-                    if piece := texts[i].push(event.token, event.logprob):
-                        yield i, piece
-                    if texts[i].stopped:
-                        batch.finish(i)
-                    continue
-                if on_result is not None:
-                    on_result(i, results[i])
+        running: set[int] = set()  # this caller's requests that have handed out a token
+        for event in member.events():
+            i = event.index
+            if event.error is not None:
+                request = requests[i]
+                prompt_ids = request.prompt_ids if isinstance(request, Request) else []
+                results[i] = GenerationResult(
+                    "", [], prompt_ids, "error", GenerationStats(), error=event.error
+                )
+                progress.failed += 1
+            elif event.done:
+                running.discard(i)
+                progress.done += 1
+                if piece := texts[i].flush():
+                    yield i, piece
+                results[i] = texts[i].result(event.generation)
+            else:
+                running.add(i)
+                progress.new_tokens += 1
+            progress.running = len(running)
+            progress.waiting = progress.total - progress.done - progress.failed - progress.running
+            if not event.done:
+                if piece := texts[i].push(event.token, event.logprob):
+                    yield i, piece
+                if texts[i].stopped:
+                    member.finish(i)
+                continue
+            if on_result is not None:
+                on_result(i, results[i])
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""
-        release = self._turns.acquire()
-        try:
+        with self._turns.hold():
             return self.engine.score(token_ids)
-        finally:
-            release()
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    """A stream's release: first, then `then`, once however often it is called."""
+    done = threading.Lock()
+
+    def both() -> None:
+        if done.acquire(blocking=False):
+            try:
+                first()
+            finally:
+                then()
+
+    return both
 
 
 def with_seed(request: Request) -> Request:
