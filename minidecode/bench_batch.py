@@ -134,7 +134,7 @@ def padded_flash_attention(smax: int) -> Iterator[None]:
             out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v, scale=scale)
         return out.reshape(B, Hq, D)
 
-    original = Attention.attend
+    original = Attention.__dict__["attend"]  # the staticmethod itself (class access unwraps it)
     Attention.attend = staticmethod(attend)
     try:
         yield
