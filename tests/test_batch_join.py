@@ -93,6 +93,12 @@ def gated(ids: list[int], room: int) -> PromptRequest:
     return PromptRequest(token_ids=ids, max_new_tokens=1, max_context=room)
 
 
+def first_call(llm: LLM, gate_ids: list[int], prompts: list[tuple[list[int], int]], on_result):
+    """The first caller's greedy batch: a gated request (room for joiners), then (ids, max_new) prompts."""
+    items = [gated(gate_ids, 130)] + [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in prompts]
+    return llm.generate(items, temperature=0, ignore_eos=True, on_result=on_result)
+
+
 def start(target, *args) -> tuple[threading.Thread, dict]:
     """Run target(*args) on a thread; its return value or exception lands in the dict."""
     out: dict = {}
@@ -131,9 +137,7 @@ def test_three_threads_join_one_batch(llama, greedy, prompt_ids, monkeypatch):
             assert watch.wait_adds(3), "B and C never joined"
 
     def caller_a():
-        items = [gated(prompt_ids(8, seed=0), 130)]
-        items += [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in a_prompts]
-        return llm.generate(items, temperature=0, ignore_eos=True, on_result=on_result)
+        return first_call(llm, prompt_ids(8, seed=0), a_prompts, on_result)
 
     def caller_b():
         assert watch.wait_adds(1)
@@ -170,9 +174,7 @@ def test_a_joiner_that_closes_early_ends_only_its_own_requests(llama, greedy, pr
             assert b_closed.wait(WAIT), "B never closed"
 
     def caller_a():
-        items = [gated(prompt_ids(8, seed=10), 130)]
-        items += [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in a_prompts]
-        return llm.generate(items, temperature=0, ignore_eos=True, on_result=on_result)
+        return first_call(llm, prompt_ids(8, seed=10), a_prompts, on_result)
 
     def caller_b():
         assert watch.wait_adds(1)
