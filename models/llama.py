@@ -85,21 +85,21 @@ class Attention(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
+        written: torch.Tensor,
         lengths: torch.Tensor,
         kv: LayerKV,
         pdl: bool,
         starts: torch.Tensor | None = None,
     ) -> None:
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
-        in place. cos/sin [B, D]; positions [B] int64 where the new token goes; lengths [B] int32
-        = positions + 1 (0: an idle batch slot); starts [B] int64: where each sequence's region
-        begins in a cache of one shared row (kv [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
+        in place. cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to (region
+        start + position in a batch); lengths [B] int32 = positions + 1 (0: an idle batch slot);
+        starts [B] int64: where each sequence's region begins in a cache of one shared row (kv
+        [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
         B = x.shape[0]
         k_cache, v_cache, k_scale, v_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        written = positions if starts is None else starts + positions  # cache positions of the new K/V
         q = ops.rope_and_cache(
             qkv, cos, sin, written, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
             k_scale=k_scale, v_scale=v_scale, static_scales=self.kv_static_scales,
@@ -295,6 +295,8 @@ class Transformer(nn.Module):
         """The layers of a decode step: RoPE at `positions` [B], the new K/V written at cache
         positions `written` [B] (+ starts), attention over `lengths` [B] -> final-normed hidden."""
         cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
+        if starts is not None:  # once a step, not once a layer: cache positions in the shared row
+            written = starts + written
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x, pdl)
