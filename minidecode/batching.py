@@ -261,6 +261,7 @@ class Batch:
         self._state.starts.fill_(max(self.spare, 0))
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.running: list[_Sequence] = []  # row i of the state is running[i]
+        self._running_key: tuple[str, bool] | None = None  # _sampling_key of the running rows
 
     # ---- the loop ------------------------------------------------------------------------
     def _run(self) -> Iterator[BatchEvent]:
@@ -288,7 +289,7 @@ class Batch:
                 continue
             state = self._state
             host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
-            if any(seq.generation.request.want_logprobs for seq in self.running):
+            if self._sampling_key()[1]:  # a running request wants log-probs
                 host_logprob[:n].copy_(state.logprob[:n], non_blocking=True)
             if copied is not None:
                 copied.record()
@@ -330,6 +331,7 @@ class Batch:
             state.move(last, row)
             self.running[row] = self.running[last]
         self.running.pop()
+        self._running_key = None
         state.active[last] = 0
         state.starts[last] = self.spare
         state.positions[last] = 0
@@ -405,13 +407,22 @@ class Batch:
         stats.prefill_seconds = time.perf_counter() - t0
         stats.prefill_tokens_per_s = n / max(stats.prefill_seconds, 1e-9)
         self.running.append(_Sequence(index, generation, start))
+        self._running_key = None
 
     # ---- the decode step -----------------------------------------------------------------
+    def _sampling_key(self) -> tuple[str, bool]:
+        """(sampling mode, log-probs wanted) of the running rows: recomputed only when a row
+        starts or ends, not on every step."""
+        if self._running_key is None:
+            requests = [seq.generation.request for seq in self.running]
+            mode = batch_mode([r.params for r in requests])
+            self._running_key = mode, any(r.want_logprobs for r in requests)
+        return self._running_key
+
     def _step(self, n: int) -> None:
         """One decode step of the n running sequences (rows 0..n-1)."""
         engine = self.engine
-        requests = [seq.generation.request for seq in self.running]
-        mode, logprobs = batch_mode([r.params for r in requests]), any(r.want_logprobs for r in requests)
+        mode, logprobs = self._sampling_key()
         if not engine.use_cuda_graph:
             decode_step(
                 engine.model, self._cache, self._state.rows(n), mode, logprobs, engine.pdl, batch=True
