@@ -13,7 +13,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import torch
 
@@ -69,8 +69,30 @@ class GenerationResult:
     error: str | None = None  # a batch request that was refused (finish_reason "error")
 
 
+class _HoldsModel:
+    """What Stream and BatchStream share: they hold the model (or their requests in a batch)
+    until closed, explicitly, by a `with` block, by running out, or when dropped."""
+
+    _pieces: Generator | None
+    _release: Callable[[], None]
+
+    def close(self) -> None:
+        if self._pieces is not None:
+            self._pieces.close()
+        self._release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # an abandoned stream must not hold the model forever
+        self.close()
+
+
 @dataclass
-class Stream:
+class Stream(_HoldsModel):
     """Iterate for text pieces as they are decoded; `.result` holds the full result afterwards.
 
     A stream holds its model from creation until it is exhausted or closed (`close()`, or use it
@@ -89,17 +111,7 @@ class Stream:
 
     def close(self) -> None:
         """Stop generating (if still running) and give the model to the next caller."""
-        self._pieces.close()
-        self._release()
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # an abandoned stream must not hold the model forever
-        self.close()
+        super().close()
 
 
 @dataclass
@@ -151,7 +163,7 @@ BatchItem = str | list[int] | list[dict[str, str]] | PromptRequest | dict
 
 
 @dataclass
-class BatchStream:
+class BatchStream(_HoldsModel):
     """Iterate for (prompt index, text piece); `.results` fills in as requests end (all set once
     the iteration ends). Holds its requests in the batch until exhausted or closed (closing ends
     them; the requests of other callers that joined the batch go on)."""
@@ -170,18 +182,7 @@ class BatchStream:
     def close(self) -> None:
         """Stop (this stream's requests still running end where they are); the batch ends, giving
         the model to the next caller, once no caller's requests remain."""
-        if self._pieces is not None:
-            self._pieces.close()
-        self._release()
-
-    def __enter__(self) -> BatchStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
+        super().close()
 
 
 class _Member:
