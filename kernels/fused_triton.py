@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .e4m3 import round_to_e4m3
 from .quant import FP8_DTYPE, SCALE_FLOOR, V_BLOCK, v_blocks
 
 
@@ -66,22 +67,14 @@ def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr, static_scale, STATIC: tl.conste
     quantize_fp8: scale = max(amax / 448, floor) (or `static_scale` when STATIC), e4m3(x / scale)
     rounded to nearest even.
 
-    Integer and float32 ops only (no float8 cast), so the interpreter and any GPU compute the
-    same bits: |y| is rounded to the e4m3 grid of its binade by adding and subtracting
-    1.5 * 2^23 * step (the sum's ulp is the step), then re-encoded through fp16, which holds
-    every e4m3 value times 2^-8 exactly (see lean_attention's _e4m3_to_fp16)."""
+    Rounded by e4m3.round_to_e4m3 (float32 and integer ops): the interpreter and any GPU compute
+    the same bits."""
     if STATIC:
         scale = static_scale
     else:
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), SCALE_FLOOR)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-    y_abs = tl.abs(y)
-    binade = tl.maximum((y_abs.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 2^-6: subnormal step
-    magic = (((binade + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^23 * step
-    r = (y_abs + magic) - magic
-    h = (r * 0.00390625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)  # r * 2^-8, exact
-    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
-    return (sign | ((h >> 7) & 0x7F)).to(tl.uint8), scale
+    return round_to_e4m3(y), scale
 
 
 @triton.jit

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from . import quant
+from .e4m3 import split_e4m3
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -63,41 +64,40 @@ class LeanConfig:
 DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positions: int = 0) -> LeanConfig:
+def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> LeanConfig:
     """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
     twice the bytes, so half the positions per tile and two stages keep them within shared
-    memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) from
-    FP8_LONG_POSITIONS up takes FP8_LONG_CONFIG: a shape, not the lengths, decides, so a CUDA
-    graph captured for a cache replays one config however its context grows."""
+    memory (fp32 is for tests, not speed)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if fp8:
-        return FP8_LONG_CONFIG if positions >= FP8_LONG_POSITIONS else FP8_CONFIG
+        return FP8_CONFIG
     if dtype == torch.float32:
         return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
     return DEFAULT_CONFIG
 
 
-# FP8 dequantization (kernel constexpr DEQUANT), timed in bench/attention.py --fp8-variants. On a
-# GPU the hardware conversion is the faster (bench/NOTES-attention.md); the interpreter has no
-# float8 casts, so the CPU runs the integer decode, which gives the same fp16 values times 2^-8.
+# How the kernel reads an FP8 cache (kernel constexpr DEQUANT; bench/attention.py --fp8-variants
+# times them, bench/NOTES-attention.md has the numbers). MMA, the default with V blocked, decodes
+# nothing: K and V enter e4m3 tensor-core dots as they are stored, and q and p are split into two
+# e4m3 terms each (kernels/e4m3.py split_e4m3) so the products keep bf16's precision. BITS and CVT
+# decode every K/V element to fp16 for fp16 dots, which bounds them by the conversions (at most
+# 3.2 TB/s of e4m3 bytes on an H200); the interpreter has no float8 cast, so the CPU runs BITS
+# where a GPU runs CVT (the same fp16 values times 2^-8).
 DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
 DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
 DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
-DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # e4m3 value / fp16 value
+DEQUANT_MMA = 3  # e4m3 tensor-core dots, no decode ("blocked_t" V only)
+DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_MMA: 1.0}  # e4m3 value / operand value
 
-# FP8 cache: an e4m3 tile is half the bytes of a bf16 one, so twice the positions per tile keep
-# the bf16 config's bytes in flight (2 x 64 KiB a CTA at 3 stages) and spread the per-tile
-# softmax, scale and loop work over twice the bytes: 1.30-1.34x faster than the bf16 config
-# from 128k up (H200, bench/NOTES-attention.md). 204 KiB of shared memory, one CTA per SM.
-FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
-# Long caches: 128 positions a tile, 4 warps, 2 CTAs an SM (2 x 96 KiB of shared memory). With V
-# blocked ("blocked_t") the loop is bound by instruction issue, not bytes: two smaller CTAs an SM
-# keep more independent tiles in flight. 1.16x (128k) to 1.36x (512k) over the bf16 cache, where
-# FP8_CONFIG gives 1.13x and 1.23x; below ~64k it is slower (0.79x at 4k, FP8_CONFIG 1.12x) (H200,
-# bench/NOTES-attention.md).
-FP8_LONG_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4)
-FP8_LONG_POSITIONS = 65536  # cache positions (all rows) from which an FP8 cache takes FP8_LONG_CONFIG
+# FP8 cache: 128 positions a tile, 4 warps (one warpgroup: the e4m3 dots run as Hopper's
+# warpgroup MMA with positions on M = 128 and the group's query heads on N = 16), 3 stages, 2 CTAs
+# an SM (2 x 75 KiB of shared memory). Best of 7 configs of the e4m3 tensor-core tile at 16k-1M
+# (H200, bench/NOTES-attention.md).
+FP8_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4)
+# p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
+# and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
+P_RANGE = tl.constexpr(256.0)
 
 # V cache layouts (lean_attention's v_layout). "standard": [C, Hkv, S, D] like K. "blocked_t": an
 # e4m3 V cache stored per block of V_BLOCK positions with the positions contiguous,
@@ -136,14 +136,75 @@ def _e4m3_to_fp16(x, DEQUANT: tl.constexpr):
 
 @triton.jit
 def _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT: tl.constexpr):
-    """The fp16 q.k operand of query heads q_rows: q [G_PAD, D] times a power of two that takes
-    each row's largest |q| into [128, 256) (exact; within fp16's range whatever q's dtype), and
+    """Query heads q_rows as float32 q [G_PAD, D] times a power of two that takes each row's
+    largest |q| into [128, 256) (exact; within fp16's and e4m3's range whatever q's dtype), and
     the [G_PAD] factor that undoes it (and the softmax scale, and UNIT) on the scores."""
     q = tl.load(q_b + q_rows[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     qf = q.to(tl.float32)
     q_exp = _pow2_exponent(tl.max(tl.abs(qf), 1))  # [G_PAD]
-    q16 = (qf * _pow2(127 + 134 - q_exp)[:, None]).to(tl.float16)
-    return q16, qk_scale * UNIT * _pow2(q_exp - 7)
+    return qf * _pow2(127 + 134 - q_exp)[:, None], qk_scale * UNIT * _pow2(q_exp - 7)
+
+
+@triton.jit
+def _e4m3_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, HW: tl.constexpr):
+    """q.k's B operands for the e4m3 tensor-core dots: the pre-scaled q (_fp8_query) split into
+    two e4m3 terms (split_e4m3), each [D, G_PAD]; and the [G_PAD] factor for the scores."""
+    qs, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, 1.0)
+    q_hi, q_lo = split_e4m3(qs, HW)
+    return tl.trans(q_hi), tl.trans(q_lo), row_scale
+
+
+@triton.jit
+def _empty_state(G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr):
+    """Online-softmax state of one segment: running max m [G_PAD] (log2 units), running sum l,
+    unnormalised output acc. The e4m3 tensor-core tile (MMA) holds positions x query heads:
+    acc [D, G_PAD], and l [BLOCK_N, G_PAD] per position, summed over positions once at the
+    segment's end (a sum over positions every tile is a reduction across warps)."""
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    if MMA:
+        l_sum = tl.zeros([BLOCK_N, G_PAD], tl.float32)
+        acc = tl.zeros([HEAD_DIM, G_PAD], tl.float32)
+    else:
+        l_sum = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    return m, l_sum, acc
+
+
+@triton.jit
+def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_hi, q_lo, row_scale, m_i, l_i, acc, HW: tl.constexpr):
+    """One tile of the FP8 cache on e4m3 tensor cores, transposed (positions on the dots' M axis:
+    Hopper's warpgroup MMA needs M >= 64, the group's G query heads fill only N = G_PAD).
+
+    k [BLOCK_N, D] and v [D, BLOCK_N] (blocked V: positions contiguous, as the dot's K-major
+    operand needs) are uint8 e4m3 as stored, never decoded. Scores: k . q_hi + k . q_lo with fp32
+    accumulation, times the K scales and q's factor. P.V: p times v_scale / (the tile's largest),
+    times P_RANGE, split into two e4m3 terms; the tile's largest v_scale / P_RANGE multiplies the
+    fp32 result. fp32 softmax and fp32 accumulation across tiles, as in the fp16 paths."""
+    k8 = k.to(tl.float8e4nv, bitcast=True)
+    qk = tl.dot(k8, q_hi)
+    qk = tl.dot(k8, q_lo, acc=qk)  # [BLOCK_N, G_PAD] fp32
+    qk = qk * k_scale[:, None] * row_scale[None, :]
+    qk = tl.where(valid[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 0))  # finite: every tile holds a valid position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[None, :])  # [BLOCK_N, G_PAD]
+    l_i = l_i * alpha[None, :] + p
+    v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
+    p_hi, p_lo = split_e4m3(p * (v_scale * (P_RANGE / v_top))[:, None], HW)
+    v8 = v.to(tl.float8e4nv, bitcast=True)
+    pv = tl.dot(v8, p_hi)
+    pv = tl.dot(v8, p_lo, acc=pv)  # [D, G_PAD] fp32
+    acc = acc * alpha[None, :] + pv * (v_top / P_RANGE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK: tl.constexpr):
+    """[HEAD_DIM, BLOCK_N] of a blocked V head; n0 is a multiple of BLOCK_N, so of V_BLOCK. Masked
+    by whole blocks (see V_BLOCK): every block that begins before the length is in the cache."""
+    return tl.load(
+        v_h + (n0 // V_BLOCK) * stride_vn + offs_v, mask=(n0 + v_block_lo < length)[None, :], other=0.0
+    )
 
 
 @triton.jit
@@ -307,6 +368,7 @@ def _lean_decode_kernel(
     HAS_STARTS: tl.constexpr,
     V_BLOCK: tl.constexpr,  # 0: V in K's layout; > 0: "blocked_t", V_BLOCK positions a block
     WRITE_LSE: tl.constexpr,
+    E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -348,9 +410,8 @@ def _lean_decode_kernel(
     # K loop): the next head's K/V loads are already in flight while a head's result is stored,
     # so crossing a head costs no pipeline drain and refill. Only a sequence boundary (found
     # with reductions over the batch, too slow to repeat per tile) restarts the loop.
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    MMA: tl.constexpr = DEQUANT == 3  # e4m3 tensor-core tile (_e4m3_mma_tile)
+    m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
     tile = range_lo
     while tile < range_hi:
         b, h, seg_lo, n_blk, length = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
@@ -366,11 +427,16 @@ def _lean_decode_kernel(
         else:  # blocked: start is a multiple of V_BLOCK (the caller's contract)
             v_b = V + b.to(tl.int64) * stride_vb + (start // V_BLOCK) * stride_vn
         s_b = b.to(tl.int64) * stride_sb + start
-        if DEQUANT != 0:
-            # q's fp16 operand depends only on the head: made once per segment, not per tile
+        # FP8: q's operands depend only on the head: made once per segment, not per tile
+        if MMA:
+            q_hi, q_lo, row_scale = _e4m3_query(
+                q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, E4M3_HW
+            )
+        elif DEQUANT != 0:
             q_h, row_scale = _fp8_query(
                 q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, UNIT
             )
+            q_h = q_h.to(tl.float16)
         for t in range(tile, stop):
             h = (t - seq_lo) // n_blk
             seg_lo = seq_lo + h * n_blk
@@ -380,74 +446,92 @@ def _lean_decode_kernel(
                 q_ptrs = q_b + q_rows[:, None] * stride_qh + offs_d[None, :]
                 q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
             elif (t == seg_lo) & (t != tile):  # a new head starts inside our range
-                q_h, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
+                if MMA:
+                    q_hi, q_lo, row_scale = _e4m3_query(
+                        q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, E4M3_HW
+                    )
+                else:
+                    q_h, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
+                    q_h = q_h.to(tl.float16)
             valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
             # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
             k = tl.load(
                 k_b + h.to(tl.int64) * stride_kh + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0
             )
-            if DEQUANT == 0:
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
-                qk = qk * qk_scale
-            else:
-                # fp16 dot of the dequantized values (e4m3 / UNIT) with q's pre-scaled operand
-                # (_fp8_query); its undoing factor and the per-position K scale multiply the
-                # [G_PAD, BLOCK_N] score tile, not the K elements.
+            if MMA:
                 k_scale = tl.load(KScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
-                qk = tl.dot(q_h, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
-                qk = qk * row_scale[:, None] * k_scale[None, :]
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            # Every block holds a valid position, so m_new is finite and alpha is 0 on a
-            # segment's first block (m_i = -inf there).
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_BLOCK == 0:
-                v = tl.load(
-                    v_b + h.to(tl.int64) * stride_vh + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0
-                )
-            else:
-                # [HEAD_DIM, BLOCK_N]; n0 is a multiple of BLOCK_N, so of V_BLOCK. Masked by whole
-                # blocks (see V_BLOCK): every block that begins before the length is in the cache.
-                v = tl.load(
-                    v_b + h.to(tl.int64) * stride_vh + (n0 // V_BLOCK) * stride_vn + offs_v,
-                    mask=(n0 + v_block_lo < length)[None, :],
-                    other=0.0,
-                )
-            if DEQUANT == 0:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            else:
-                # The per-position V scale multiplies p, relative to the tile's largest scale so
-                # that p stays in [0, 1] in fp16; that largest scale (and UNIT) multiplies the
-                # tile's fp32 result. fp32 accumulation across tiles, never fp16/fp8.
                 v_scale = tl.load(VScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
-                v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
-                p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
+                v = _load_v_blocked(
+                    v_b + h.to(tl.int64) * stride_vh, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK
+                )
+                # fmt: off
+                m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_hi, q_lo, row_scale,
+                                               m_i, l_i, acc, E4M3_HW)
+                # fmt: on
+            else:
+                if DEQUANT == 0:
+                    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
+                    qk = qk * qk_scale
+                else:
+                    # fp16 dot of the dequantized values (e4m3 / UNIT) with q's pre-scaled operand
+                    # (_fp8_query); its undoing factor and the per-position K scale multiply the
+                    # [G_PAD, BLOCK_N] score tile, not the K elements.
+                    k_scale = tl.load(KScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
+                    qk = tl.dot(q_h, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
+                    qk = qk * row_scale[:, None] * k_scale[None, :]
+                qk = tl.where(valid[None, :], qk, float("-inf"))
+                # Every block holds a valid position, so m_new is finite and alpha is 0 on a
+                # segment's first block (m_i = -inf there).
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
+                l_i = l_i * alpha + tl.sum(p, 1)
                 if V_BLOCK == 0:
-                    pv = tl.dot(p16, _e4m3_to_fp16(v, DEQUANT))  # [G_PAD, HEAD_DIM] fp32
-                else:  # the B operand [BLOCK_N, HEAD_DIM] with its reduction axis contiguous
-                    pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))
-                acc = acc * alpha[:, None] + pv * (v_top * UNIT)
-            m_i = m_new
+                    v = tl.load(
+                        v_b + h.to(tl.int64) * stride_vh + n0 * stride_vn + offs_v,
+                        mask=valid[:, None],
+                        other=0.0,
+                    )
+                else:
+                    v = _load_v_blocked(
+                        v_b + h.to(tl.int64) * stride_vh, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK
+                    )
+                if DEQUANT == 0:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                else:
+                    # The per-position V scale multiplies p, relative to the tile's largest scale so
+                    # that p stays in [0, 1] in fp16; that largest scale (and UNIT) multiplies the
+                    # tile's fp32 result. fp32 accumulation across tiles, never fp16/fp8.
+                    v_scale = tl.load(VScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
+                    v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
+                    p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
+                    if V_BLOCK == 0:
+                        pv = tl.dot(p16, _e4m3_to_fp16(v, DEQUANT))  # [G_PAD, HEAD_DIM] fp32
+                    else:  # the B operand [BLOCK_N, HEAD_DIM] with its reduction axis contiguous
+                        pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))
+                    acc = acc * alpha[:, None] + pv * (v_top * UNIT)
+                m_i = m_new
 
             seg_hi = seg_lo + n_blk
             if (t == seg_hi - 1) | (t == range_hi - 1):  # our piece of this segment ends here
+                if MMA:  # back to query heads x head_dim
+                    l_row = tl.sum(l_i, 0)  # [G_PAD]
+                    o_seg = tl.trans(acc / l_row[None, :])  # [G_PAD, HEAD_DIM]
+                else:
+                    l_row = l_i
+                    o_seg = acc / l_i[:, None]
                 if (seg_lo >= range_lo) & (t == seg_hi - 1):
                     # The whole segment is ours: no partials.
                     out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
-                    tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+                    tl.store(out_ptrs, o_seg.to(Out.dtype.element_ty), mask=row_ok[:, None])
                     if WRITE_LSE:  # log2 units -> natural log
                         lse_ptrs = Lse + b * (Hkv * G) + q_rows
-                        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+                        tl.store(lse_ptrs, (m_i + tl.log2(l_row)) * 0.6931471805599453, mask=row_ok)
                 else:
                     slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
-                    o_part = acc / l_i[:, None]
-                    tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_part, mask=row_ok[:, None])
-                    tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_i), mask=row_ok)
-                m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-                l_i = tl.zeros([G_PAD], tl.float32)
-                acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+                    tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_seg, mask=row_ok[:, None])
+                    tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_row), mask=row_ok)
+                m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
         tile = stop
 
     # ---- tickets for our (at most two) partial segments, after all our tiles -------------------
@@ -526,7 +610,7 @@ def lean_attention(
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
-    fp8_dequant: int = DEQUANT_CVT,
+    fp8_dequant: int | None = None,
     v_layout: str = "standard",
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
@@ -537,7 +621,9 @@ def lean_attention(
 
     K/V share q's dtype (fp16 / bf16 / fp32), or are float8_e4m3fn with per-(sequence, KV head,
     position) float32 scales `k_scale` / `v_scale` (kernels/quant.py: row = e4m3 row * scale).
-    An FP8 cache is dequantized in registers; softmax and accumulation stay in fp32.
+    An FP8 cache with V blocked is read by e4m3 tensor-core dots (`fp8_dequant` DEQUANT_MMA, the
+    default there), one in K's layout is decoded to fp16 in registers (DEQUANT_CVT on a GPU,
+    DEQUANT_BITS on the CPU); softmax and accumulation stay in fp32 either way.
 
     One kernel launch, no host sync: safe to capture in a CUDA graph (after one eager call, which
     allocates the cached workspace) and replay as `lengths` grows in place. Calls that share a
@@ -585,8 +671,12 @@ def lean_attention(
                 )
         if k_scale.stride() != v_scale.stride():
             raise ValueError("k_scale and v_scale must have the same strides")
+        if fp8_dequant is None:
+            fp8_dequant = DEQUANT_MMA if blocked else DEQUANT_CVT
         if fp8_dequant not in DEQUANT_UNIT:
             raise ValueError(f"unknown FP8 dequantization variant {fp8_dequant}")
+        if fp8_dequant == DEQUANT_MMA and not blocked:
+            raise ValueError("e4m3 tensor-core dots (DEQUANT_MMA) need v_layout 'blocked_t'")
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale / v_scale are for a float8_e4m3fn cache, not {k_cache.dtype}")
     if blocked:
@@ -609,7 +699,7 @@ def lean_attention(
     if lengths.dtype != torch.int32:
         lengths = lengths.to(torch.int32)
 
-    config = config or default_config(D, q.dtype, fp8, positions=C * S)
+    config = config or default_config(D, q.dtype, fp8)
     if blocked and config.block_n % V_BLOCK != 0:
         raise ValueError(f"v_layout 'blocked_t' needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     grid = _grid_size(q.device, config, num_ctas)
@@ -626,7 +716,7 @@ def lean_attention(
         # uint8 views: the kernel decodes the e4m3 bits itself (the Triton interpreter has no
         # float8 tensors, and the integer decode needs no FP8 conversion hardware).
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        if q.device.type != "cuda":
+        if q.device.type != "cuda" and fp8_dequant == DEQUANT_CVT:
             fp8_dequant = DEQUANT_BITS  # the interpreter has no float8 casts
     else:
         k_scale = v_scale = k_cache  # unused pointers
@@ -675,6 +765,7 @@ def lean_attention(
         HAS_STARTS=starts is not None,
         V_BLOCK=V_BLOCK if blocked else 0,
         WRITE_LSE=lse is not None,
+        E4M3_HW=q.device.type == "cuda",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

@@ -119,8 +119,9 @@ def test_decode_attention_reads_the_dequantized_blocked_cache(triton):
         loud[b, :, n:] = 0x7E  # 448: finite (the kernel's contract), but loud if weighed
     v_blocked = to_v_blocked_t(loud.view(FP8))
     out = decode_attention(q, k8, v_blocked, lengths, 0.25, triton=triton, k_scale=ks, v_scale=vs)
-    # the twin: float32 math; the kernel: fp16 dot operands (tests/test_lean_attention.py's FP8_TOL)
-    assert rel_err(out, exact) < (2e-3 if triton else 1e-6)
+    # the twin: float32 math; the kernel: e4m3 tensor-core products of q and p split into two e4m3
+    # terms each, bf16's precision (tests/test_lean_attention.py's MMA_TOL)
+    assert rel_err(out, exact) < (1e-2 if triton else 1e-6)
 
 
 def test_cache_counts_and_names_its_scales():

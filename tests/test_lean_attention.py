@@ -221,6 +221,9 @@ def test_schedule_is_even():
 # by peaked scores (K heads up to 10x larger); a loose bound that a mis-scaled cache (a wrong
 # head's or position's scale) fails by far. bench/attention.py reports the measured error.
 FP8_TOL = {torch.float16: 2e-3, torch.float32: 2e-3, torch.bfloat16: 1e-2}
+# The e4m3 tensor-core path (DEQUANT_MMA) forms its products from two e4m3 terms of q and of p
+# (about 8 bits, bf16's precision), whatever q's dtype: bf16's bound.
+MMA_TOL = TOL[torch.bfloat16]
 FP8_VS_UNQUANTIZED = 0.25
 
 
@@ -455,12 +458,18 @@ def check_fp8_vt(device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=tor
     vt = blocked_v(v8, lengths)
     out = run_lean(q, (k8, ks), (vt, vs), lens, scale, num_ctas, v_layout="blocked_t", **kw)
     err = rel_err(out, reference(q, (k8, ks), (v8, vs), lens, scale))
-    assert err < FP8_TOL[dtype], f"relative error {err:.2e} against the dequantized cache"
+    tol = MMA_TOL if kw.get("fp8_dequant", la.DEQUANT_MMA) == la.DEQUANT_MMA else FP8_TOL[dtype]
+    assert err < tol, f"relative error {err:.2e} against the dequantized cache"
 
 
 def dequants(device):
-    """The kernel's e4m3 decodes to test: the interpreter runs the integer one (no float8 casts)."""
-    return [la.DEQUANT_BITS] if device == "cpu" else [la.DEQUANT_CVT, la.DEQUANT_BITS]
+    """The kernel's ways to read e4m3: the tensor-core path (its rounding by integer ops in the
+    interpreter), and the fp16 decodes (the interpreter runs the integer one: no float8 casts)."""
+    return (
+        [la.DEQUANT_MMA, la.DEQUANT_BITS]
+        if device == "cpu"
+        else [la.DEQUANT_MMA, la.DEQUANT_CVT, la.DEQUANT_BITS]
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -482,41 +491,19 @@ def test_fp8_vt_ragged_batch(device, num_ctas):
             check_fp8_vt(device, lengths, hq=8, hkv=2, num_ctas=num_ctas, dtype=dtype, fp8_dequant=dequant)
 
 
-def test_fp8_config_follows_cache_positions(monkeypatch):
-    """An FP8 cache takes the long-context config from FP8_LONG_POSITIONS positions (all rows)
-    up: decided by the cache's shape, so one captured graph keeps one config as lengths grow."""
-    n = la.FP8_LONG_POSITIONS
-    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n - 1) == la.FP8_CONFIG
-    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n) == la.FP8_LONG_CONFIG
-    assert la.default_config(128, torch.bfloat16, positions=4 * n) == la.DEFAULT_CONFIG  # bf16: one config
-    seen = []
-    grid_size = la._grid_size
-    monkeypatch.setattr(  # records the config lean_attention launches with
-        la,
-        "_grid_size",
-        lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
-    )
-    for s, want in ((n // 2 - 1, la.FP8_CONFIG), (n // 2, la.FP8_LONG_CONFIG)):
-        k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
-        scales = torch.ones(2, 1, s)
-        la.lean_attention(
-            torch.randn(2, 1, 64), k, k.clone(), torch.tensor([1, 0], dtype=torch.int32), 0.1,
-            k_scale=scales, v_scale=scales.clone(),
-        )  # fmt: skip
-        assert seen[-1] == want
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "config",
     [
         la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_chunk=4),
-        la.FP8_LONG_CONFIG,
+        la.FP8_CONFIG,
+        la.LeanConfig(block_n=4 * V_BLOCK, num_warps=8, num_stages=2, ctas_per_sm=1, merge_chunk=4),
     ],
-    ids=["one-block-tiles", "long-context"],
+    ids=["one-block-tiles", "default", "two-warpgroups"],
 )
 def test_fp8_vt_llama_shape_and_configs(device, config):
-    """32 q / 8 KV heads, head_dim 128, tiles of one and of two V blocks, heads split over CTAs."""
+    """32 q / 8 KV heads, head_dim 128, tiles of one, two and four V blocks (two warpgroups share
+    a tile's positions), heads split over CTAs."""
     lengths = [3 * BLOCK_FP8 + 17, 100] if device == "cpu" else [131_072 + 5, 999]
     check_fp8_vt(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=5, config=config)
 
@@ -548,7 +535,7 @@ def test_fp8_vt_regions_of_one_shared_row(device):
     assert counters_zero()
     idx = (lens > 0).nonzero()[:, 0]
     ref = reference(q[idx], (k8[idx], ks[idx]), (v8[idx], vs[idx]), lens[idx], 64**-0.5)
-    assert rel_err(out[idx], ref) < FP8_TOL[dtype]
+    assert rel_err(out[idx], ref) < MMA_TOL
     assert out[lens == 0].isnan().all(), "an idle slot's output was written"
 
 
@@ -567,6 +554,10 @@ def test_fp8_vt_rejects_bad_input(device):
     small = la.LeanConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, merge_chunk=4)
     with pytest.raises(ValueError, match="block_n a multiple of"):
         la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", config=small, **kw)
+    with pytest.raises(ValueError, match="need v_layout 'blocked_t'"):
+        la.lean_attention(q, k8, v8, lens, 0.1, fp8_dequant=la.DEQUANT_MMA, **kw)
+    with pytest.raises(ValueError, match="unknown FP8 dequantization variant"):
+        la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", fp8_dequant=7, **kw)
     if device == "cpu":
         starts = torch.tensor([V_BLOCK + 1], dtype=torch.int64)
         with pytest.raises(ValueError, match=f"multiple of {V_BLOCK}"):
