@@ -64,6 +64,9 @@ class Fp8Variant:
 FP8_VARIANTS = {
     "blocked": Fp8Variant(la.DEQUANT_MMA, v_layout="blocked_t"),
     "blocked_cvt": Fp8Variant(la.DEQUANT_CVT, v_layout="blocked_t"),
+    "blocked_n256w8": Fp8Variant(la.DEQUANT_MMA, LeanConfig(256, 8, 3, 1, 4), v_layout="blocked_t"),
+    "blocked_x1": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 3, 1, 4), v_layout="blocked_t"),
+    "blocked_n64x3": Fp8Variant(la.DEQUANT_MMA, LeanConfig(64, 4, 4, 3, 4), v_layout="blocked_t"),
     "standard": Fp8Variant(la.DEQUANT_CVT),
 }
 
@@ -617,7 +620,15 @@ def main() -> None:
     args = ap.parse_args()
     args.fp8_variants = list(FP8_VARIANTS) if args.fp8_variants else list(FP8_VARIANTS)[:1]
 
-    quick = ("B1 32/8 4k", "B1 32/8 16k", "B1 32/8 128k", "B1 32/8 512k", "B1 32/8 1024k", "B4 32/8 32k")
+    quick = (
+        "B1 32/8 1k",
+        "B1 32/8 4k",
+        "B1 32/8 16k",
+        "B1 32/8 128k",
+        "B1 32/8 512k",
+        "B1 32/8 1024k",
+        "B4 32/8 32k",
+    )
     cases = [c for c in CASES if c.name in quick] if args.quick else CASES
     args.config = default_config(HEAD_DIM, DTYPE)
     env = environment(args.commit)

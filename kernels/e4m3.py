@@ -41,12 +41,27 @@ def to_e4m3(x, HW: tl.constexpr):
 
 
 @triton.jit
+def cut_e4m3(x):
+    """x float32 -> (x cut to e4m3's 3 mantissa bits, the remainder): clearing float32's low 20
+    mantissa bits, so the cut is exact in e4m3 for |x| in [2^-6, 448] and |remainder| < 2^-3 |x|."""
+    cut = (x.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
+    return cut, x - cut
+
+
+@triton.jit
 def split_e4m3(x, HW: tl.constexpr):
     """x float32 with |x| < 448 -> (hi, lo) float8e4nv with hi + lo = x to about 2^-8 of |x|
-    (bf16's precision) while |x| >= 2^-6 (e4m3's normals; below, hi alone, rounded).
+    (bf16's precision) while |x| >= 2^-6 (e4m3's normals; below, hi alone, rounded): hi is the
+    exact cut (cut_e4m3), lo the remainder rounded to e4m3. Two e4m3 dots on (hi, lo) give a
+    product with bf16-level error from e4m3 tensor cores."""
+    hi, rest = cut_e4m3(x)
+    return to_e4m3(hi, HW), to_e4m3(rest, HW)
 
-    hi is x cut to e4m3's 3 mantissa bits (clearing float32's low 20: exact in e4m3, no rounding),
-    lo the remainder (|lo| < 2^-3 |x|) rounded to e4m3: two e4m3 dots on (hi, lo) give a product
-    with bf16-level error from e4m3 tensor cores."""
-    hi = (x.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
-    return to_e4m3(hi, HW), to_e4m3(x - hi, HW)
+
+@triton.jit
+def split3_e4m3(x, HW: tl.constexpr):
+    """As split_e4m3 in three terms (hi + mid + lo = x to about 2^-12 of |x|): exact for fp16 and
+    bf16 values in e4m3's normal range, whose 11 or 8 significant bits fit three 4-bit terms."""
+    hi, rest = cut_e4m3(x)
+    mid, rest = cut_e4m3(rest)
+    return to_e4m3(hi, HW), to_e4m3(mid, HW), to_e4m3(rest, HW)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from . import quant
-from .e4m3 import split_e4m3
+from .e4m3 import split3_e4m3, split_e4m3
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -148,10 +148,12 @@ def _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT: tl.conste
 @triton.jit
 def _e4m3_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, HW: tl.constexpr):
     """q.k's B operands for the e4m3 tensor-core dots: the pre-scaled q (_fp8_query) split into
-    two e4m3 terms (split_e4m3), each [D, G_PAD]; and the [G_PAD] factor for the scores."""
+    three e4m3 terms (split3_e4m3: exact for a bf16 or fp16 q), each [D, G_PAD]; and the [G_PAD]
+    factor for the scores. Once per segment: the third term costs one more dot a tile, on tensor
+    cores that are otherwise idle."""
     qs, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, 1.0)
-    q_hi, q_lo = split_e4m3(qs, HW)
-    return tl.trans(q_hi), tl.trans(q_lo), row_scale
+    q_hi, q_mid, q_lo = split3_e4m3(qs, HW)
+    return tl.trans(q_hi), tl.trans(q_mid), tl.trans(q_lo), row_scale
 
 
 @triton.jit
@@ -171,17 +173,19 @@ def _empty_state(G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_hi, q_lo, row_scale, m_i, l_i, acc, HW: tl.constexpr):
+def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_ops, row_scale, m_i, l_i, acc, HW: tl.constexpr):
     """One tile of the FP8 cache on e4m3 tensor cores, transposed (positions on the dots' M axis:
     Hopper's warpgroup MMA needs M >= 64, the group's G query heads fill only N = G_PAD).
 
     k [BLOCK_N, D] and v [D, BLOCK_N] (blocked V: positions contiguous, as the dot's K-major
-    operand needs) are uint8 e4m3 as stored, never decoded. Scores: k . q_hi + k . q_lo with fp32
-    accumulation, times the K scales and q's factor. P.V: p times v_scale / (the tile's largest),
-    times P_RANGE, split into two e4m3 terms; the tile's largest v_scale / P_RANGE multiplies the
-    fp32 result. fp32 softmax and fp32 accumulation across tiles, as in the fp16 paths."""
+    operand needs) are uint8 e4m3 as stored, never decoded. Scores: k . (each of q's three terms,
+    q_ops) with fp32 accumulation, times the K scales and q's factor. P.V: p times v_scale / (the
+    tile's largest), times P_RANGE, split into two e4m3 terms; the tile's largest v_scale / P_RANGE
+    multiplies the fp32 result. fp32 softmax and fp32 accumulation across tiles, as in the fp16 paths."""
     k8 = k.to(tl.float8e4nv, bitcast=True)
+    q_hi, q_mid, q_lo = q_ops
     qk = tl.dot(k8, q_hi)
+    qk = tl.dot(k8, q_mid, acc=qk)
     qk = tl.dot(k8, q_lo, acc=qk)  # [BLOCK_N, G_PAD] fp32
     qk = qk * k_scale[:, None] * row_scale[None, :]
     qk = tl.where(valid[:, None], qk, float("-inf"))
@@ -324,6 +328,42 @@ def _ticket_and_merge(
 
 
 @triton.jit
+def _store_segment(
+    o_seg,  # [G_PAD, HEAD_DIM] fp32, normalised: acc / l
+    m_i,  # [G_PAD] running max (log2 units)
+    l_row,  # [G_PAD] running sum
+    whole,  # our tiles cover the whole segment: write the output, else a partial
+    slot,  # our partial slot: 2 * cta (our first segment) or 2 * cta + 1 (our last)
+    b,
+    q_rows,
+    Out,
+    Lse,
+    PartO,
+    PartLse,
+    Hkv,
+    G,
+    stride_ob,
+    stride_oh,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_g < G
+    if whole:  # no partials
+        out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, o_seg.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:  # log2 units -> natural log
+            lse_ptrs = Lse + b * (Hkv * G) + q_rows
+            tl.store(lse_ptrs, (m_i + tl.log2(l_row)) * 0.6931471805599453, mask=row_ok)
+    else:
+        offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
+        tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_seg, mask=row_ok[:, None])
+        tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_row), mask=row_ok)
+
+
+@triton.jit
 def _lean_decode_kernel(
     Q,  # [B, Hq, D]
     K,  # [B, Hkv, S, D], last dim contiguous (FP8: the uint8 view of the e4m3 cache)
@@ -403,15 +443,18 @@ def _lean_decode_kernel(
         offs_v = (offs_n // V_BLOCK)[None, :] * stride_vn + (offs_n % V_BLOCK)[None, :]
         offs_v += offs_d[:, None] * stride_vd
         v_block_lo = (offs_n // V_BLOCK) * V_BLOCK  # [BLOCK_N] first position of each one's block
-    offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
 
     # ---- our tiles: one software-pipelined loop per sequence, across its heads -------------
     # Tiles of several heads run through one loop (like a persistent GEMM's epilogue inside its
     # K loop): the next head's K/V loads are already in flight while a head's result is stored,
     # so crossing a head costs no pipeline drain and refill. Only a sequence boundary (found
-    # with reductions over the batch, too slow to repeat per tile) restarts the loop.
+    # with reductions over the batch, too slow to repeat per tile) restarts the loop. The e4m3
+    # tensor-core path (MMA) runs one loop per head instead: its q operands are then
+    # loop-invariant and stay in shared memory (a head switch inside the loop makes Triton copy
+    # them there every tile: 1.2-1.6x slower, bench/NOTES-attention.md).
     MMA: tl.constexpr = DEQUANT == 3  # e4m3 tensor-core tile (_e4m3_mma_tile)
-    m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
+    if not MMA:
+        m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
     tile = range_lo
     while tile < range_hi:
         b, h, seg_lo, n_blk, length = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
@@ -427,48 +470,62 @@ def _lean_decode_kernel(
         else:  # blocked: start is a multiple of V_BLOCK (the caller's contract)
             v_b = V + b.to(tl.int64) * stride_vb + (start // V_BLOCK) * stride_vn
         s_b = b.to(tl.int64) * stride_sb + start
-        # FP8: q's operands depend only on the head: made once per segment, not per tile
         if MMA:
-            q_hi, q_lo, row_scale = _e4m3_query(
-                q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, E4M3_HW
-            )
-        elif DEQUANT != 0:
-            q_h, row_scale = _fp8_query(
-                q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, UNIT
-            )
-            q_h = q_h.to(tl.float16)
-        for t in range(tile, stop):
-            h = (t - seq_lo) // n_blk
-            seg_lo = seq_lo + h * n_blk
-            n0 = (t - seg_lo) * BLOCK_N
-            q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
-            if DEQUANT == 0:
-                q_ptrs = q_b + q_rows[:, None] * stride_qh + offs_d[None, :]
-                q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            elif (t == seg_lo) & (t != tile):  # a new head starts inside our range
-                if MMA:
-                    q_hi, q_lo, row_scale = _e4m3_query(
-                        q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, E4M3_HW
-                    )
-                else:
+            while tile < stop:  # our tiles of one head (segment) at a time
+                h = (tile - seq_lo) // n_blk
+                seg_lo = seq_lo + h * n_blk
+                seg_stop = tl.minimum(stop, seg_lo + n_blk)
+                q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
+                q_hi, q_mid, q_lo, row_scale = _e4m3_query(
+                    q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, E4M3_HW
+                )
+                k_h = k_b + h.to(tl.int64) * stride_kh  # 64-bit head offset, int32 within (host check)
+                v_h = v_b + h.to(tl.int64) * stride_vh
+                s_h = s_b + h * stride_sh
+                m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
+                for t in range(tile, seg_stop):
+                    n0 = (t - seg_lo) * BLOCK_N
+                    valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
+                    k = tl.load(k_h + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0)
+                    k_scale = tl.load(KScale + s_h + n0 + offs_n, mask=valid, other=0.0)
+                    v_scale = tl.load(VScale + s_h + n0 + offs_n, mask=valid, other=0.0)
+                    v = _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK)
+                    # fmt: off
+                    m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, (q_hi, q_mid, q_lo),
+                                                   row_scale, m_i, l_i, acc, E4M3_HW)
+                    # fmt: on
+                l_row = tl.sum(l_i, 0)  # [G_PAD]
+                o_seg = tl.trans(acc / l_row[None, :])  # back to [G_PAD, HEAD_DIM]
+                whole = (seg_lo >= range_lo) & (seg_stop == seg_lo + n_blk)
+                slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
+                # fmt: off
+                _store_segment(o_seg, m_i, l_row, whole, slot, b, q_rows, Out, Lse, PartO, PartLse, Hkv, G,
+                               stride_ob, stride_oh, G_PAD, HEAD_DIM, WRITE_LSE)
+                # fmt: on
+                tile = seg_stop
+        else:
+            if DEQUANT != 0:
+                # q's fp16 operand depends only on the head: made once per segment, not per tile
+                q_h, row_scale = _fp8_query(
+                    q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, UNIT
+                )
+                q_h = q_h.to(tl.float16)
+            for t in range(tile, stop):
+                h = (t - seq_lo) // n_blk
+                seg_lo = seq_lo + h * n_blk
+                n0 = (t - seg_lo) * BLOCK_N
+                q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
+                if DEQUANT == 0:
+                    q_ptrs = q_b + q_rows[:, None] * stride_qh + offs_d[None, :]
+                    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                elif (t == seg_lo) & (t != tile):  # a new head starts inside our range
                     q_h, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
                     q_h = q_h.to(tl.float16)
-            valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
-            # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
-            k = tl.load(
-                k_b + h.to(tl.int64) * stride_kh + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0
-            )
-            if MMA:
-                k_scale = tl.load(KScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
-                v_scale = tl.load(VScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
-                v = _load_v_blocked(
-                    v_b + h.to(tl.int64) * stride_vh, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK
+                valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
+                # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
+                k = tl.load(
+                    k_b + h.to(tl.int64) * stride_kh + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0
                 )
-                # fmt: off
-                m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_hi, q_lo, row_scale,
-                                               m_i, l_i, acc, E4M3_HW)
-                # fmt: on
-            else:
                 if DEQUANT == 0:
                     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
                     qk = qk * qk_scale
@@ -512,27 +569,16 @@ def _lean_decode_kernel(
                     acc = acc * alpha[:, None] + pv * (v_top * UNIT)
                 m_i = m_new
 
-            seg_hi = seg_lo + n_blk
-            if (t == seg_hi - 1) | (t == range_hi - 1):  # our piece of this segment ends here
-                if MMA:  # back to query heads x head_dim
-                    l_row = tl.sum(l_i, 0)  # [G_PAD]
-                    o_seg = tl.trans(acc / l_row[None, :])  # [G_PAD, HEAD_DIM]
-                else:
-                    l_row = l_i
-                    o_seg = acc / l_i[:, None]
-                if (seg_lo >= range_lo) & (t == seg_hi - 1):
-                    # The whole segment is ours: no partials.
-                    out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
-                    tl.store(out_ptrs, o_seg.to(Out.dtype.element_ty), mask=row_ok[:, None])
-                    if WRITE_LSE:  # log2 units -> natural log
-                        lse_ptrs = Lse + b * (Hkv * G) + q_rows
-                        tl.store(lse_ptrs, (m_i + tl.log2(l_row)) * 0.6931471805599453, mask=row_ok)
-                else:
+                seg_hi = seg_lo + n_blk
+                if (t == seg_hi - 1) | (t == range_hi - 1):  # our piece of this segment ends here
+                    whole = (seg_lo >= range_lo) & (t == seg_hi - 1)
                     slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
-                    tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_seg, mask=row_ok[:, None])
-                    tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_row), mask=row_ok)
-                m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
-        tile = stop
+                    # fmt: off
+                    _store_segment(acc / l_i[:, None], m_i, l_i, whole, slot, b, q_rows, Out, Lse, PartO,
+                                   PartLse, Hkv, G, stride_ob, stride_oh, G_PAD, HEAD_DIM, WRITE_LSE)
+                    # fmt: on
+                    m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
+            tile = stop
 
     # ---- tickets for our (at most two) partial segments, after all our tiles -------------------
     # Deferred to the end so that no merge delays the rest of our range.
