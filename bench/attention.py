@@ -64,9 +64,10 @@ class Fp8Variant:
 FP8_VARIANTS = {
     "blocked": Fp8Variant(la.DEQUANT_MMA, v_layout="blocked_t"),
     "blocked_cvt": Fp8Variant(la.DEQUANT_CVT, v_layout="blocked_t"),
-    "blocked_n256w8": Fp8Variant(la.DEQUANT_MMA, LeanConfig(256, 8, 3, 1, 4), v_layout="blocked_t"),
-    "blocked_x1": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 3, 1, 4), v_layout="blocked_t"),
-    "blocked_n64x3": Fp8Variant(la.DEQUANT_MMA, LeanConfig(64, 4, 4, 3, 4), v_layout="blocked_t"),
+    "long_mc8": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 3, 2, 8), v_layout="blocked_t"),
+    "long_mc16": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 3, 2, 16), v_layout="blocked_t"),
+    "short_mc8": Fp8Variant(la.DEQUANT_MMA, LeanConfig(256, 8, 3, 1, 8), v_layout="blocked_t"),
+    "long_s4": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 4, 2, 8), v_layout="blocked_t"),
     "standard": Fp8Variant(la.DEQUANT_CVT),
 }
 
@@ -633,7 +634,10 @@ def main() -> None:
     args.config = default_config(HEAD_DIM, DTYPE)
     env = environment(args.commit)
     env["lean_config"] = dataclasses.asdict(args.config)
-    env["lean_fp8_config"] = dataclasses.asdict(la.FP8_CONFIG)
+    env["lean_fp8_config"] = {
+        f"below {la.FP8_LONG_POSITIONS} positions": dataclasses.asdict(la.FP8_CONFIG),
+        "from there": dataclasses.asdict(la.FP8_LONG_CONFIG),
+    }
     env["fp8_variants"] = {n: dataclasses.asdict(FP8_VARIANTS[n]) for n in args.fp8_variants}
     env["command"] = "python3 bench/attention.py " + " ".join(sys.argv[1:])
     env["reduction_gbs"] = read_ceiling_gbs()

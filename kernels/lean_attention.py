@@ -64,14 +64,16 @@ class LeanConfig:
 DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> LeanConfig:
+def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positions: int = 0) -> LeanConfig:
     """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
     twice the bytes, so half the positions per tile and two stages keep them within shared
-    memory (fp32 is for tests, not speed)."""
+    memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) from
+    FP8_LONG_POSITIONS up takes FP8_LONG_CONFIG: a shape, not the lengths, decides, so a CUDA
+    graph captured for a cache replays one config however its context grows."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if fp8:
-        return FP8_CONFIG
+        return FP8_LONG_CONFIG if positions >= FP8_LONG_POSITIONS else FP8_CONFIG
     if dtype == torch.float32:
         return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
     return DEFAULT_CONFIG
@@ -90,11 +92,14 @@ DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
 DEQUANT_MMA = 3  # e4m3 tensor-core dots, no decode ("blocked_t" V only)
 DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_MMA: 1.0}  # e4m3 value / operand value
 
-# FP8 cache: 128 positions a tile, 4 warps (one warpgroup: the e4m3 dots run as Hopper's
-# warpgroup MMA with positions on M = 128 and the group's query heads on N = 16), 3 stages, 2 CTAs
-# an SM (2 x 75 KiB of shared memory). Best of 7 configs of the e4m3 tensor-core tile at 16k-1M
-# (H200, bench/NOTES-attention.md).
-FP8_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4)
+# FP8 cache (the e4m3 dots run as Hopper's warpgroup MMA, positions on M, the group's query
+# heads on N = 16): below FP8_LONG_POSITIONS cache positions, 256 positions a tile over two
+# warpgroups (8 warps), 3 stages, one CTA an SM; from there 128 positions a tile, one warpgroup,
+# 2 CTAs an SM (more independent tiles in flight; slower on short caches, where fewer, larger
+# CTAs split each head less). Chosen from 7 configs at 1k-1M (H200, bench/NOTES-attention.md).
+FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
+FP8_LONG_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4)
+FP8_LONG_POSITIONS = 131072  # cache positions (all rows) from which an FP8 cache takes FP8_LONG_CONFIG
 # p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
 # and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
 P_RANGE = tl.constexpr(256.0)
@@ -745,7 +750,7 @@ def lean_attention(
     if lengths.dtype != torch.int32:
         lengths = lengths.to(torch.int32)
 
-    config = config or default_config(D, q.dtype, fp8)
+    config = config or default_config(D, q.dtype, fp8, positions=C * S)
     if blocked and config.block_n % V_BLOCK != 0:
         raise ValueError(f"v_layout 'blocked_t' needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     grid = _grid_size(q.device, config, num_ctas)

@@ -491,15 +491,39 @@ def test_fp8_vt_ragged_batch(device, num_ctas):
             check_fp8_vt(device, lengths, hq=8, hkv=2, num_ctas=num_ctas, dtype=dtype, fp8_dequant=dequant)
 
 
+def test_fp8_config_follows_cache_positions(monkeypatch):
+    """An FP8 cache takes the long-context config from FP8_LONG_POSITIONS positions (all rows)
+    up: decided by the cache's shape, so one captured graph keeps one config as lengths grow."""
+    n = la.FP8_LONG_POSITIONS
+    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n - 1) == la.FP8_CONFIG
+    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n) == la.FP8_LONG_CONFIG
+    assert la.default_config(128, torch.bfloat16, positions=4 * n) == la.DEFAULT_CONFIG  # bf16: one config
+    seen = []
+    grid_size = la._grid_size
+    monkeypatch.setattr(  # records the config lean_attention launches with
+        la,
+        "_grid_size",
+        lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
+    )
+    for s, want in ((n // 2 - 1, la.FP8_CONFIG), (n // 2, la.FP8_LONG_CONFIG)):
+        k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
+        scales = torch.ones(2, 1, s)
+        la.lean_attention(
+            torch.randn(2, 1, 64), k, k.clone(), torch.tensor([1, 0], dtype=torch.int32), 0.1,
+            k_scale=scales, v_scale=scales.clone(),
+        )  # fmt: skip
+        assert seen[-1] == want
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "config",
     [
         la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_chunk=4),
         la.FP8_CONFIG,
-        la.LeanConfig(block_n=4 * V_BLOCK, num_warps=8, num_stages=2, ctas_per_sm=1, merge_chunk=4),
+        la.FP8_LONG_CONFIG,
     ],
-    ids=["one-block-tiles", "default", "two-warpgroups"],
+    ids=["one-block-tiles", "two-warpgroups", "long-context"],
 )
 def test_fp8_vt_llama_shape_and_configs(device, config):
     """32 q / 8 KV heads, head_dim 128, tiles of one, two and four V blocks (two warpgroups share
