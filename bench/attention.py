@@ -64,10 +64,6 @@ class Fp8Variant:
 FP8_VARIANTS = {
     "blocked": Fp8Variant(la.DEQUANT_MMA, v_layout="blocked_t"),
     "blocked_cvt": Fp8Variant(la.DEQUANT_CVT, v_layout="blocked_t"),
-    "long_mc8": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 3, 2, 8), v_layout="blocked_t"),
-    "long_mc16": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 3, 2, 16), v_layout="blocked_t"),
-    "short_mc8": Fp8Variant(la.DEQUANT_MMA, LeanConfig(256, 8, 3, 1, 8), v_layout="blocked_t"),
-    "long_s4": Fp8Variant(la.DEQUANT_MMA, LeanConfig(128, 4, 4, 2, 8), v_layout="blocked_t"),
     "standard": Fp8Variant(la.DEQUANT_CVT),
 }
 
