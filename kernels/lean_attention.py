@@ -81,11 +81,12 @@ def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positio
 
 # How the kernel reads an FP8 cache (kernel constexpr DEQUANT; bench/attention.py --fp8-variants
 # times them, bench/NOTES-attention.md has the numbers). MMA, the default with V blocked, decodes
-# nothing: K and V enter e4m3 tensor-core dots as they are stored, and q and p are split into two
-# e4m3 terms each (kernels/e4m3.py split_e4m3) so the products keep bf16's precision. BITS and CVT
-# decode every K/V element to fp16 for fp16 dots, which bounds them by the conversions (at most
-# 3.2 TB/s of e4m3 bytes on an H200); the interpreter has no float8 cast, so the CPU runs BITS
-# where a GPU runs CVT (the same fp16 values times 2^-8).
+# nothing: K and V enter e4m3 tensor-core dots as they are stored, q is split into three e4m3 terms
+# (exact for bf16 / fp16) and p into two (bf16's precision; kernels/e4m3.py), up to 4.2 TB/s of
+# e4m3 bytes on an H200. BITS and CVT decode every K/V element to fp16 for fp16 dots, which bounds
+# them by the conversions (at most 3.2 TB/s); they serve V in K's layout. The interpreter has no
+# float8 cast: there MMA rounds to e4m3 with integer ops, and BITS stands in for CVT (the same fp16
+# values times 2^-8).
 DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
 DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
 DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)

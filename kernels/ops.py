@@ -188,8 +188,8 @@ def decode_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] (, lse [B, Hq] float32)
     """One decode step of attention: each sequence's single new query over its cached context,
     positions starts[b] .. starts[b] + lengths[b] - 1 of its cache row (the lean stream-K kernel,
-    which dequantizes an FP8 cache in registers; the twin dequantizes the valid positions to
-    float32 first, and loops over the batch on the host, so it is not graph-safe). An FP8 cache's V
+    which reads an FP8 cache with e4m3 tensor-core dots; the twin dequantizes the valid positions
+    to float32 first, and loops over the batch on the host, so it is not graph-safe). An FP8 cache's V
     is blocked (the kernel's v_layout "blocked_t"): starts must be multiples of V_BLOCK. An idle
     sequence (length 0) gets no output: the kernel leaves its row unwritten, the twin zeros it.
 
