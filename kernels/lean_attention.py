@@ -46,22 +46,22 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class LeanConfig:
-    """Launch parameters: positions per tile, warps, pipeline depth, CTAs per SM, partials
-    merged per round (a power of 2)."""
+    """Launch parameters: positions per tile, warps, pipeline depth of the tile loop, CTAs per SM,
+    pipeline depth of the merge loop (partials in flight)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     ctas_per_sm: int
-    merge_chunk: int
+    merge_stages: int
 
 
 # The best of a sweep on an H200 at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps
 # the splits per head, and so the merge, small; 2 x 64 KiB tiles in flight still stream K/V at
-# ~4.4 TB/s; 8 warps leave registers to spare (182, no spills); 4 partials a merge round keep
-# the merge's code small, and it runs cold once per launch. head_dim 64 uses the same config
-# (not swept separately: its tiles are half the bytes, well within the same limits).
-DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
+# ~4.4 TB/s; 8 warps leave registers to spare (182, no spills); 4 partials in flight in the
+# merge hide their latency (_ticket_and_merge). head_dim 64 uses the same config (not swept
+# separately: its tiles are half the bytes, well within the same limits).
+DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
 
 
 def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positions: int = 0) -> LeanConfig:
@@ -98,8 +98,8 @@ DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_MMA: 1.0}  # e4m3
 # warpgroups (8 warps), 3 stages, one CTA an SM; from there 128 positions a tile, one warpgroup,
 # 2 CTAs an SM (more independent tiles in flight; slower on short caches, where fewer, larger
 # CTAs split each head less). Chosen from 7 configs at 1k-1M (H200, bench/NOTES-attention.md).
-FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_chunk=4)
-FP8_LONG_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_chunk=4)
+FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
+FP8_LONG_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=4)
 FP8_LONG_POSITIONS = 131072  # cache positions (all rows) from which an FP8 cache takes FP8_LONG_CONFIG
 # p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
 # and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
@@ -274,7 +274,7 @@ def _ticket_and_merge(
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     G_MERGE: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    MERGE_STAGES: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
@@ -287,43 +287,30 @@ def _ticket_and_merge(
     first = _owner(seg_lo, per, big)
     last = _owner(seg_hi - 1, per, big)
     if ticket == last - first:
-        offs_c = tl.arange(0, MERGE_CHUNK)
         cols = tl.arange(0, G_MERGE * HEAD_DIM)
         col_g = cols // HEAD_DIM  # query head (row of the partial) of each column
         col_ok = col_g < G
         m = tl.full([G_MERGE * HEAD_DIM], float("-inf"), tl.float32)
         l_sum = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
         o = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
-        # The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns, so a chunk
-        # of contributors is one [MERGE_CHUNK, G_MERGE * HEAD_DIM] tile and the merge is a
-        # reduction over its rows, each held in one thread (no shared memory, no shuffles).
-        for c0 in range(first, last + 1, MERGE_CHUNK):
-            cs = c0 + offs_c  # [MERGE_CHUNK] contributing CTAs
+        # The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns and each
+        # partial's lse is stored once per column (_store_segment), so one contributor is two
+        # vector loads and an element-wise update: no reduction, nothing shared across threads.
+        # One contributor an iteration, MERGE_STAGES of them in flight (async copies): the merge
+        # is a chain of dependent L2 reads otherwise, which took 16 us for 33 partials at 128k
+        # (bench/NOTES-attention.md). Plain loads: the ticket's acquire already made every
+        # contributor's partial visible to this CTA.
+        for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
             # slot 2c holds the partial of CTA c's first segment, 2c + 1 of its last
-            c_slot = 2 * cs + (_range_start(cs, per, big) < seg_lo).to(tl.int32)
-            ok = (cs <= last)[:, None] & col_ok[None, :]  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
-            # .cg: read from L2, where the other CTAs' stores landed, never a stale L1 line. Each
-            # row's lse is read once per column: a broadcast within a warp.
-            lse_c = tl.load(
-                PartLse + c_slot[:, None] * G_PAD + col_g[None, :],
-                mask=ok,
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            o_c = tl.load(
-                PartO + c_slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :],
-                mask=ok,
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            m_new = tl.maximum(m, tl.max(lse_c, 0))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # -inf - -inf would be NaN
-            alpha = tl.exp2(m - m_ref)
-            w = tl.exp2(lse_c - m_ref[None, :])  # [MERGE_CHUNK, G_MERGE * HEAD_DIM]
-            o = o * alpha + tl.sum(o_c * w, 0)
-            l_sum = l_sum * alpha + tl.sum(w, 0)
+            slot = 2 * c + (_range_start(c, per, big) < seg_lo).to(tl.int32)
+            lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
+            o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
+            m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse_c - m_new)
+            o = o * alpha + o_c * w
+            l_sum = l_sum * alpha + w
             m = m_new
-        l_sum = tl.where(col_ok, l_sum, 1.0)  # padding rows merged nothing
         o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
         tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
         if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
@@ -366,7 +353,9 @@ def _store_segment(
     else:
         offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
         tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_seg, mask=row_ok[:, None])
-        tl.store(PartLse + slot * G_PAD + offs_g, m_i + tl.log2(l_row), mask=row_ok)
+        # each row's lse once per column, as the merge reads it (_ticket_and_merge)
+        lse_row = tl.broadcast_to((m_i + tl.log2(l_row))[:, None], [G_PAD, HEAD_DIM])
+        tl.store(PartLse + slot * (G_PAD * HEAD_DIM) + offs_part, lse_row, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -381,7 +370,7 @@ def _lean_decode_kernel(
     Lengths,  # [B] int32
     Starts,  # [B] int64 with HAS_STARTS: sequence b's positions begin at Starts[b] of its cache row
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
-    PartLse,  # [2 * grid, G_PAD] fp32: log2-sum-exp of each partial row
+    PartLse,  # [2 * grid, G_PAD, D] fp32: log2-sum-exp of each partial row, once per column
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
     qk_scale,  # softmax scale * log2(e): scores live in log2 space, so exp2 is exact softmax
     B,
@@ -406,7 +395,7 @@ def _lean_decode_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     G_MERGE: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    MERGE_STAGES: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
     DEQUANT: tl.constexpr,
     UNIT: tl.constexpr,
@@ -599,7 +588,7 @@ def _lean_decode_kernel(
                 # fmt: off
                 _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse, Counters,
                                   G, Hkv, stride_ob, stride_oh,
-                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
+                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, COUNTER_STRIDE, WRITE_LSE)
                 # fmt: on
 
 
@@ -608,7 +597,7 @@ def _lean_decode_kernel(
 
 class _Workspace(NamedTuple):
     part_o: torch.Tensor  # [2 * grid, G_PAD, D] fp32
-    part_lse: torch.Tensor  # [2 * grid, G_PAD] fp32
+    part_lse: torch.Tensor  # [2 * grid, G_PAD, D] fp32 (each row's lse repeated over D)
     counters: torch.Tensor  # [B * Hkv * _COUNTER_STRIDE] int32, zero between launches
 
 
@@ -641,7 +630,7 @@ def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segme
     if ws is None:
         ws = _Workspace(
             torch.empty(2 * grid, g_pad, head_dim, dtype=torch.float32, device=device),
-            torch.empty(2 * grid, g_pad, dtype=torch.float32, device=device),
+            torch.empty(2 * grid, g_pad, head_dim, dtype=torch.float32, device=device),
             torch.zeros(segments * _COUNTER_STRIDE, dtype=torch.int32, device=device),
         )
         _WORKSPACES[key] = ws
@@ -809,7 +798,7 @@ def lean_attention(
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         G_MERGE=triton.next_power_of_2(G),
-        MERGE_CHUNK=config.merge_chunk,
+        MERGE_STAGES=config.merge_stages,
         COUNTER_STRIDE=_COUNTER_STRIDE,
         DEQUANT=fp8_dequant,
         UNIT=DEQUANT_UNIT.get(fp8_dequant, 1.0),

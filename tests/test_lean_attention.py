@@ -124,10 +124,10 @@ def test_many_tiles_per_cta(device, lengths, hkv, num_ctas):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_merge_in_several_rounds(device):
-    """A head split over more CTAs than a merge round holds takes several rounds."""
+def test_merge_of_more_partials_than_in_flight(device):
+    """A head split over more CTAs than the merge keeps in flight (its pipeline's steady state)."""
     sched = la.lean_schedule([14 * BLOCK + 5], 2, head_dim=128, device=device, num_ctas=12)
-    assert sched.max_splits_per_head > la.DEFAULT_CONFIG.merge_chunk
+    assert sched.max_splits_per_head > la.DEFAULT_CONFIG.merge_stages
     check(device, [14 * BLOCK + 5, 3 * BLOCK], hq=32, hkv=2, num_ctas=12, head_dim=128)
 
 
@@ -519,7 +519,7 @@ def test_fp8_config_follows_cache_positions(monkeypatch):
 @pytest.mark.parametrize(
     "config",
     [
-        la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_chunk=4),
+        la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4),
         la.FP8_CONFIG,
         la.FP8_LONG_CONFIG,
     ],
@@ -575,7 +575,7 @@ def test_fp8_vt_rejects_bad_input(device):
     with pytest.raises(ValueError, match="is for a float8_e4m3fn cache"):
         v16 = torch.zeros(vt.shape, dtype=q.dtype, device=device)  # the blocked shape, q's dtype
         la.lean_attention(q, k, v16, lens, 0.1, v_layout="blocked_t")
-    small = la.LeanConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, merge_chunk=4)
+    small = la.LeanConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4)
     with pytest.raises(ValueError, match="block_n a multiple of"):
         la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", config=small, **kw)
     with pytest.raises(ValueError, match="need v_layout 'blocked_t'"):
