@@ -47,13 +47,15 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 @dataclass(frozen=True)
 class LeanConfig:
     """Launch parameters: positions per tile, warps, pipeline depth of the tile loop, CTAs per SM,
-    pipeline depth of the merge loop (partials in flight)."""
+    pipeline depth of the merge loop (partials in flight), and whether a CTA draws the ticket of
+    its first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_LONG_CONFIG)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     ctas_per_sm: int
     merge_stages: int
+    early_ticket: bool = False
 
 
 # The best of a sweep on an H200 at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps
@@ -99,7 +101,14 @@ DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_MMA: 1.0}  # e4m3
 # 2 CTAs an SM (more independent tiles in flight; slower on short caches, where fewer, larger
 # CTAs split each head less). Chosen from 7 configs at 1k-1M (H200, bench/NOTES-attention.md).
 FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
-FP8_LONG_CONFIG = LeanConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=4)
+# The long config draws a first segment's ticket early: a CTA that holds two partial segments
+# finishes last (it pays a segment switch), so at the end it drew the last ticket of both and
+# merged twice. Drawn as it leaves the first segment, that ticket is almost never the last; the
+# round trip it costs mid-range pays off with ~31+ tiles a CTA (128k: 3% faster), not with the
+# few tiles a CTA of a short cache holds (16k: 5% slower; bench/NOTES-attention.md).
+FP8_LONG_CONFIG = LeanConfig(
+    block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=4, early_ticket=True
+)
 FP8_LONG_POSITIONS = 131072  # cache positions (all rows) from which an FP8 cache takes FP8_LONG_CONFIG
 # p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
 # and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
@@ -404,6 +413,7 @@ def _lean_decode_kernel(
     V_BLOCK: tl.constexpr,  # 0: V in K's layout; > 0: "blocked_t", V_BLOCK positions a block
     WRITE_LSE: tl.constexpr,
     E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
+    EARLY_TICKET: tl.constexpr,  # MMA: draw a partial first segment's ticket on leaving it
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -496,6 +506,12 @@ def _lean_decode_kernel(
                 # fmt: off
                 _store_segment(o_seg, m_i, l_row, whole, slot, b, q_rows, Out, Lse, PartO, PartLse, Hkv, G,
                                stride_ob, stride_oh, G_PAD, HEAD_DIM, WRITE_LSE)
+                if EARLY_TICKET:
+                    if (seg_lo < range_lo) & (seg_stop < range_hi):  # our first segment, in part
+                        tl.debug_barrier()  # the partial's stores precede the ticket (release)
+                        _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse,
+                                          Counters, G, Hkv, stride_ob, stride_oh,
+                                          G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, COUNTER_STRIDE, WRITE_LSE)
                 # fmt: on
                 tile = seg_stop
         else:
@@ -576,7 +592,8 @@ def _lean_decode_kernel(
             tile = stop
 
     # ---- tickets for our (at most two) partial segments, after all our tiles -------------------
-    # Deferred to the end so that no merge delays the rest of our range.
+    # Deferred to the end so that no merge delays the rest of our range (EARLY_TICKET: the first
+    # segment's was drawn as we left it, when more of our range followed).
     if range_lo < range_hi:
         tl.debug_barrier()  # every thread's partial stores precede the ticket (release)
         first_seg_lo = _locate(range_lo, offs_b, seq_len, seq_blocks, seq_end, Hkv)[2]
@@ -584,6 +601,8 @@ def _lean_decode_kernel(
             tile = range_lo + at_end * (range_hi - 1 - range_lo)
             b, h, seg_lo, n_blk, _ = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
             in_part = (seg_lo < range_lo) | (seg_lo + n_blk > range_hi)
+            if EARLY_TICKET and MMA and at_end == 0:
+                in_part = in_part & ((seg_lo >= range_lo) | (seg_lo + n_blk >= range_hi))  # not drawn yet
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
                 _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse, Counters,
@@ -807,6 +826,7 @@ def lean_attention(
         V_BLOCK=V_BLOCK if blocked else 0,
         WRITE_LSE=lse is not None,
         E4M3_HW=q.device.type == "cuda",
+        EARLY_TICKET=config.early_ticket,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
