@@ -252,6 +252,14 @@ def _owner(tile, per, big):
 
 
 @triton.jit
+def _ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi):
+    """With EARLY_TICKET: whether a CTA with tiles [range_lo, range_hi) drew the ticket of segment
+    [seg_lo, seg_lo + n_blk) as it left it, i.e. the segment is its first, began in an earlier
+    CTA, and more of its range follows."""
+    return (seg_lo < range_lo) & (seg_lo + n_blk < range_hi)
+
+
+@triton.jit
 def _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv):
     """The segment (b, h) that holds `tile`: returns b, h, its first tile, its tiles, its length."""
     b = tl.sum((seq_end <= tile).to(tl.int32), 0)
@@ -507,7 +515,7 @@ def _lean_decode_kernel(
                 _store_segment(o_seg, m_i, l_row, whole, slot, b, q_rows, Out, Lse, PartO, PartLse, Hkv, G,
                                stride_ob, stride_oh, G_PAD, HEAD_DIM, WRITE_LSE)
                 if EARLY_TICKET:
-                    if (seg_lo < range_lo) & (seg_stop < range_hi):  # our first segment, in part
+                    if _ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi):
                         tl.debug_barrier()  # the partial's stores precede the ticket (release)
                         _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse,
                                           Counters, G, Hkv, stride_ob, stride_oh,
@@ -602,7 +610,7 @@ def _lean_decode_kernel(
             b, h, seg_lo, n_blk, _ = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
             in_part = (seg_lo < range_lo) | (seg_lo + n_blk > range_hi)
             if EARLY_TICKET and MMA and at_end == 0:
-                in_part = in_part & ((seg_lo >= range_lo) | (seg_lo + n_blk >= range_hi))  # not drawn yet
+                in_part = in_part & (_ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi) == 0)
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
                 _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse, Counters,
