@@ -35,9 +35,13 @@ class GemvConfig:
     """Launch parameters: output features per CTA, reduction chunk, warps, pipeline depth."""
 
     block_n: int = 32  # N / 32 CTAs: 128 for a 4096-wide output, one per SM
-    block_k: int = 256  # a 16 KiB bf16 tile of W per pipeline stage
+    block_k: int = 256  # a 16 KiB bf16 tile of W (and 8 KiB of x) per pipeline stage
     num_warps: int = 4
-    num_stages: int = 4
+    # 6 stages keep 5 tiles in shared memory, 120 KiB: one CTA fits an SM. That is what matters
+    # under PDL: a GEMV launched early is placed on whichever SMs its predecessor frees first, and
+    # with room for two or three CTAs an SM (4 stages: 72 KiB) they pile onto those SMs and
+    # stream from a few SMs (decode step 1-4% slower; bench/NOTES-attention.md).
+    num_stages: int = 6
 
 
 DEFAULT_CONFIG = GemvConfig()
