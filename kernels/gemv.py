@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # rows padded into the dot's M axis; larger batches go to cuBLAS
+# Rows padded into the dot's M axis (16, or 32 from 17 rows); larger batches go to cuBLAS. At 32
+# rows it beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80 against 9.07 ms).
+MAX_ROWS = 32
 MAX_OUTPUTS = 16384  # wider weights (gate/up, lm_head) stream as fast or faster through cuBLAS
 
 
@@ -131,7 +133,7 @@ def gemv(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         USE_PDL=use_pdl,
-        M_PAD=16,
+        M_PAD=16 if B <= 16 else 32,  # tl.dot needs M >= 16
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact products

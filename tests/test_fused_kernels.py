@@ -28,7 +28,7 @@ def test_rms_norm(dtype):
 
 
 # Shapes off every block multiple: N not a multiple of BLOCK_N, K of BLOCK_K (or below it).
-GEMV_SHAPES = [(1, 40, 1100), (3, 24, 96), (16, 48, 520)]
+GEMV_SHAPES = [(1, 40, 1100), (3, 24, 96), (16, 48, 520), (17, 40, 300), (32, 24, 520)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -82,10 +82,10 @@ def test_linear_residual_rounds_like_transformers(dtype, triton):
 
 
 def test_gemv_rejects_too_many_rows_and_falls_back():
-    x = torch.randn(17, 32, device=DEVICE)
+    x = torch.randn(33, 32, device=DEVICE)
     w = torch.randn(16, 32, device=DEVICE)
-    residual = torch.zeros(17, 16, device=DEVICE)
-    linear_residual(x, w, None, residual, triton=True)  # 17 > MAX_ROWS: the cuBLAS path
+    residual = torch.zeros(33, 16, device=DEVICE)
+    linear_residual(x, w, None, residual, triton=True)  # 33 > MAX_ROWS: the cuBLAS path
     torch.testing.assert_close(residual, x @ w.T)
     from minidecode.kernels.gemv import gemv
 
