@@ -155,11 +155,10 @@ def rope_and_cache(
         k_scale[batch, :, positions] = k_row_scale
         v_scale[batch, :, positions] = v_row_scale
         k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))  # index_put: no fp8
-        k_cache[batch, :, positions] = k
         v_cache[batch, :, positions // V_BLOCK, :, positions % V_BLOCK] = v  # [B, Hkv, D] into the blocks
-        return q
+    else:
+        v_cache[batch, :, positions] = v
     k_cache[batch, :, positions] = k
-    v_cache[batch, :, positions] = v
     return q
 
 
