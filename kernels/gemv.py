@@ -5,11 +5,12 @@ A decode step multiplies one token's activations by every weight matrix: each we
 read once for 2 FLOPs, so a GEMV runs at memory speed or not at all. What a 1-row GEMV loses is
 around it, not in it: cuBLAS picks split-K kernels with a separate reduce launch for the 4096-wide
 outputs, and every launch pays for its start (launch, first DRAM round trip) after the previous
-kernel has fully drained. Here each CTA streams a block of output features through the whole of
-K in one software-pipelined loop (the rows padded into a `tl.dot`'s M axis; tensor cores do the
-arithmetic), and the step's kernels are chained with programmatic dependent launch (PDL): a
-kernel starts while its predecessor finishes, issues its first weight tile (weights never depend
-on an earlier kernel), and only then waits for the predecessor's results (`gdc_wait`).
+kernel has fully drained. Here at most one CTA an SM streams its blocks of output features
+(dealt round-robin) through the whole of K in one flat software-pipelined loop (the rows padded
+into a `tl.dot`'s M axis; tensor cores do the arithmetic), and the step's kernels are chained
+with programmatic dependent launch (PDL): a kernel starts while its predecessor finishes, issues
+its first weight tile (weights never depend on an earlier kernel), and only then waits for the
+predecessor's results (`gdc_wait`).
 
 `residual` (o_proj and down_proj) adds the result into the residual stream in place, rounded as
 transformers rounds `h + o_proj(...)`: the projection to the model dtype first, then the sum.
@@ -20,6 +21,7 @@ work on x in the loop stops its loads from being pipelined (bench/NOTES-attentio
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,19 +36,41 @@ MAX_OUTPUTS = 16384  # wider weights (gate/up, lm_head) stream as fast or faster
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters: output features per CTA, reduction chunk, warps, pipeline depth."""
+    """Launch parameters: output features per block, reduction chunk, warps, pipeline depth."""
 
-    block_n: int = 32  # N / 32 CTAs: 128 for a 4096-wide output, one per SM
+    # Output blocks are dealt round-robin to at most one CTA an SM: qkv's 6144 outputs are 192
+    # blocks, 2 for each of 96 CTAs (one block a CTA launched 192: two waves, and the second
+    # wave's 60 CTAs each filled a pipeline again; step 0.5-1.9% slower). Blocks of 16 outputs,
+    # 3 for each of 128 CTAs, were 4-7% slower (bench/NOTES-attention.md).
+    block_n: int = 32
     block_k: int = 256  # a 16 KiB bf16 tile of W (and 8 KiB of x) per pipeline stage
     num_warps: int = 4
     # 6 stages keep 5 tiles in shared memory, 120 KiB: one CTA fits an SM. That is what matters
     # under PDL: a GEMV launched early is placed on whichever SMs its predecessor frees first, and
-    # with room for two or three CTAs an SM (4 stages: 72 KiB) they pile onto those SMs and
-    # stream from a few SMs (decode step 1-4% slower; bench/NOTES-attention.md).
+    # with room for two or three CTAs an SM they pile onto those SMs and stream from a few SMs
+    # (decode step 1-4% slower; bench/NOTES-attention.md).
     num_stages: int = 6
 
 
 DEFAULT_CONFIG = GemvConfig()
+
+
+@triton.jit
+def _store_block(
+    Out, Bias, acc, offs_m, offs_n, row_ok, N, stride_ob, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+):
+    """Out[:, offs_n] = acc (+ bias), or += it with HAS_RESIDUAL; acc [M_PAD, BLOCK_N] fp32."""
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(Out.dtype.element_ty)
+    out_ptrs = Out + offs_m[:, None] * stride_ob + offs_n[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    if HAS_RESIDUAL:
+        y = (tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + y.to(tl.float32)).to(
+            Out.dtype.element_ty
+        )
+    tl.store(out_ptrs, y, mask=mask)
 
 
 @triton.jit
@@ -69,36 +93,46 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # CTA c owns the output blocks c, c + grid, c + 2 grid, ...; its (block, K chunk) pairs run as
+    # one flat loop, so the software pipeline streams on across a block boundary instead of
+    # draining there.
+    cta, n_ctas = tl.program_id(0), tl.num_programs(0)
+    k_iters = tl.cdiv(K, BLOCK_K)
+    n_iters = tl.cdiv(tl.cdiv(N, BLOCK_N) - cta, n_ctas) * k_iters
     offs_m = tl.arange(0, M_PAD)  # rows of x, padded
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this CTA's output features
+    offs_j = tl.arange(0, BLOCK_N)  # output features within a block
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < B
-    n_ok = offs_n < N
-    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]; 64-bit for huge weights
     x_rows = X + offs_m[:, None] * stride_xb  # [M_PAD, 1]
     # The first weight tile is loaded before waiting for the previous kernel: it overlaps that
     # kernel's tail (weights are never written by the step, so there is nothing to wait for).
-    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    offs_n = cta * BLOCK_N + offs_j
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]; 64-bit for huge weights
+    w = tl.load(w_rows + offs_k[None, :], mask=(offs_n < N)[:, None] & (offs_k < K)[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernels' results
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
     acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [M_PAD, BLOCK_N]
-    for k0 in range(BLOCK_K, K, BLOCK_K):  # software-pipelined: num_stages tiles in flight
+    for i in range(1, n_iters):  # software-pipelined: num_stages tiles in flight
+        block, k0 = cta + (i // k_iters) * n_ctas, (i % k_iters) * BLOCK_K
+        if k0 == 0:  # a new block begins: the previous one is complete
+            done_n = (block - n_ctas) * BLOCK_N + offs_j
+            _store_block(Out, Bias, acc, offs_m, done_n, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL)
+            acc = tl.zeros_like(acc)
+        offs_n = block * BLOCK_N + offs_j
         k = k0 + offs_k
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+        w = tl.load(w_rows + k[None, :], mask=(offs_n < N)[:, None] & (k < K)[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(Out.dtype.element_ty)
-    out_ptrs = Out + offs_m[:, None] * stride_ob + offs_n[None, :]
-    mask = row_ok[:, None] & n_ok[None, :]
-    if HAS_RESIDUAL:
-        y = (tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + y.to(tl.float32)).to(
-            Out.dtype.element_ty
-        )
-    tl.store(out_ptrs, y, mask=mask)
+    last_n = (cta + ((n_iters - 1) // k_iters) * n_ctas) * BLOCK_N + offs_j
+    _store_block(Out, Bias, acc, offs_m, last_n, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemv(
@@ -109,6 +143,7 @@ def gemv(
     residual: torch.Tensor | None = None,  # [B, N]: residual += result, in place, and returned
     use_pdl: bool = False,
     config: GemvConfig = DEFAULT_CONFIG,
+    max_ctas: int | None = None,  # default: the SM count (the interpreter: 4)
 ) -> torch.Tensor:  # [B, N] in x.dtype
     """x @ weight^T + bias (added into residual in place, if given) in one Triton launch."""
     B, K = x.shape
@@ -119,7 +154,11 @@ def gemv(
         )
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
     block_k = config.block_k // 2 if x.dtype == torch.float32 else config.block_k  # fp32: twice the bytes
-    _gemv_kernel[(triton.cdiv(N, config.block_n),)](
+    if max_ctas is None:
+        max_ctas = _sm_count(x.device) if x.is_cuda else 4
+    n_blocks = triton.cdiv(N, config.block_n)
+    grid = triton.cdiv(n_blocks, triton.cdiv(n_blocks, max_ctas))  # as few CTAs as the most blocks a CTA need
+    _gemv_kernel[(grid,)](
         x,
         weight,
         weight if bias is None else bias,

@@ -27,8 +27,17 @@ def test_rms_norm(dtype):
     assert rel_err(out, exact) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-# Shapes off every block multiple: N not a multiple of BLOCK_N, K of BLOCK_K (or below it).
-GEMV_SHAPES = [(1, 40, 1100), (3, 24, 96), (16, 48, 520), (17, 40, 300), (32, 24, 520)]
+# Shapes off every block multiple: N not a multiple of BLOCK_N, K of BLOCK_K (or below it). N 200
+# is 7 blocks of 32 outputs: on the interpreter's 4 CTAs three take 2 blocks and one takes 1.
+GEMV_SHAPES = [
+    (1, 40, 1100),
+    (3, 24, 96),
+    (16, 48, 520),
+    (17, 40, 300),
+    (32, 24, 520),
+    (1, 200, 1100),
+    (20, 200, 300),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
