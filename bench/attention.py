@@ -10,8 +10,6 @@ fastest stream any path reached.
 
     python bench/attention.py --out bench/results/attention   # all cases, .md/.json/.png
     python bench/attention.py --quick                         # a few batch-1 lengths, prints only
-    python bench/attention.py --quick --fp8-variants          # times the FP8 variants (FP8_VARIANTS)
-    python bench/attention.py --quick --fp8-variants --out bench/results/fp8v   # and writes them
 """
 
 from __future__ import annotations
@@ -46,26 +44,6 @@ DTYPE = torch.bfloat16
 ROTATE_BYTES = 256 << 20  # rotate input sets until ~4x the 60 MB L2 is touched per round
 RESULTS = Path(__file__).resolve().parent / "results" / "attention"
 K = 1024
-
-
-@dataclass(frozen=True)
-class Fp8Variant:
-    """One FP8 lean column: e4m3 decode, launch config (None: the FP8 default) and V layout."""
-
-    dequant: int
-    config: LeanConfig | None = None
-    v_layout: str = "standard"
-
-
-# --fp8-variants times these as columns of one run (bench/NOTES-attention.md); the first is the
-# runtime's path: V blocked and transposed per 64 positions (the layout the FP8 cache stores) and
-# read by e4m3 tensor-core dots. "blocked_cvt": the same cache decoded to fp16 for fp16 dots (the
-# path before); "standard": V in K's layout, decoded to fp16.
-FP8_VARIANTS = {
-    "blocked": Fp8Variant(la.DEQUANT_MMA, v_layout="blocked_t"),
-    "blocked_cvt": Fp8Variant(la.DEQUANT_CVT, v_layout="blocked_t"),
-    "standard": Fp8Variant(la.DEQUANT_CVT),
-}
 
 
 @dataclass(frozen=True)
@@ -136,7 +114,7 @@ class InputSet:
     lengths: torch.Tensor  # [B] int32
     out: torch.Tensor  # [B, Hq, D] lean's output buffer
     fp8: tuple | None = None  # (k_e4m3, k_scale, v_e4m3, v_scale), the FP8 cache of the same K/V
-    v_blocked_t: torch.Tensor | None = None  # v_e4m3 in the "blocked_t" layout, where timed
+    v_blocked_t: torch.Tensor | None = None  # v_e4m3 in the "blocked_t" layout the kernel reads
 
 
 def make_sets(case: Case, gen: torch.Generator) -> list[InputSet]:
@@ -152,20 +130,15 @@ def make_sets(case: Case, gen: torch.Generator) -> list[InputSet]:
     return sets
 
 
-def add_fp8(sets: list[InputSet], blocked_t: bool) -> None:
+def add_fp8(sets: list[InputSet]) -> None:
     for x in sets:
         (k8, ks), (v8, vs) = quantize_fp8(x.k), quantize_fp8(x.v)
-        x.fp8 = (k8, ks, v8, vs)
-        x.v_blocked_t = la.to_v_blocked_t(v8) if blocked_t else None
+        x.fp8, x.v_blocked_t = (k8, ks, v8, vs), la.to_v_blocked_t(v8)
 
 
-def fp8_call(x: InputSet, scale: float, variant: Fp8Variant) -> Callable[[], torch.Tensor]:
-    k8, ks, v8, vs = x.fp8
-    v = x.v_blocked_t if variant.v_layout == "blocked_t" else v8
-    return lambda: lean_attention(
-        x.q, k8, v, x.lengths, scale, k_scale=ks, v_scale=vs, config=variant.config, out=x.out,
-        fp8_dequant=variant.dequant, v_layout=variant.v_layout,
-    )  # fmt: skip
+def fp8_call(x: InputSet, scale: float) -> Callable[[], torch.Tensor]:
+    k8, ks, _, vs = x.fp8
+    return lambda: lean_attention(x.q, k8, x.v_blocked_t, x.lengths, scale, k_scale=ks, v_scale=vs, out=x.out)
 
 
 def lean_call(x: InputSet, scale: float, config: LeanConfig | None = None) -> Callable[[], torch.Tensor]:
@@ -266,11 +239,8 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
         "lean": lambda x: lean_call(x, scale, config),
     }
     if not args.no_fp8:
-        add_fp8(sets, any(FP8_VARIANTS[n].v_layout == "blocked_t" for n in args.fp8_variants))
-        for name in args.fp8_variants:
-            paths[f"lean_fp8_{name}" if len(args.fp8_variants) > 1 else "lean_fp8"] = (
-                lambda x, v=FP8_VARIANTS[name]: fp8_call(x, scale, v)
-            )
+        add_fp8(sets)
+        paths["lean_fp8"] = lambda x: fp8_call(x, scale)
     notes = {}
     if case.uniform:
         paths["flash"] = lambda x: sdpa_call(case, x, scale, SDPBackend.FLASH_ATTENTION)
@@ -329,11 +299,7 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
             # rel_err: against the unquantized cache; rel_err_dequant: the kernel's own error
             entry["rel_err_dequant"] = rel_err(outs[name], ref_dequant)
             if not entry["rel_err_dequant"] < args.max_err:
-                if name == fp8_names[0]:  # the default path: fatal; an experiment: reported, untimed
-                    raise SystemExit(f"{case.name}: {name} differs from the dequantized reference: {entry}")
-                entry["error"] = f"differs from the dequantized reference: {entry['rel_err_dequant']:.2e}"
-                row["paths"][name] = entry
-                continue
+                raise SystemExit(f"{case.name}: {name} differs from the dequantized reference: {entry}")
         if name == "flash":
             row["paths"]["lean"]["rel_err_vs_flash"] = rel_err(outs["lean"], outs["flash"])
         try:
@@ -607,15 +573,11 @@ def main() -> None:
     )
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-cache lean column")
-    ap.add_argument(
-        "--fp8-variants", action="store_true", help="time every FP8 variant: " + ", ".join(FP8_VARIANTS)
-    )
     ap.add_argument("--flex-max-len", type=int, default=64 * K, help="longest context flex is run at")
     ap.add_argument("--flex-budget-s", type=float, default=150.0, help="stop compiling flex after this")
     ap.add_argument("--max-err", type=float, default=2e-2, help="lean vs reference relative error allowed")
     ap.add_argument("--commit", default=os.environ.get("MINIDECODE_COMMIT"), help="commit to record")
     args = ap.parse_args()
-    args.fp8_variants = list(FP8_VARIANTS) if args.fp8_variants else list(FP8_VARIANTS)[:1]
 
     quick = (
         "B1 32/8 1k",
@@ -634,7 +596,6 @@ def main() -> None:
         f"below {la.FP8_LONG_POSITIONS} positions": dataclasses.asdict(la.FP8_CONFIG),
         "from there": dataclasses.asdict(la.FP8_LONG_CONFIG),
     }
-    env["fp8_variants"] = {n: dataclasses.asdict(FP8_VARIANTS[n]) for n in args.fp8_variants}
     env["command"] = "python3 bench/attention.py " + " ".join(sys.argv[1:])
     env["reduction_gbs"] = read_ceiling_gbs()
     print(json.dumps(env), flush=True)

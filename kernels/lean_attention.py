@@ -47,8 +47,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 @dataclass(frozen=True)
 class LeanConfig:
     """Launch parameters: positions per tile, warps, pipeline depth of the tile loop, CTAs per SM,
-    pipeline depth of the merge loop (partials in flight), and whether a CTA draws the ticket of
-    its first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_LONG_CONFIG)."""
+    pipeline depth of the merge loop (partials in flight), whether a CTA draws the ticket of its
+    first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_LONG_CONFIG), and
+    how an FP8 cache is read: e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots
+    (see FP8_CONFIG)."""
 
     block_n: int
     num_warps: int
@@ -56,6 +58,7 @@ class LeanConfig:
     ctas_per_sm: int
     merge_stages: int
     early_ticket: bool = False
+    fp8_mma: bool = True
 
 
 # The best of a sweep on an H200 at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps
@@ -81,26 +84,29 @@ def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positio
     return DEFAULT_CONFIG
 
 
-# How the kernel reads an FP8 cache (kernel constexpr DEQUANT; bench/attention.py --fp8-variants
-# times them, bench/NOTES-attention.md has the numbers). MMA, the default with V blocked, decodes
-# nothing: K and V enter e4m3 tensor-core dots as they are stored, q is split into three e4m3 terms
-# (exact for bf16 / fp16) and p into two (bf16's precision; kernels/e4m3.py), up to 4.2 TB/s of
-# e4m3 bytes on an H200. BITS and CVT decode every K/V element to fp16 for fp16 dots, which bounds
-# them by the conversions (at most 3.2 TB/s); they serve V in K's layout. The interpreter has no
-# float8 cast: there MMA rounds to e4m3 with integer ops, and BITS stands in for CVT (the same fp16
-# values times 2^-8).
+# How the kernel reads an FP8 cache (kernel constexpr DEQUANT, from the config's fp8_mma;
+# bench/NOTES-attention.md has the numbers). MMA decodes nothing: K and V enter e4m3 tensor-core
+# dots as they are stored, q is split into three e4m3 terms (exact for bf16 / fp16) and p into two
+# (bf16's precision; kernels/e4m3.py), up to 4.4 TB/s of e4m3 bytes on an H200. CVT decodes every
+# K/V element to fp16 for fp16 dots: bounded by the conversions (at most 3.3 TB/s), but its tile is
+# a shorter chain of work, which is what a short cache's step waits for (FP8_CONFIG). The
+# interpreter has no float8 cast: there MMA rounds to e4m3 with integer ops, and BITS stands in
+# for CVT (the same fp16 values times 2^-8).
 DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
 DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
 DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
-DEQUANT_MMA = 3  # e4m3 tensor-core dots, no decode ("blocked_t" V only)
+DEQUANT_MMA = 3  # e4m3 tensor-core dots, no decode
 DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_MMA: 1.0}  # e4m3 value / operand value
 
-# FP8 cache (the e4m3 dots run as Hopper's warpgroup MMA, positions on M, the group's query
-# heads on N = 16): below FP8_LONG_POSITIONS cache positions, 256 positions a tile over two
-# warpgroups (8 warps), 3 stages, one CTA an SM; from there 128 positions a tile, one warpgroup,
-# 2 CTAs an SM (more independent tiles in flight; slower on short caches, where fewer, larger
-# CTAs split each head less). Chosen from 7 configs at 1k-1M (H200, bench/NOTES-attention.md).
-FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
+# FP8 cache below FP8_LONG_POSITIONS cache positions: each element decoded to fp16 for fp16 dots,
+# 256 positions a tile over 8 warps, 3 stages, one CTA an SM. A CTA holds few tiles there, so
+# the step waits on a tile's chain of work more than on bandwidth, and the decode's two dots beat
+# the tensor-core path's five and its q and p splits (same config, us: 1k 8.1 against 9.1, 4k
+# 10.9 against 11.6, 32k 30.5 against 32.4, 64k a tie; H200, bench/NOTES-attention.md). From
+# there the e4m3 tensor-core dots (Hopper's warpgroup MMA, positions on M, the group's query heads
+# on N = 16), 128 positions a tile, one warpgroup, 2 CTAs an SM: more independent tiles in flight,
+# and bandwidth the decode cannot reach (128k, both in this config: 78.8 against 95.9 us).
+FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False)
 # The long config draws a first segment's ticket early: a CTA that holds two partial segments
 # finishes last (it pays a segment switch), so at the end it drew the last ticket of both and
 # merged twice. Drawn as it leaves the first segment, that ticket is almost never the last; the
@@ -114,12 +120,12 @@ FP8_LONG_POSITIONS = 131072  # cache positions (all rows) from which an FP8 cach
 # and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
 P_RANGE = tl.constexpr(256.0)
 
-# V cache layouts (lean_attention's v_layout). "standard": [C, Hkv, S, D] like K. "blocked_t": an
-# e4m3 V cache stored per block of V_BLOCK positions with the positions contiguous,
+# The FP8 cache's V layout, "blocked_t" (K and a model-dtype V are [C, Hkv, S, D]): an e4m3 V
+# cache stored per block of V_BLOCK positions with the positions contiguous,
 # [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK] (to_v_blocked_t): the P.V dot's B operand then has its
 # reduction axis (positions) contiguous, so it needs no transpose on its way from shared memory
-# to the tensor cores (sm_90 has no 8-bit transposing ldmatrix; the standard layout's V is read
-# one byte an element there, bench/NOTES-attention.md). 64 positions: a block row is 64 bytes
+# to the tensor cores (sm_90 has no 8-bit transposing ldmatrix; V in K's layout was read one byte
+# an element there, 1.2-1.5x slower, bench/NOTES-attention.md). 64 positions: a block row is 64 bytes
 # (two 32-byte sectors, four 16-byte vector loads), a head's blocks are adjacent, so a tile is
 # still one contiguous run of D * BLOCK_N bytes; 64 divides every FP8 block_n (the layout must not
 # change with the launch config), and the padding and the region-start granularity stay small.
@@ -129,7 +135,6 @@ P_RANGE = tl.constexpr(256.0)
 # blocked cache is allocated zero-filled (to_v_blocked_t pads with zeros). Zeroing that tail in
 # the kernel instead (tl.where on the bytes or on the fp16 operand, even only in the last tile)
 # brings the shared-memory round trip back (offline sm_90 SASS, bench/NOTES-attention.md).
-V_LAYOUTS = ("standard", "blocked_t")
 V_BLOCK = quant.V_BLOCK  # 64: the layout the FP8 cache stores (kernels/quant.py)
 
 
@@ -418,7 +423,7 @@ def _lean_decode_kernel(
     UNIT: tl.constexpr,
     USE_PDL: tl.constexpr,
     HAS_STARTS: tl.constexpr,
-    V_BLOCK: tl.constexpr,  # 0: V in K's layout; > 0: "blocked_t", V_BLOCK positions a block
+    V_BLOCK: tl.constexpr,  # 0: V in K's layout (model-dtype cache); > 0: FP8, "blocked_t"
     WRITE_LSE: tl.constexpr,
     E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
     EARLY_TICKET: tl.constexpr,  # MMA: draw a partial first segment's ticket on leaving it
@@ -577,14 +582,12 @@ def _lean_decode_kernel(
                 else:
                     # The per-position V scale multiplies p, relative to the tile's largest scale so
                     # that p stays in [0, 1] in fp16; that largest scale (and UNIT) multiplies the
-                    # tile's fp32 result. fp32 accumulation across tiles, never fp16/fp8.
+                    # tile's fp32 result. fp32 accumulation across tiles, never fp16/fp8. V is
+                    # blocked: the B operand [BLOCK_N, HEAD_DIM] has its reduction axis contiguous.
                     v_scale = tl.load(VScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
                     v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
                     p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
-                    if V_BLOCK == 0:
-                        pv = tl.dot(p16, _e4m3_to_fp16(v, DEQUANT))  # [G_PAD, HEAD_DIM] fp32
-                    else:  # the B operand [BLOCK_N, HEAD_DIM] with its reduction axis contiguous
-                        pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))
+                    pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))  # [G_PAD, HEAD_DIM] fp32
                     acc = acc * alpha[:, None] + pv * (v_top * UNIT)
                 m_i = m_new
 
@@ -667,7 +670,7 @@ def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segme
 def lean_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared), last dim contiguous
-    v_cache: torch.Tensor,  # [C, Hkv, S, D]; "blocked_t": [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
+    v_cache: torch.Tensor,  # [C, Hkv, S, D]; FP8: [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK] (blocked_t)
     lengths: torch.Tensor,  # [B] int32 on q's device, 0 <= starts[b] + lengths[b] <= S
     scale: float,
     *,
@@ -678,8 +681,6 @@ def lean_attention(
     config: LeanConfig | None = None,
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
-    fp8_dequant: int | None = None,
-    v_layout: str = "standard",
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D] in q.dtype
     """softmax(q k^T * scale) v over each sequence's lengths[b] cached positions, which begin at
@@ -688,27 +689,24 @@ def lean_attention(
     costs nothing and its output row is left unwritten (an idle batch slot).
 
     K/V share q's dtype (fp16 / bf16 / fp32), or are float8_e4m3fn with per-(sequence, KV head,
-    position) float32 scales `k_scale` / `v_scale` (kernels/quant.py: row = e4m3 row * scale).
-    An FP8 cache with V blocked is read by e4m3 tensor-core dots (`fp8_dequant` DEQUANT_MMA, the
-    default there), one in K's layout is decoded to fp16 in registers (DEQUANT_CVT on a GPU,
-    DEQUANT_BITS on the CPU); softmax and accumulation stay in fp32 either way.
+    position) float32 scales `k_scale` / `v_scale` (kernels/quant.py: row = e4m3 row * scale) and
+    V in the blocked, transposed layout of to_v_blocked_t (see V_BLOCK). An FP8 cache is read by
+    e4m3 tensor-core dots or decoded to fp16 in registers, as the config says (config.fp8_mma);
+    softmax and accumulation stay in fp32 either way. The caller's contract for an FP8 cache:
+    region starts are multiples of V_BLOCK (checked here for CPU tensors; on a GPU the check
+    would cost a sync), and the bytes past a sequence's length up to the end of its last block
+    are no e4m3 NaN pattern.
 
     One kernel launch, no host sync: safe to capture in a CUDA graph (after one eager call, which
     allocates the cached workspace) and replay as `lengths` grows in place. Calls that share a
     workspace must be ordered on one stream. `num_ctas` overrides the SM-derived grid (tests),
     `config` the tuned launch parameters; `out` ([B, Hq, D], q's dtype) receives the result.
     `use_pdl` launches with programmatic dependent launch (Hopper+), chained to the step's kernels.
-    `v_layout="blocked_t"` takes an e4m3 V cache in the blocked, transposed layout of
-    to_v_blocked_t (see V_BLOCK). The caller's contract there: region starts are multiples of
-    V_BLOCK (checked here for CPU tensors; on a GPU the check would cost a sync), and the bytes
-    past a sequence's length up to the end of its last block are no e4m3 NaN pattern.
     `lse` ([B, Hq] float32, contiguous) receives each query head's log-sum-exp of the scaled scores
     (natural log), written with the output (a sequence of length 0 writes neither).
     """
-    if v_layout not in V_LAYOUTS:
-        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
-    blocked = v_layout == "blocked_t"
-    if q.dim() != 3 or k_cache.dim() != 4 or (v_cache.shape != k_cache.shape and not blocked):
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if q.dim() != 3 or k_cache.dim() != 4 or (v_cache.shape != k_cache.shape and not fp8):
         raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
@@ -723,7 +721,6 @@ def lean_attention(
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     if k_cache.dtype != v_cache.dtype or not (fp8 or k_cache.dtype == q.dtype):
         raise ValueError(
             f"K and V must share q's dtype or be float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}"
@@ -739,25 +736,16 @@ def lean_attention(
                 )
         if k_scale.stride() != v_scale.stride():
             raise ValueError("k_scale and v_scale must have the same strides")
-        if fp8_dequant is None:
-            fp8_dequant = DEQUANT_MMA if blocked else DEQUANT_CVT
-        if fp8_dequant not in DEQUANT_UNIT:
-            raise ValueError(f"unknown FP8 dequantization variant {fp8_dequant}")
-        if fp8_dequant == DEQUANT_MMA and not blocked:
-            raise ValueError("e4m3 tensor-core dots (DEQUANT_MMA) need v_layout 'blocked_t'")
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale / v_scale are for a float8_e4m3fn cache, not {k_cache.dtype}")
-    if blocked:
-        if not fp8:
-            raise ValueError(f"v_layout 'blocked_t' is for a float8_e4m3fn cache, not {v_cache.dtype}")
         want = [C, Hkv, -(-S // V_BLOCK), D, V_BLOCK]
         if list(v_cache.shape) != want:
             raise ValueError(
-                f"a 'blocked_t' V cache must be [C, Hkv, ceil(S / {V_BLOCK}), D, {V_BLOCK}] = {want} "
+                f"an FP8 V cache must be blocked, [C, Hkv, ceil(S / {V_BLOCK}), D, {V_BLOCK}] = {want} "
                 f"(to_v_blocked_t), got {list(v_cache.shape)}"
             )
         if starts is not None and starts.device.type == "cpu" and bool((starts % V_BLOCK).ne(0).any()):
-            raise ValueError(f"with v_layout 'blocked_t' every start must be a multiple of {V_BLOCK}")
+            raise ValueError(f"with an FP8 cache every start must be a multiple of {V_BLOCK}")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale are for a float8_e4m3fn cache, not {k_cache.dtype}")
     if lengths.shape != (B,):
         raise ValueError(f"lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -768,8 +756,8 @@ def lean_attention(
         lengths = lengths.to(torch.int32)
 
     config = config or default_config(D, q.dtype, fp8, positions=C * S)
-    if blocked and config.block_n % V_BLOCK != 0:
-        raise ValueError(f"v_layout 'blocked_t' needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
+    if fp8 and config.block_n % V_BLOCK != 0:
+        raise ValueError(f"an FP8 cache needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     grid = _grid_size(q.device, config, num_ctas)
     G = Hq // Hkv
     g_pad = _group_pad(G)
@@ -784,11 +772,13 @@ def lean_attention(
         # uint8 views: the kernel decodes the e4m3 bits itself (the Triton interpreter has no
         # float8 tensors, and the integer decode needs no FP8 conversion hardware).
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        if q.device.type != "cuda" and fp8_dequant == DEQUANT_CVT:
-            fp8_dequant = DEQUANT_BITS  # the interpreter has no float8 casts
+        if config.fp8_mma:
+            dequant = DEQUANT_MMA
+        else:  # the interpreter has no float8 casts: the integer decode stands in for the hardware's
+            dequant = DEQUANT_CVT if q.device.type == "cuda" else DEQUANT_BITS
     else:
         k_scale = v_scale = k_cache  # unused pointers
-        fp8_dequant = DEQUANT_NONE
+        dequant = DEQUANT_NONE
     _lean_decode_kernel[(grid,)](
         q,
         k_cache,
@@ -814,7 +804,7 @@ def lean_attention(
         v_cache.stride(0) if C == B else 0,
         v_cache.stride(1),
         v_cache.stride(2),
-        v_cache.stride(3) if blocked else 0,
+        v_cache.stride(3) if fp8 else 0,
         (k_scale.stride(0) if C == B else 0) if fp8 else 0,
         k_scale.stride(1) if fp8 else 0,
         out.stride(0),
@@ -827,11 +817,11 @@ def lean_attention(
         G_MERGE=triton.next_power_of_2(G),
         MERGE_STAGES=config.merge_stages,
         COUNTER_STRIDE=_COUNTER_STRIDE,
-        DEQUANT=fp8_dequant,
-        UNIT=DEQUANT_UNIT.get(fp8_dequant, 1.0),
+        DEQUANT=dequant,
+        UNIT=DEQUANT_UNIT.get(dequant, 1.0),
         USE_PDL=use_pdl,
         HAS_STARTS=starts is not None,
-        V_BLOCK=V_BLOCK if blocked else 0,
+        V_BLOCK=V_BLOCK if fp8 else 0,
         WRITE_LSE=lse is not None,
         E4M3_HW=q.device.type == "cuda",
         EARLY_TICKET=config.early_ticket,

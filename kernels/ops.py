@@ -187,9 +187,10 @@ def decode_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] (, lse [B, Hq] float32)
     """One decode step of attention: each sequence's single new query over its cached context,
     positions starts[b] .. starts[b] + lengths[b] - 1 of its cache row (the lean stream-K kernel,
-    which reads an FP8 cache with e4m3 tensor-core dots; the twin dequantizes the valid positions
-    to float32 first, and loops over the batch on the host, so it is not graph-safe). An FP8 cache's V
-    is blocked (the kernel's v_layout "blocked_t"): starts must be multiples of V_BLOCK. An idle
+    which reads an FP8 cache with e4m3 tensor-core dots, or on short caches decodes it to fp16;
+    the twin dequantizes the valid positions to float32 first, and loops over the batch on the
+    host, so it is not graph-safe). An FP8 cache's V is blocked (the kernel's "blocked_t"
+    layout): starts must be multiples of V_BLOCK. An idle
     sequence (length 0) gets no output: the kernel leaves its row unwritten, the twin zeros it.
 
     return_lse also returns each query head's log-sum-exp of the scaled scores (natural log),
@@ -202,7 +203,7 @@ def decode_attention(
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         out = lean_attention(
             q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, starts=starts,
-            use_pdl=_pdl(q, pdl), lse=lse, v_layout="blocked_t" if k_cache.dtype == FP8_DTYPE else "standard",
+            use_pdl=_pdl(q, pdl), lse=lse,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     out = torch.zeros_like(q)

@@ -71,9 +71,11 @@ def counters_zero() -> bool:
 
 
 def run_lean(q, k, v, lengths, scale, num_ctas=None, **kw):
-    """Run into a NaN-poisoned output, then check it is fully written and the counters are zero."""
+    """Run into a NaN-poisoned output, then check it is fully written and the counters are zero.
+    An FP8 cache's V (e4m3, scale) in K's layout goes to the kernel blocked (blocked_v)."""
     if isinstance(k, tuple):
         (k, kw["k_scale"]), (v, kw["v_scale"]) = k, v
+        v = blocked_v(v, lengths.tolist())
     out = torch.full_like(q, float("nan"))
     la.lean_attention(q, k, v, lengths, scale, num_ctas=num_ctas, out=out, **kw)
     assert not out.isnan().any(), "output not fully written (or NaN computed)"
@@ -216,23 +218,45 @@ def test_schedule_is_even():
 
 # ---- FP8 (e4m3) cache -----------------------------------------------------------------------
 
-# Against the dequantized cache: the kernel's own error (q and the dot operands in fp16, fp32
-# accumulation). Against the unquantized cache: e4m3's 3 mantissa bits (~2^-5 a value), amplified
-# by peaked scores (K heads up to 10x larger); a loose bound that a mis-scaled cache (a wrong
-# head's or position's scale) fails by far. bench/attention.py reports the measured error.
+# Against the dequantized cache: the kernel's own error. The fp16 decode (config.fp8_mma False):
+# q and the dot operands in fp16, fp32 accumulation. The e4m3 tensor-core path forms its
+# products from two e4m3 terms of p (about 8 bits, bf16's precision), whatever q's dtype: bf16's
+# bound. Against the unquantized cache: e4m3's 3 mantissa bits (~2^-5 a value), amplified by
+# peaked scores (K heads up to 10x larger); a loose bound that a mis-scaled cache (a wrong head's
+# or position's scale) fails by far. bench/attention.py reports the measured error.
 FP8_TOL = {torch.float16: 2e-3, torch.float32: 2e-3, torch.bfloat16: 1e-2}
-# The e4m3 tensor-core path (DEQUANT_MMA) forms its products from two e4m3 terms of q and of p
-# (about 8 bits, bf16's precision), whatever q's dtype: bf16's bound.
 MMA_TOL = TOL[torch.bfloat16]
 FP8_VS_UNQUANTIZED = 0.25
+V_BLOCK = la.V_BLOCK
+E4M3_MAX = 0x7E  # 448, finite: what a blocked V cache may hold past a length inside its last block
+# The kernel's two ways to read e4m3, each at the config the runtime runs it with.
+FP8_PATHS = [
+    pytest.param(la.FP8_CONFIG, id="fp16-decode"),
+    pytest.param(la.FP8_LONG_CONFIG, id="e4m3-mma"),
+]
 
 
-def check_fp8(device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=torch.float16, scale=None):
+def fp8_tol(config, dtype):
+    return MMA_TOL if config.fp8_mma else FP8_TOL[dtype]
+
+
+def blocked_v(v8, lengths):
+    """to_v_blocked_t of the e4m3 cache v8 [B, Hkv, S, D], its bytes past each length set to 448:
+    finite, but far off, so any weight the kernel gave them would show."""
+    raw = v8.view(torch.uint8).clone()
+    for b, n in enumerate(lengths):
+        raw[b, :, n:] = E4M3_MAX
+    return la.to_v_blocked_t(raw.view(v8.dtype))
+
+
+def check_fp8(device, lengths, hq, hkv, config, num_ctas=None, head_dim=64, dtype=torch.float16, scale=None):
+    """The kernel on the FP8 cache against the float64 reference on the dequantized cache (its
+    own error) and on the unquantized one (the quantization's)."""
     q, k, v, lens, (k_raw, v_raw) = make_inputs(device, lengths, hq, hkv, head_dim, dtype, fp8=True)
     scale = head_dim**-0.5 if scale is None else scale
-    out = run_lean(q, k, v, lens, scale, num_ctas)
+    out = run_lean(q, k, v, lens, scale, num_ctas, config=config)
     err = rel_err(out, reference(q, k, v, lens, scale))
-    assert err < FP8_TOL[dtype], f"relative error {err:.2e} against the dequantized cache"
+    assert err < fp8_tol(config, dtype), f"relative error {err:.2e} against the dequantized cache"
     err_raw = rel_err(out, reference(q, k_raw, v_raw, lens, scale))
     assert err_raw < FP8_VS_UNQUANTIZED, f"relative error {err_raw:.2e} against the unquantized cache"
     return q, k, v, lens, out
@@ -266,66 +290,138 @@ def test_e4m3_to_fp16_every_byte(dequant):
     assert torch.equal(y.float()[~nan], want[~nan])
 
 
+def test_to_v_blocked_t_layout():
+    """Element [c, h, p // V_BLOCK, d, p % V_BLOCK] is V[c, h, p, d]; the padding is zero bytes."""
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(1, 127, (2, 3, 2 * V_BLOCK + 5, 8), generator=gen, dtype=torch.uint8)
+    vt = la.to_v_blocked_t(raw.view(torch.float8_e4m3fn))
+    assert vt.dtype == torch.float8_e4m3fn and list(vt.shape) == [2, 3, 3, 8, V_BLOCK]
+    got = vt.view(torch.uint8)
+    for p in (0, 1, V_BLOCK - 1, V_BLOCK, 2 * V_BLOCK + 4):
+        assert torch.equal(got[:, :, p // V_BLOCK, :, p % V_BLOCK], raw[:, :, p])
+    assert got[:, :, 2, :, 5:].eq(0).all()
+    with pytest.raises(ValueError, match="1-byte V cache"):
+        la.to_v_blocked_t(raw.half())
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", FP8_PATHS)
 @pytest.mark.parametrize("num_ctas", [1, 3, 7])
-def test_fp8_ragged_batch(device, num_ctas):
-    lengths = [1, BLOCK_FP8 - 1, 2 * BLOCK_FP8 + 3, 37]  # ragged, lengths not multiples of BLOCK_N
+def test_fp8_ragged_batch(device, config, num_ctas):
+    lengths = [1, BLOCK_FP8 - 1, 2 * BLOCK_FP8 + 3, 37, V_BLOCK]  # ragged, not multiples of BLOCK_N
     if device == "cuda":
         lengths += [5000, 100_001]
+    for dtype in [*fp8_dtypes(device), torch.float32]:
+        check_fp8(device, lengths, hq=8, hkv=2, config=config, num_ctas=num_ctas, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", FP8_PATHS)
+@pytest.mark.parametrize("n", [1, V_BLOCK - 1, V_BLOCK + 1, BLOCK_FP8, BLOCK_FP8 + V_BLOCK + 3])
+@pytest.mark.parametrize("num_ctas", [1, 3])
+def test_fp8_block_edges(device, config, n, num_ctas):
+    check_fp8(device, [n], hq=8, hkv=2, config=config, num_ctas=num_ctas)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "config",
+    [
+        la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4),
+        la.FP8_CONFIG,
+        la.LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4),
+        la.FP8_LONG_CONFIG,
+    ],
+    ids=["one-block-tiles", "fp16-decode", "two-warpgroups", "long-context"],
+)
+def test_fp8_llama_shape_and_configs(device, config):
+    """32 q / 8 KV heads, head_dim 128, tiles of one, two and four V blocks (e4m3 dots: two
+    warpgroups share a tile's positions), heads split over CTAs."""
+    lengths = [3 * BLOCK_FP8 + 17, 100] if device == "cpu" else [131_072 + 5, 999]
     for dtype in fp8_dtypes(device):
-        check_fp8(device, lengths, hq=8, hkv=2, num_ctas=num_ctas, dtype=dtype)
+        check_fp8(device, lengths, hq=32, hkv=8, config=config, head_dim=128, num_ctas=5, dtype=dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_llama_shape(device):
-    lengths = [3 * BLOCK_FP8 + 17] if device == "cpu" else [131_072 + 5, 999]
-    for dtype in fp8_dtypes(device):
-        num_ctas = 5 if device == "cpu" else None
-        check_fp8(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=num_ctas, dtype=dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_fp8_fp32_query(device):
-    check_fp8(device, [BLOCK_FP8 + 5, 9], hq=8, hkv=2, num_ctas=3, dtype=torch.float32)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_fp8_peaked_logits(device):
+@pytest.mark.parametrize("config", FP8_PATHS)
+def test_fp8_peaked_logits(device, config):
     """Scores over hundreds of nats: the softmax is nearly one-hot. The bf16 case's lengths: at
     these scores e4m3's error against the unquantized cache grows with the context."""
-    check_fp8(device, [3 * BLOCK + 5, 33], hq=8, hkv=2, num_ctas=4, dtype=fp8_dtypes(device)[0], scale=4.0)
+    dtype = fp8_dtypes(device)[0]
+    check_fp8(device, [3 * BLOCK + 5, 33], hq=8, hkv=2, config=config, num_ctas=4, dtype=dtype, scale=4.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_query_beyond_fp16_range(device):
+@pytest.mark.parametrize("config", FP8_PATHS)
+def test_fp8_query_beyond_fp16_range(device, config):
     """|q| up to ~4e5 (fp16 holds 65504) with moderate scores: the power-of-two pre-scale of q
-    keeps the fp16 dot finite, and undoing it exactly keeps the scores right."""
+    keeps the fp16 dot and the e4m3 terms finite, and undoing it exactly keeps the scores right."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v, lens, _ = make_inputs(device, [3 * BLOCK_FP8 + 5], 8, 2, dtype=dtype, fp8=True)
     q = q * 1e5
-    out = run_lean(q, k, v, lens, 1e-6, num_ctas=4)
-    assert rel_err(out, reference(q, k, v, lens, 1e-6)) < FP8_TOL[dtype]
+    out = run_lean(q, k, v, lens, 1e-6, num_ctas=4, config=config)
+    assert rel_err(out, reference(q, k, v, lens, 1e-6)) < fp8_tol(config, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_bitwise_repeatable(device):
-    q, k, v, lens, first = check_fp8(device, [5 * BLOCK_FP8 + 1, 77], hq=8, hkv=2, num_ctas=5)
-    assert torch.equal(first, run_lean(q, k, v, lens, 64**-0.5, num_ctas=5))
+@pytest.mark.parametrize("config", FP8_PATHS)
+def test_fp8_bitwise_repeatable(device, config):
+    q, k, v, lens, first = check_fp8(device, [5 * BLOCK_FP8 + 1, 77], hq=8, hkv=2, config=config, num_ctas=5)
+    assert torch.equal(first, run_lean(q, k, v, lens, 64**-0.5, num_ctas=5, config=config))
+
+
+def test_fp8_config_follows_cache_positions(monkeypatch):
+    """An FP8 cache takes the long-context config (e4m3 dots) from FP8_LONG_POSITIONS positions
+    (all rows) up, the fp16 decode below: decided by the cache's shape, so one captured graph
+    keeps one config as lengths grow."""
+    n = la.FP8_LONG_POSITIONS
+    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n - 1) == la.FP8_CONFIG
+    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n) == la.FP8_LONG_CONFIG
+    assert la.default_config(128, torch.bfloat16, positions=4 * n) == la.DEFAULT_CONFIG  # bf16: one config
+    seen = []
+    grid_size = la._grid_size
+    monkeypatch.setattr(  # records the config lean_attention launches with
+        la,
+        "_grid_size",
+        lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
+    )
+    for s, config in ((n // 2 - 1, la.FP8_CONFIG), (n // 2, la.FP8_LONG_CONFIG)):
+        k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
+        scales = torch.ones(2, 1, s)
+        la.lean_attention(
+            torch.randn(2, 1, 64), k, la.to_v_blocked_t(k), torch.tensor([1, 0], dtype=torch.int32), 0.1,
+            k_scale=scales, v_scale=scales.clone(),
+        )  # fmt: skip
+        assert seen[-1] == config
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_rejects_bad_input(device):
-    q, (k8, ks), (v8, vs), lens, _ = make_inputs(device, [5], 4, 2, fp8=True)
+    q, (k8, ks), (v8, vs), lens, (k, v) = make_inputs(device, [70], 4, 2, fp8=True)
+    vt = la.to_v_blocked_t(v8)
+    kw = {"k_scale": ks, "v_scale": vs}
     with pytest.raises(ValueError, match="needs k_scale and v_scale"):
-        la.lean_attention(q, k8, v8, lens, 0.1)
+        la.lean_attention(q, k8, vt, lens, 0.1)
     with pytest.raises(ValueError, match=r"k_scale must be \[C, Hkv, S\]"):
-        la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks[:, :1], v_scale=vs)
+        la.lean_attention(q, k8, vt, lens, 0.1, k_scale=ks[:, :1], v_scale=vs)
     with pytest.raises(ValueError, match="v_scale must be"):
-        la.lean_attention(q, k8, v8, lens, 0.1, k_scale=ks, v_scale=vs.half())
+        la.lean_attention(q, k8, vt, lens, 0.1, k_scale=ks, v_scale=vs.half())
     with pytest.raises(ValueError, match="q must be"):
-        la.lean_attention(q.to(torch.float8_e4m3fn), k8, v8, lens, 0.1, k_scale=ks, v_scale=vs)
+        la.lean_attention(q.to(torch.float8_e4m3fn), k8, vt, lens, 0.1, **kw)
     with pytest.raises(ValueError, match="for a float8_e4m3fn cache"):
-        la.lean_attention(q, k8.half(), v8.half(), lens, 0.1, k_scale=ks, v_scale=vs)
+        la.lean_attention(q, k8.half(), v8.half(), lens, 0.1, **kw)
+    with pytest.raises(ValueError, match=r"an FP8 V cache must be blocked, \[C, Hkv, ceil"):
+        la.lean_attention(q, k8, v8, lens, 0.1, **kw)  # V in K's layout
+    with pytest.raises(ValueError, match="expected q"):
+        v16 = torch.zeros(vt.shape, dtype=q.dtype, device=device)  # the blocked shape, q's dtype
+        la.lean_attention(q, k, v16, lens, 0.1)
+    small = la.LeanConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4)
+    with pytest.raises(ValueError, match="block_n a multiple of"):
+        la.lean_attention(q, k8, vt, lens, 0.1, config=small, **kw)
+    if device == "cpu":
+        starts = torch.tensor([V_BLOCK + 1], dtype=torch.int64)
+        with pytest.raises(ValueError, match=f"multiple of {V_BLOCK}"):
+            la.lean_attention(q, k8, vt, lens, 0.1, starts=starts, **kw)
 
 
 # ---- CUDA graphs ----------------------------------------------------------------------------
@@ -335,14 +431,15 @@ def test_fp8_rejects_bad_input(device):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("start", [BLOCK * 64 - 3, 200_001], ids=str)
 def test_cuda_graph_growing_context(start, fp8):
-    """Capture once at `start`, then replay while the context grows one token a step."""
+    """Capture once at `start`, then replay while the context grows one token a step (FP8: the
+    fp16 decode, then the long-context e4m3 dots)."""
     if INTERPRETED or not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     steps, lengths = 6, [start, start // 3, 5]
     inputs = make_inputs("cuda", lengths, 32, 8, 128, torch.bfloat16, slack=steps + 1, fp8=fp8)
     q, k, v, lens = inputs[:4]
     kw = {"k_scale": k[1], "v_scale": v[1]} if fp8 else {}
-    kc, vc = (k[0], v[0]) if fp8 else (k, v)
+    kc, vc = (k[0], blocked_v(v[0], lengths)) if fp8 else (k, v)
     out = torch.empty_like(q)
     la.lean_attention(q, kc, vc, lens, 128**-0.5, out=out, **kw)  # eager: compile, allocate workspace
     n_workspaces = len(la._WORKSPACES)
@@ -356,9 +453,12 @@ def test_cuda_graph_growing_context(start, fp8):
             n = int(lens[b])
             new_k = torch.randn_like(q[b, :8], dtype=torch.float32)  # [Hkv, D]
             new_v = torch.randn_like(new_k)
-            if fp8:
-                kc[b, :, n], k[1][b, :, n] = quantize_fp8(new_k)
-                vc[b, :, n], v[1][b, :, n] = quantize_fp8(new_v)
+            if fp8:  # the reference reads k, v: (e4m3, scale) pairs in K's layout
+                (kc[b, :, n], k[1][b, :, n]), (v[0][b, :, n], v[1][b, :, n]) = (
+                    quantize_fp8(new_k),
+                    quantize_fp8(new_v),
+                )
+                vc[b, :, n // V_BLOCK, :, n % V_BLOCK] = v[0][b, :, n]
             else:
                 kc[b, :, n], vc[b, :, n] = new_k.to(kc.dtype), new_v.to(vc.dtype)
         lens += 1
@@ -391,149 +491,29 @@ def pack_regions(k, lengths, gaps):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fp8", [False, True])
-def test_regions_of_one_shared_row(device, fp8):
+def test_regions_of_one_shared_row(device):
     """Sequences of different lengths in regions of one cache row (a batch with per-sequence
     `starts`), with idle slots (length 0) that must cost nothing and disturb no one: each active
     sequence equals the float64 reference of its own cache."""
     lengths = [3 * BLOCK_FP8 + 7, 0, 40, BLOCK + 1, 0]
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
-    q, k, v, lens, *_ = make_inputs(device, [max(n, 1) for n in lengths], 8, 2, dtype=dtype, fp8=fp8)
+    q, k, v, lens = make_inputs(device, [max(n, 1) for n in lengths], 8, 2, dtype=dtype)
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     active = lens > 0
     gaps = [3, 9, 0, 17, 2]
-    kw = {}
-    if fp8:  # e4m3 rows move as bytes (the CPU's cat has no float8)
-        (k8, ks), (v8, vs) = k, v
-        k_row, starts = pack_regions(k8.view(torch.uint8), lengths, gaps)
-        v_row = pack_regions(v8.view(torch.uint8), lengths, gaps)[0]
-        k_row, v_row = k_row.view(k8.dtype), v_row.view(v8.dtype)
-        kw["k_scale"], kw["v_scale"] = pack_regions(ks, lengths, gaps)[0], pack_regions(vs, lengths, gaps)[0]
-    else:
-        (k_row, starts), (v_row, _) = pack_regions(k, lengths, gaps), pack_regions(v, lengths, gaps)
+    (k_row, starts), (v_row, _) = pack_regions(k, lengths, gaps), pack_regions(v, lengths, gaps)
     out = torch.full_like(q, float("nan"))
-    la.lean_attention(q, k_row, v_row, lens, 64**-0.5, num_ctas=5, out=out, starts=starts, **kw)
+    la.lean_attention(q, k_row, v_row, lens, 64**-0.5, num_ctas=5, out=out, starts=starts)
     assert counters_zero()
     idx = active.nonzero()[:, 0]  # the reference, on each active sequence's own cache
-    sub = (lambda t: (t[0][idx], t[1][idx])) if fp8 else (lambda t: t[idx])
-    ref = reference(q[idx], sub(k), sub(v), lens[idx], 64**-0.5)
-    tol = FP8_TOL[dtype] if fp8 else TOL[dtype]
-    assert rel_err(out[idx], ref) < tol
+    ref = reference(q[idx], k[idx], v[idx], lens[idx], 64**-0.5)
+    assert rel_err(out[idx], ref) < TOL[dtype]
     assert out[~active].isnan().all(), "an idle slot's output was written"
 
 
-# ---- FP8 cache with V blocked and transposed (v_layout="blocked_t") ---------------------------
-
-V_BLOCK = la.V_BLOCK
-E4M3_MAX = 0x7E  # 448, finite: what a blocked V cache may hold past a length inside its last block
-
-
-def test_to_v_blocked_t_layout():
-    """Element [c, h, p // V_BLOCK, d, p % V_BLOCK] is V[c, h, p, d]; the padding is zero bytes."""
-    gen = torch.Generator().manual_seed(0)
-    raw = torch.randint(1, 127, (2, 3, 2 * V_BLOCK + 5, 8), generator=gen, dtype=torch.uint8)
-    vt = la.to_v_blocked_t(raw.view(torch.float8_e4m3fn))
-    assert vt.dtype == torch.float8_e4m3fn and list(vt.shape) == [2, 3, 3, 8, V_BLOCK]
-    got = vt.view(torch.uint8)
-    for p in (0, 1, V_BLOCK - 1, V_BLOCK, 2 * V_BLOCK + 4):
-        assert torch.equal(got[:, :, p // V_BLOCK, :, p % V_BLOCK], raw[:, :, p])
-    assert got[:, :, 2, :, 5:].eq(0).all()
-    with pytest.raises(ValueError, match="1-byte V cache"):
-        la.to_v_blocked_t(raw.half())
-
-
-def blocked_v(v8, lengths):
-    """to_v_blocked_t of the e4m3 cache v8 [B, Hkv, S, D], its bytes past each length set to 448:
-    finite, but far off, so any weight the kernel gave them would show."""
-    raw = v8.view(torch.uint8).clone()
-    for b, n in enumerate(lengths):
-        raw[b, :, n:] = E4M3_MAX
-    return la.to_v_blocked_t(raw.view(v8.dtype))
-
-
-def check_fp8_vt(device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=torch.float16, **kw):
-    """The blocked layout against the float64 reference on the dequantized (standard) cache."""
-    q, (k8, ks), (v8, vs), lens, _ = make_inputs(device, lengths, hq, hkv, head_dim, dtype, fp8=True)
-    scale = head_dim**-0.5
-    vt = blocked_v(v8, lengths)
-    out = run_lean(q, (k8, ks), (vt, vs), lens, scale, num_ctas, v_layout="blocked_t", **kw)
-    err = rel_err(out, reference(q, (k8, ks), (v8, vs), lens, scale))
-    tol = MMA_TOL if kw.get("fp8_dequant", la.DEQUANT_MMA) == la.DEQUANT_MMA else FP8_TOL[dtype]
-    assert err < tol, f"relative error {err:.2e} against the dequantized cache"
-
-
-def dequants(device):
-    """The kernel's ways to read e4m3: the tensor-core path (its rounding by integer ops in the
-    interpreter), and the fp16 decodes (the interpreter runs the integer one: no float8 casts)."""
-    return (
-        [la.DEQUANT_MMA, la.DEQUANT_BITS]
-        if device == "cpu"
-        else [la.DEQUANT_MMA, la.DEQUANT_CVT, la.DEQUANT_BITS]
-    )
-
-
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n", [1, V_BLOCK - 1, V_BLOCK + 1, BLOCK_FP8, BLOCK_FP8 + V_BLOCK + 3])
-@pytest.mark.parametrize("num_ctas", [1, 3])
-def test_fp8_vt_block_edges(device, n, num_ctas):
-    for dequant in dequants(device):
-        check_fp8_vt(device, [n], hq=8, hkv=2, num_ctas=num_ctas, fp8_dequant=dequant)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_ctas", [3, 7])
-def test_fp8_vt_ragged_batch(device, num_ctas):
-    lengths = [1, BLOCK_FP8 - 1, 2 * BLOCK_FP8 + 3, 37, V_BLOCK]
-    if device == "cuda":
-        lengths += [5000, 100_001]
-    for dtype in [*fp8_dtypes(device), torch.float32]:
-        for dequant in dequants(device):
-            check_fp8_vt(device, lengths, hq=8, hkv=2, num_ctas=num_ctas, dtype=dtype, fp8_dequant=dequant)
-
-
-def test_fp8_config_follows_cache_positions(monkeypatch):
-    """An FP8 cache takes the long-context config from FP8_LONG_POSITIONS positions (all rows)
-    up: decided by the cache's shape, so one captured graph keeps one config as lengths grow."""
-    n = la.FP8_LONG_POSITIONS
-    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n - 1) == la.FP8_CONFIG
-    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n) == la.FP8_LONG_CONFIG
-    assert la.default_config(128, torch.bfloat16, positions=4 * n) == la.DEFAULT_CONFIG  # bf16: one config
-    seen = []
-    grid_size = la._grid_size
-    monkeypatch.setattr(  # records the config lean_attention launches with
-        la,
-        "_grid_size",
-        lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
-    )
-    for s, want in ((n // 2 - 1, la.FP8_CONFIG), (n // 2, la.FP8_LONG_CONFIG)):
-        k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
-        scales = torch.ones(2, 1, s)
-        la.lean_attention(
-            torch.randn(2, 1, 64), k, k.clone(), torch.tensor([1, 0], dtype=torch.int32), 0.1,
-            k_scale=scales, v_scale=scales.clone(),
-        )  # fmt: skip
-        assert seen[-1] == want
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "config",
-    [
-        la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4),
-        la.FP8_CONFIG,
-        la.FP8_LONG_CONFIG,
-    ],
-    ids=["one-block-tiles", "two-warpgroups", "long-context"],
-)
-def test_fp8_vt_llama_shape_and_configs(device, config):
-    """32 q / 8 KV heads, head_dim 128, tiles of one, two and four V blocks (two warpgroups share
-    a tile's positions), heads split over CTAs."""
-    lengths = [3 * BLOCK_FP8 + 17, 100] if device == "cpu" else [131_072 + 5, 999]
-    check_fp8_vt(device, lengths, hq=32, hkv=8, head_dim=128, num_ctas=5, config=config)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_fp8_vt_regions_of_one_shared_row(device):
+@pytest.mark.parametrize("config", FP8_PATHS)
+def test_fp8_regions_of_one_shared_row(device, config):
     """Regions of one cache row starting at multiples of V_BLOCK (the layout's contract), idle
     slots included: each active sequence equals the reference of its own cache. Whole blocks
     between regions hold e4m3 NaN patterns (never read), a region's last block 448s past its end."""
@@ -554,35 +534,10 @@ def test_fp8_vt_regions_of_one_shared_row(device):
     out = torch.full_like(q, float("nan"))
     la.lean_attention(
         q, k_row.view(k8.dtype), vt_row, lens, 64**-0.5, k_scale=k_scale, v_scale=v_scale,
-        starts=starts, num_ctas=5, out=out, v_layout="blocked_t",
+        starts=starts, num_ctas=5, out=out, config=config,
     )  # fmt: skip
     assert counters_zero()
     idx = (lens > 0).nonzero()[:, 0]
     ref = reference(q[idx], (k8[idx], ks[idx]), (v8[idx], vs[idx]), lens[idx], 64**-0.5)
-    assert rel_err(out[idx], ref) < MMA_TOL
+    assert rel_err(out[idx], ref) < fp8_tol(config, dtype)
     assert out[lens == 0].isnan().all(), "an idle slot's output was written"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_fp8_vt_rejects_bad_input(device):
-    q, (k8, ks), (v8, vs), lens, (k, v) = make_inputs(device, [70], 4, 2, fp8=True)
-    vt = la.to_v_blocked_t(v8)
-    kw = {"k_scale": ks, "v_scale": vs}
-    with pytest.raises(ValueError, match="v_layout must be one of"):
-        la.lean_attention(q, k8, vt, lens, 0.1, v_layout="transposed", **kw)
-    with pytest.raises(ValueError, match=r"'blocked_t' V cache must be \[C, Hkv, ceil"):
-        la.lean_attention(q, k8, v8, lens, 0.1, v_layout="blocked_t", **kw)
-    with pytest.raises(ValueError, match="is for a float8_e4m3fn cache"):
-        v16 = torch.zeros(vt.shape, dtype=q.dtype, device=device)  # the blocked shape, q's dtype
-        la.lean_attention(q, k, v16, lens, 0.1, v_layout="blocked_t")
-    small = la.LeanConfig(block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4)
-    with pytest.raises(ValueError, match="block_n a multiple of"):
-        la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", config=small, **kw)
-    with pytest.raises(ValueError, match="need v_layout 'blocked_t'"):
-        la.lean_attention(q, k8, v8, lens, 0.1, fp8_dequant=la.DEQUANT_MMA, **kw)
-    with pytest.raises(ValueError, match="unknown FP8 dequantization variant"):
-        la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", fp8_dequant=7, **kw)
-    if device == "cpu":
-        starts = torch.tensor([V_BLOCK + 1], dtype=torch.int64)
-        with pytest.raises(ValueError, match=f"multiple of {V_BLOCK}"):
-            la.lean_attention(q, k8, vt, lens, 0.1, v_layout="blocked_t", starts=starts, **kw)
