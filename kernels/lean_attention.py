@@ -50,7 +50,7 @@ class LeanConfig:
     pipeline depth of the merge loop (partials in flight), whether a CTA draws the ticket of its
     first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_LONG_CONFIG), and
     how an FP8 cache is read: e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots
-    (see FP8_CONFIG)."""
+    (see FP8_SHORT_CONFIG)."""
 
     block_n: int
     num_warps: int
@@ -72,12 +72,15 @@ DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=
 def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positions: int = 0) -> LeanConfig:
     """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
     twice the bytes, so half the positions per tile and two stages keep them within shared
-    memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) from
-    FP8_LONG_POSITIONS up takes FP8_LONG_CONFIG: a shape, not the lengths, decides, so a CUDA
-    graph captured for a cache replays one config however its context grows."""
+    memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) takes
+    FP8_SHORT_CONFIG below FP8_SHORT_POSITIONS, FP8_LONG_CONFIG from FP8_LONG_POSITIONS up and
+    FP8_CONFIG between: a shape, not the lengths, decides, so a CUDA graph captured for a cache
+    replays one config however its context grows."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if fp8:
+        if positions < FP8_SHORT_POSITIONS:
+            return FP8_SHORT_CONFIG
         return FP8_LONG_CONFIG if positions >= FP8_LONG_POSITIONS else FP8_CONFIG
     if dtype == torch.float32:
         return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
@@ -89,7 +92,7 @@ def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positio
 # dots as they are stored, q is split into three e4m3 terms (exact for bf16 / fp16) and p into two
 # (bf16's precision; kernels/e4m3.py), up to 4.4 TB/s of e4m3 bytes on an H200. CVT decodes every
 # K/V element to fp16 for fp16 dots: bounded by the conversions (at most 3.3 TB/s), but its tile is
-# a shorter chain of work, which is what a short cache's step waits for (FP8_CONFIG). The
+# a shorter chain of work, which is what a short cache's step waits for (FP8_SHORT_CONFIG). The
 # interpreter has no float8 cast: there MMA rounds to e4m3 with integer ops, and BITS stands in
 # for CVT (the same fp16 values times 2^-8).
 DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
@@ -98,15 +101,19 @@ DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
 DEQUANT_MMA = 3  # e4m3 tensor-core dots, no decode
 DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_MMA: 1.0}  # e4m3 value / operand value
 
-# FP8 cache below FP8_LONG_POSITIONS cache positions: each element decoded to fp16 for fp16 dots,
-# 256 positions a tile over 8 warps, 3 stages, one CTA an SM. A CTA holds few tiles there, so
-# the step waits on a tile's chain of work more than on bandwidth, and the decode's two dots beat
-# the tensor-core path's five and its q and p splits (same config, us: 1k 8.1 against 9.1, 4k
-# 10.9 against 11.6, 32k 30.5 against 32.4, 64k a tie; H200, bench/NOTES-attention.md). From
-# there the e4m3 tensor-core dots (Hopper's warpgroup MMA, positions on M, the group's query heads
-# on N = 16), 128 positions a tile, one warpgroup, 2 CTAs an SM: more independent tiles in flight,
-# and bandwidth the decode cannot reach (128k, both in this config: 78.8 against 95.9 us).
-FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False)
+# FP8 cache (the e4m3 dots run as Hopper's warpgroup MMA, positions on M, the group's query
+# heads on N = 16): below FP8_LONG_POSITIONS cache positions, 256 positions a tile over two
+# warpgroups (8 warps), 3 stages, one CTA an SM; from there 128 positions a tile, one warpgroup,
+# 2 CTAs an SM (more independent tiles in flight; slower on short caches, where fewer, larger
+# CTAs split each head less). Chosen from 7 configs at 1k-1M (H200, bench/NOTES-attention.md).
+FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
+# Below FP8_SHORT_POSITIONS, each element decoded to fp16 for fp16 dots, same launch. A CTA holds
+# one or two tiles there, so the step waits on a tile's chain of work more than on bandwidth, and
+# the decode's two dots beat the tensor-core path's five and its q and p splits (kernel, us: 1k
+# 8.1 against 9.1, 4k 10.9 against 11.6, 8k 15.0 against 15.6; decode step at 1k 0.7% faster, at
+# 16k a tie, at 64k 1.3% slower; H200, bench/NOTES-attention.md).
+FP8_SHORT_CONFIG = dataclasses.replace(FP8_CONFIG, fp8_mma=False)
+FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cache takes FP8_SHORT_CONFIG
 # The long config draws a first segment's ticket early: a CTA that holds two partial segments
 # finishes last (it pays a segment switch), so at the end it drew the last ticket of both and
 # merged twice. Drawn as it leaves the first segment, that ticket is almost never the last; the

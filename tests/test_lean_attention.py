@@ -231,8 +231,8 @@ V_BLOCK = la.V_BLOCK
 E4M3_MAX = 0x7E  # 448, finite: what a blocked V cache may hold past a length inside its last block
 # The kernel's two ways to read e4m3, each at the config the runtime runs it with.
 FP8_PATHS = [
-    pytest.param(la.FP8_CONFIG, id="fp16-decode"),
-    pytest.param(la.FP8_LONG_CONFIG, id="e4m3-mma"),
+    pytest.param(la.FP8_SHORT_CONFIG, id="fp16-decode"),
+    pytest.param(la.FP8_CONFIG, id="e4m3-mma"),
 ]
 
 
@@ -328,8 +328,8 @@ def test_fp8_block_edges(device, config, n, num_ctas):
     "config",
     [
         la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4),
+        la.FP8_SHORT_CONFIG,
         la.FP8_CONFIG,
-        la.LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4),
         la.FP8_LONG_CONFIG,
     ],
     ids=["one-block-tiles", "fp16-decode", "two-warpgroups", "long-context"],
@@ -371,13 +371,19 @@ def test_fp8_bitwise_repeatable(device, config):
 
 
 def test_fp8_config_follows_cache_positions(monkeypatch):
-    """An FP8 cache takes the long-context config (e4m3 dots) from FP8_LONG_POSITIONS positions
-    (all rows) up, the fp16 decode below: decided by the cache's shape, so one captured graph
-    keeps one config as lengths grow."""
-    n = la.FP8_LONG_POSITIONS
-    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n - 1) == la.FP8_CONFIG
-    assert la.default_config(128, torch.bfloat16, fp8=True, positions=n) == la.FP8_LONG_CONFIG
-    assert la.default_config(128, torch.bfloat16, positions=4 * n) == la.DEFAULT_CONFIG  # bf16: one config
+    """An FP8 cache takes the short-cache config (fp16 decode) below FP8_SHORT_POSITIONS positions
+    (all rows) and the long-context one from FP8_LONG_POSITIONS up: decided by the cache's shape,
+    so one captured graph keeps one config as lengths grow."""
+    short, long = la.FP8_SHORT_POSITIONS, la.FP8_LONG_POSITIONS
+    want = {
+        short - 1: la.FP8_SHORT_CONFIG,
+        short: la.FP8_CONFIG,
+        long - 1: la.FP8_CONFIG,
+        long: la.FP8_LONG_CONFIG,
+    }
+    for positions, config in want.items():
+        assert la.default_config(128, torch.bfloat16, fp8=True, positions=positions) == config
+    assert la.default_config(128, torch.bfloat16, positions=4 * long) == la.DEFAULT_CONFIG  # bf16: one config
     seen = []
     grid_size = la._grid_size
     monkeypatch.setattr(  # records the config lean_attention launches with
@@ -385,7 +391,11 @@ def test_fp8_config_follows_cache_positions(monkeypatch):
         "_grid_size",
         lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
     )
-    for s, config in ((n // 2 - 1, la.FP8_CONFIG), (n // 2, la.FP8_LONG_CONFIG)):
+    for s, config in (
+        (short // 2 - 1, la.FP8_SHORT_CONFIG),
+        (short // 2, la.FP8_CONFIG),
+        (long // 2, la.FP8_LONG_CONFIG),
+    ):
         k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
         scales = torch.ones(2, 1, s)
         la.lean_attention(
@@ -429,10 +439,10 @@ def test_fp8_rejects_bad_input(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("start", [BLOCK * 64 - 3, 200_001], ids=str)
+@pytest.mark.parametrize("start", [1000, BLOCK * 64 - 3, 200_001], ids=str)
 def test_cuda_graph_growing_context(start, fp8):
     """Capture once at `start`, then replay while the context grows one token a step (FP8: the
-    fp16 decode, then the long-context e4m3 dots)."""
+    three configs a cache's size picks, from the shortest to the long-context one)."""
     if INTERPRETED or not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     steps, lengths = 6, [start, start // 3, 5]
