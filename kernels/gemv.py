@@ -41,7 +41,7 @@ class GemvConfig:
     # Output blocks are dealt round-robin to at most one CTA an SM: qkv's 6144 outputs are 192
     # blocks, 2 for each of 96 CTAs (one block a CTA launched 192: two waves, and the second
     # wave's 60 CTAs each filled a pipeline again; step 0.5-1.9% slower). Blocks of 16 outputs,
-    # 3 for each of 128 CTAs, were 4-7% slower (bench/NOTES-attention.md).
+    # 3 for each of 128 CTAs, were 4-9% slower (bench/NOTES-attention.md).
     block_n: int = 32
     block_k: int = 256  # a 16 KiB bf16 tile of W (and 8 KiB of x) per pipeline stage
     num_warps: int = 4
