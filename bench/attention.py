@@ -71,6 +71,10 @@ class Case:
         return len(set(self.lengths)) == 1
 
 
+# Every path a case can time, in the order of the tables; the first two are ours.
+PATHS = ["lean", "lean_fp8", "flash", "flash_varlen", "cudnn", "flex"]
+
+
 def _ragged_lengths() -> tuple[int, ...]:
     # 8 sequences between 1k and 256k, log-spaced, fixed so every run measures the same case
     return tuple(int(round(K * 256 ** (i / 7))) for i in range(8))
@@ -274,8 +278,7 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
         ref_dequant = decode_attention_reference(x0.q.float(), kd, vd, x0.lengths, scale).float()
         del kd, vd
     outs = {}
-    fp8_names = [n for n in paths if n.startswith("lean_fp8")]
-    for name in ["lean", *fp8_names, "flash", "flash_varlen", "cudnn", "flex"]:
+    for name in PATHS:
         if name not in paths:
             continue
         try:
@@ -295,7 +298,7 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
             raise SystemExit(
                 f"{case.name}: lean differs from the reference, relative error {entry['rel_err']:.2e}"
             )
-        if name.startswith("lean_fp8"):
+        if name == "lean_fp8":
             # rel_err: against the unquantized cache; rel_err_dequant: the kernel's own error
             entry["rel_err_dequant"] = rel_err(outs[name], ref_dequant)
             if not entry["rel_err_dequant"] < args.max_err:
@@ -304,7 +307,7 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
             row["paths"]["lean"]["rel_err_vs_flash"] = rel_err(outs["lean"], outs["flash"])
         try:
             t = time_graph(calls)
-            n_bytes = case.fp8_bytes if name.startswith("lean_fp8") else case.kv_bytes
+            n_bytes = case.fp8_bytes if name == "lean_fp8" else case.kv_bytes
             entry.update(
                 us=t.median, us_min=t.low, us_max=t.high, bytes=n_bytes, gbs=n_bytes / t.median / 1e3
             )
@@ -315,9 +318,9 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
         row["paths"][name] = entry
     if "us" in row["paths"].get("lean", {}):  # time lean twice: the spread is the noise floor
         row["paths"]["lean"]["us_repeat"] = time_graph([lean_call(x, scale, config) for x in sets]).median
-    for name in fp8_names:
-        if "us" in row["paths"].get(name, {}) and "us" in row["paths"]["lean"]:
-            row["paths"][name]["speedup_vs_bf16_lean"] = row["paths"]["lean"]["us"] / row["paths"][name]["us"]
+    fp8 = row["paths"].get("lean_fp8", {})
+    if "us" in fp8 and "us" in row["paths"]["lean"]:
+        fp8["speedup_vs_bf16_lean"] = row["paths"]["lean"]["us"] / fp8["us"]
     flash_times = [row["paths"].get(n, {}).get("us") for n in ("flash", "flash_varlen")]
     flash_us = min((t for t in flash_times if t), default=None)
     row["flash_us"] = flash_us
@@ -377,20 +380,18 @@ def summary(rows: list[dict]) -> dict:
             if "us" in r["paths"].get(peer, {}):
                 vs_slow[peer] = r["paths"][peer]["us"] / r["paths"]["lean"]["us"]
     fp8 = {}
-    for name in sorted({n for r in rows for n in r["paths"] if n.startswith("lean_fp8")}):
-        ups = [
-            (r, r["paths"][name]["speedup_vs_bf16_lean"])
-            for r in rows
-            if "speedup_vs_bf16_lean" in r["paths"].get(name, {})
-        ]
+    ups = [
+        (r, r["paths"]["lean_fp8"]["speedup_vs_bf16_lean"])
+        for r in rows
+        if "speedup_vs_bf16_lean" in r["paths"].get("lean_fp8", {})
+    ]
+    if ups:
         long = [(r, x) for r, x in ups if min(r["lengths"]) >= 128 * K]
-        fp8[name] = {
-            "min_speedup_vs_bf16_lean": min((x for _, x in ups), default=float("nan")),
+        fp8["lean_fp8"] = {
+            "min_speedup_vs_bf16_lean": min(x for _, x in ups),
             "min_speedup_vs_bf16_lean_128k_up": min((x for _, x in long), default=float("nan")),
-            "min_gbs_128k_up": min((r["paths"][name]["gbs"] for r, _ in long), default=float("nan")),
-            "max_rel_err_vs_unquantized": max(
-                (r["paths"][name]["rel_err"] for r, _ in ups), default=float("nan")
-            ),
+            "min_gbs_128k_up": min((r["paths"]["lean_fp8"]["gbs"] for r, _ in long), default=float("nan")),
+            "max_rel_err_vs_unquantized": max(r["paths"]["lean_fp8"]["rel_err"] for r, _ in ups),
         }
     return {
         "geomean_speedup_batch1": geomean(speedups("lean", BATCH1_GQA)),
@@ -408,9 +409,7 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def path_names(rows: list[dict]) -> list[str]:
-    order = ["lean", "flash", "flash_varlen", "cudnn", "flex"]
-    fp8 = sorted({n for r in rows for n in r["paths"] if n.startswith("lean_fp8")})
-    return [n for n in order[:1] + fp8 + order[1:] if any(n in r["paths"] for r in rows)]
+    return [n for n in PATHS if any(n in r["paths"] for r in rows)]
 
 
 def cell(entry: dict) -> str:
@@ -423,6 +422,7 @@ def cell(entry: dict) -> str:
 def markdown(env: dict, rows: list[dict], summ: dict) -> str:
     ceiling = env["ceiling_gbs"]
     names = path_names(rows)
+    has_fp8 = "lean_fp8" in names
     lines = [
         "# Decode attention: lean (bf16 and FP8 cache) vs PyTorch peers",
         "",
@@ -445,25 +445,23 @@ def markdown(env: dict, rows: list[dict], summ: dict) -> str:
         "| case | "
         + " | ".join(f"{n} us" for n in names)
         + " | lean GB/s (%) | lean vs flash | "
-        + " | ".join(f"{n} GB/s (%) · x bf16 lean · err" for n in names if n.startswith("lean_fp8"))
-        + " | lean (repeat) us | grid | tiles/CTA | max splits/head |",
-        "| --- " * (len(names) + 7 + sum(n.startswith("lean_fp8") for n in names)) + "|",
+        + ("lean_fp8 GB/s (%) · x bf16 lean · err | " if has_fp8 else "")
+        + "lean (repeat) us | grid | tiles/CTA | max splits/head |",
+        "| --- " * (len(names) + 7 + has_fp8) + "|",
     ]
     for r in rows:
         p, sch = r["paths"], r["schedule"]
-        lean = p.get("lean", {})
-        fp8_cells = [
+        lean, e = p.get("lean", {}), p.get("lean_fp8", {})
+        fp8_cell = (
             f"{fmt(e.get('gbs'), '.0f')} ({fmt(e.get('gbs', 0) * 100 / ceiling, '.0f')}%) · "
-            f"{fmt(e.get('speedup_vs_bf16_lean'), '.2f')}x · {fmt(e.get('rel_err'), '.1e')}"
-            for n, e in ((n, p.get(n, {})) for n in names)
-            if n.startswith("lean_fp8")
-        ]
+            f"{fmt(e.get('speedup_vs_bf16_lean'), '.2f')}x · {fmt(e.get('rel_err'), '.1e')} | "
+        )
         lines.append(
             f"| {r['case']} | "
             + " | ".join(cell(p.get(n, {})) for n in names)
             + f" | {fmt(lean.get('gbs'), '.0f')} ({fmt(lean.get('gbs', 0) * 100 / ceiling, '.0f')}%)"
             + f" | {fmt(lean.get('speedup_vs_flash'), '.2f')}x | "
-            + "".join(c + " | " for c in fp8_cells)
+            + (fp8_cell if has_fp8 else "")
             + f"{fmt(lean.get('us_repeat'), '.1f')} | {sch['grid']} | {sch['tiles_per_cta']} | "
             f"{sch['max_splits_per_head']} |"
         )
@@ -539,17 +537,15 @@ def short_table(rows: list[dict], summ: dict, env: dict) -> str:
     out.append(f"{'case':<24}{heads}  fp8: x bf16-lean/GB/s/err")
     for r in rows:
         p = r["paths"]
-        extra = [
-            f"{fmt(e.get('speedup_vs_bf16_lean'), '.2f')}x/{fmt(e.get('gbs'), '.0f')}/"
-            f"{fmt(e.get('rel_err'), '.1e')}"
-            for n, e in ((n, p.get(n, {})) for n in names)
-            if n.startswith("lean_fp8") and n in p
-        ]
+        fp8 = ""
+        if (e := p.get("lean_fp8")) is not None:
+            fp8 = f"{fmt(e.get('speedup_vs_bf16_lean'), '.2f')}x/{fmt(e.get('gbs'), '.0f')}/"
+            fp8 += fmt(e.get("rel_err"), ".1e")
         out.append(
             f"{r['case']:<24}"
             + "".join(f"{fmt(p.get(n, {}).get('us'), '15.1f')}" for n in names)
             + "  "
-            + " ".join(extra)
+            + fp8
         )
     out.append(
         f"geomean lean x flash (batch 1): {summ['geomean_speedup_batch1']:.2f}   min x flash: "

@@ -21,12 +21,13 @@ work on x in the loop stops its loads from being pipelined (bench/NOTES-attentio
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .device import INTERPRETER_CTAS, sm_count
 
 # Rows padded into the dot's M axis (16, or 32 from 17 rows); larger batches go to cuBLAS. At 32
 # rows it beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80 against 9.07 ms).
@@ -130,11 +131,6 @@ def _gemv_kernel(
     _store_block(Out, Bias, acc, offs_m, last_n, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def gemv(
     x: torch.Tensor,  # [B, K], B <= MAX_ROWS
     weight: torch.Tensor,  # [N, K]
@@ -143,7 +139,7 @@ def gemv(
     residual: torch.Tensor | None = None,  # [B, N]: residual += result, in place, and returned
     use_pdl: bool = False,
     config: GemvConfig = DEFAULT_CONFIG,
-    max_ctas: int | None = None,  # default: the SM count (the interpreter: 4)
+    max_ctas: int | None = None,  # default: the SM count (the interpreter: INTERPRETER_CTAS)
 ) -> torch.Tensor:  # [B, N] in x.dtype
     """x @ weight^T + bias (added into residual in place, if given) in one Triton launch."""
     B, K = x.shape
@@ -155,7 +151,7 @@ def gemv(
     out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
     block_k = config.block_k // 2 if x.dtype == torch.float32 else config.block_k  # fp32: twice the bytes
     if max_ctas is None:
-        max_ctas = _sm_count(x.device) if x.is_cuda else 4
+        max_ctas = sm_count(x.device) if x.is_cuda else INTERPRETER_CTAS
     n_blocks = triton.cdiv(N, config.block_n)
     grid = triton.cdiv(n_blocks, triton.cdiv(n_blocks, max_ctas))  # as few CTAs as the most blocks a CTA need
     _gemv_kernel[(grid,)](

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from . import quant
+from .device import INTERPRETER_CTAS, sm_count
 from .e4m3 import split3_e4m3, split_e4m3
 
 LOG2E = 1.4426950408889634
@@ -99,7 +100,7 @@ DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
 DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
 DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
 DEQUANT_MMA = 3  # e4m3 tensor-core dots, no decode
-DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0, DEQUANT_MMA: 1.0}  # e4m3 value / operand value
+DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # the decodes: e4m3 value / fp16 value
 
 # FP8 cache (the e4m3 dots run as Hopper's warpgroup MMA, positions on M, the group's query
 # heads on N = 16): below FP8_LONG_POSITIONS cache positions, 256 positions a tile over two
@@ -639,8 +640,6 @@ class _Workspace(NamedTuple):
 
 
 _WORKSPACES: dict[tuple, _Workspace] = {}
-_SM_COUNTS: dict[torch.device, int] = {}
-_CPU_GRID = 4  # TRITON_INTERPRET runs on the CPU: a few CTAs exercise the same schedule
 _COUNTER_STRIDE = 32  # int32s: each (b, h) ticket counter on its own 128-byte line
 
 
@@ -654,10 +653,8 @@ def _grid_size(device: torch.device, config: LeanConfig, num_ctas: int | None) -
             raise ValueError(f"num_ctas must be >= 1, got {num_ctas}")
         return num_ctas
     if device.type != "cuda":
-        return _CPU_GRID
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device] * config.ctas_per_sm
+        return INTERPRETER_CTAS
+    return sm_count(device) * config.ctas_per_sm
 
 
 def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segments: int) -> _Workspace:

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .device import sm_count
+
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 BLOCK = 65536  # query rows per block of the blocked cuDNN path (best of 16k-256k at 128k and 512k)
 # Query rows per block on the CPU: one block of a long prompt takes about a second on two cores,
@@ -55,8 +57,7 @@ def causal_attention(
         return v.expand_as(q).clone()
     if backend == "cudnn" and (past or q.shape[2] > BLOCK):
         attend = functools.partial(cudnn_with_lse, scale=scale)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        return blocked_causal_attention(q, k, v, BLOCK, attend, sms)
+        return blocked_causal_attention(q, k, v, BLOCK, attend, sm_count(q.device))
     if q.device.type == "cpu" and (past or q.shape[2] > CPU_BLOCK):
         attend = functools.partial(cpu_flash_with_lse, scale=scale)
         return blocked_causal_attention(q, k, v, CPU_BLOCK, attend)
