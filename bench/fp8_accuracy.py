@@ -9,8 +9,9 @@ the step's distribution (mean, max) and top-1 agreement.
     python bench/fp8_accuracy.py                     # 131,072 tokens, 64 steps (~1-2 min, H200)
 
 Decode speed with --fill (CLEARLY NOT A GENERATION: no prefill runs): the cache is filled with
-random finite values up to --context positions, then --steps decode steps (CUDA graph replays, as
-in generation) are timed at that context. Tokens are meaningless; only the speed is real:
+random finite values up to --context positions, then 3 windows of --steps decode steps (CUDA
+graph replays, as in generation) are timed from that context: median (min-max) tok/s. Tokens are
+meaningless; only the speed is real:
 
     python bench/fp8_accuracy.py --fill --context 1048576 --kv-cache-dtype fp8
 """
@@ -18,6 +19,7 @@ in generation) are timed at that context. Tokens are meaningless; only the speed
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -25,6 +27,8 @@ import torch
 from minidecode import LLM
 from minidecode.cache import FP8, KVCache
 from minidecode.engine import Engine, kv_dtype_name
+
+WINDOWS = 3  # --fill: timed windows of --steps decode steps each
 
 
 @torch.inference_mode()
@@ -73,7 +77,7 @@ def accuracy(llm: LLM, context: int, steps: int) -> None:
 def fill_speed(llm: LLM, context: int, steps: int) -> None:
     """Decode tok/s at `context` with a cache FILLED WITH RANDOM VALUES (no prefill)."""
     engine: Engine = llm.engine
-    cache = engine.ensure_cache(context + steps + 8)
+    cache = engine.ensure_cache(context + WINDOWS * steps + 8)
     if cache.dtype == FP8:
         for t in (cache.k, cache.v):
             t.view(torch.uint8).random_(0, 0x7E)  # finite positive e4m3 values (0x7F is NaN)
@@ -86,18 +90,22 @@ def fill_speed(llm: LLM, context: int, steps: int) -> None:
     engine.state.positions.fill_(context)
     for _ in range(4):  # warm-up replays
         engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    rates = []
+    for _ in range(WINDOWS):  # the context grows by `steps` a window; its spread is the run's noise
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        rates.append(steps / (time.perf_counter() - t0))
+    rates.sort()
     kv = context * engine.kv_bytes_per_token / 2**30
     print(f"\nFILLED CACHE (random values, no prefill): decode speed only, {llm.name}")
     print("| context | KV cache | KV GiB | steps | decode tok/s | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- |")
     print(
-        f"| {context:,} | {kv_dtype_name(cache.dtype)} | {kv:.1f} | {steps} | {steps / seconds:.1f} | "
+        f"| {context:,} | {kv_dtype_name(cache.dtype)} | {kv:.1f} | {WINDOWS} x {steps} | "
+        f"{statistics.median(rates):.1f} ({rates[0]:.1f}-{rates[-1]:.1f}) n={WINDOWS} | "
         f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |"
     )
 
