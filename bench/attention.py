@@ -590,8 +590,7 @@ def main() -> None:
     env["lean_config"] = dataclasses.asdict(args.config)
     env["lean_fp8_config"] = {
         f"below {la.FP8_SHORT_POSITIONS} positions": dataclasses.asdict(la.FP8_SHORT_CONFIG),
-        f"below {la.FP8_LONG_POSITIONS} positions": dataclasses.asdict(la.FP8_CONFIG),
-        "from there": dataclasses.asdict(la.FP8_LONG_CONFIG),
+        "from there": dataclasses.asdict(la.FP8_CONFIG),
     }
     env["command"] = "python3 bench/attention.py " + " ".join(sys.argv[1:])
     env["reduction_gbs"] = read_ceiling_gbs()

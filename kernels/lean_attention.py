@@ -48,10 +48,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 @dataclass(frozen=True)
 class LeanConfig:
     """Launch parameters: positions per tile, warps, pipeline depth of the tile loop, CTAs per SM,
-    pipeline depth of the merge loop (partials in flight), whether a CTA draws the ticket of its
-    first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_LONG_CONFIG), and
-    how an FP8 cache is read: e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots
-    (see FP8_SHORT_CONFIG)."""
+    pipeline depth of the merge loop (iterations in flight), whether a CTA draws the ticket of its
+    first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_CONFIG), how an FP8
+    cache is read (e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots; see
+    FP8_SHORT_CONFIG), and how many partials a merge iteration takes (_ticket_and_merge)."""
 
     block_n: int
     num_warps: int
@@ -60,6 +60,7 @@ class LeanConfig:
     merge_stages: int
     early_ticket: bool = False
     fp8_mma: bool = True
+    merge_chunk: int = 1
 
 
 # The best of a sweep on an H200 at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps
@@ -74,15 +75,13 @@ def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positio
     """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
     twice the bytes, so half the positions per tile and two stages keep them within shared
     memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) takes
-    FP8_SHORT_CONFIG below FP8_SHORT_POSITIONS, FP8_LONG_CONFIG from FP8_LONG_POSITIONS up and
-    FP8_CONFIG between: a shape, not the lengths, decides, so a CUDA graph captured for a cache
-    replays one config however its context grows."""
+    FP8_SHORT_CONFIG below FP8_SHORT_POSITIONS and FP8_CONFIG from there: a shape, not the
+    lengths, decides, so a CUDA graph captured for a cache replays one config however its context
+    grows."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if fp8:
-        if positions < FP8_SHORT_POSITIONS:
-            return FP8_SHORT_CONFIG
-        return FP8_LONG_CONFIG if positions >= FP8_LONG_POSITIONS else FP8_CONFIG
+        return FP8_SHORT_CONFIG if positions < FP8_SHORT_POSITIONS else FP8_CONFIG
     if dtype == torch.float32:
         return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
     return DEFAULT_CONFIG
@@ -102,28 +101,30 @@ DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
 DEQUANT_MMA = 3  # e4m3 tensor-core dots, no decode
 DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # the decodes: e4m3 value / fp16 value
 
-# FP8 cache (the e4m3 dots run as Hopper's warpgroup MMA, positions on M, the group's query
-# heads on N = 16): below FP8_LONG_POSITIONS cache positions, 256 positions a tile over two
-# warpgroups (8 warps), 3 stages, one CTA an SM; from there 128 positions a tile, one warpgroup,
-# 2 CTAs an SM (more independent tiles in flight; slower on short caches, where fewer, larger
-# CTAs split each head less). Chosen from 7 configs at 1k-1M (H200, bench/NOTES-attention.md).
-FP8_CONFIG = LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
-# Below FP8_SHORT_POSITIONS, each element decoded to fp16 for fp16 dots, same launch. A CTA holds
-# one or two tiles there, so the step waits on a tile's chain of work more than on bandwidth, and
-# the decode's two dots beat the tensor-core path's five and its q and p splits (kernel, us: 1k
-# 8.1 against 9.1, 4k 10.9 against 11.6, 8k 15.0 against 15.6; decode step at 1k 0.7% faster, at
-# 16k a tie, at 64k 1.3% slower; H200, bench/NOTES-attention.md).
-FP8_SHORT_CONFIG = dataclasses.replace(FP8_CONFIG, fp8_mma=False)
-FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cache takes FP8_SHORT_CONFIG
-# The long config draws a first segment's ticket early: a CTA that holds two partial segments
-# finishes last (it pays a segment switch), so at the end it drew the last ticket of both and
-# merged twice. Drawn as it leaves the first segment, that ticket is almost never the last; the
-# round trip it costs mid-range pays off with ~31+ tiles a CTA (128k: 3% faster), not with the
-# few tiles a CTA of a short cache holds (16k: 5% slower; bench/NOTES-attention.md).
-FP8_LONG_CONFIG = LeanConfig(
-    block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=4, early_ticket=True
+# FP8 cache: the e4m3 dots run as Hopper's warpgroup MMA (positions on M, the group's query heads
+# on N = 16), 128 positions a tile, one warpgroup, 2 CTAs an SM: more independent tiles in flight
+# than 256 positions over two warpgroups with one CTA an SM, which this config beat from 16k
+# positions up once its merge took 8 partials an iteration (decode step 1.4% faster at 16k, 2.8%
+# at 64k, 3.6% at 96k; H200, bench/NOTES-attention.md).
+# - early_ticket: a CTA that holds two partial segments finishes last (it pays a segment switch),
+#   so at the end it drew the last ticket of both and merged twice. Drawn as it leaves the first
+#   segment, that ticket is almost never the last (128k: 3% faster; 16k: a tie).
+# - merge_chunk 8, 2 stages: a segment has ~33 partials here; 8 an iteration, their loads issued
+#   together, shorten the merge's chain of L2 round trips (decode step 0.8-1.4% faster at 16k-512k
+#   than one partial an iteration, 0.4% slower at 1M). The one-CTA-an-SM configs, whose segments
+#   have 4-17 partials, are faster with one an iteration.
+FP8_CONFIG = LeanConfig(
+    block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=2, early_ticket=True, merge_chunk=8
 )
-FP8_LONG_POSITIONS = 131072  # cache positions (all rows) from which an FP8 cache takes FP8_LONG_CONFIG
+# Below FP8_SHORT_POSITIONS, each element decoded to fp16 for fp16 dots, 256 positions a tile over
+# 8 warps, one CTA an SM. A CTA holds one or two tiles there, so the step waits on a tile's chain of
+# work more than on bandwidth, and the decode's two dots beat the tensor-core path's five and its
+# q and p splits (decode step at 1k 1.8% faster, at 8k 1.2%, at 4k 0.6% slower, at 12k 0.6% faster;
+# H200, bench/NOTES-attention.md).
+FP8_SHORT_CONFIG = LeanConfig(
+    block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False
+)
+FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cache takes FP8_SHORT_CONFIG
 # p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
 # and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
 P_RANGE = tl.constexpr(256.0)
@@ -305,6 +306,7 @@ def _ticket_and_merge(
     HEAD_DIM: tl.constexpr,
     G_MERGE: tl.constexpr,
     MERGE_STAGES: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
@@ -325,22 +327,41 @@ def _ticket_and_merge(
         o = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
         # The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns and each
         # partial's lse is stored once per column (_store_segment), so one contributor is two
-        # vector loads and an element-wise update: no reduction, nothing shared across threads.
-        # One contributor an iteration, MERGE_STAGES of them in flight (async copies): the merge
-        # is a chain of dependent L2 reads otherwise, which took 16 us for 33 partials at 128k
-        # (bench/NOTES-attention.md). Plain loads: the ticket's acquire already made every
+        # vector loads and an element-wise update: nothing shared across threads. The merge is a
+        # chain of dependent L2 reads unless they are issued ahead (16 us for 33 partials at
+        # 128k; bench/NOTES-attention.md): MERGE_STAGES iterations are in flight (async copies),
+        # and an iteration takes one contributor (MERGE_CHUNK 1, no reduction at all) or
+        # MERGE_CHUNK of them, whose loads leave together and whose reduction over the chunk
+        # stays inside each thread. Plain loads: the ticket's acquire already made every
         # contributor's partial visible to this CTA.
-        for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
-            # slot 2c holds the partial of CTA c's first segment, 2c + 1 of its last
-            slot = 2 * c + (_range_start(c, per, big) < seg_lo).to(tl.int32)
-            lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
-            o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
-            m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse_c - m_new)
-            o = o * alpha + o_c * w
-            l_sum = l_sum * alpha + w
-            m = m_new
+        if MERGE_CHUNK == 1:
+            for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
+                # slot 2c holds the partial of CTA c's first segment, 2c + 1 of its last
+                slot = 2 * c + (_range_start(c, per, big) < seg_lo).to(tl.int32)
+                lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
+                o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
+                m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
+                alpha = tl.exp2(m - m_new)
+                w = tl.exp2(lse_c - m_new)
+                o = o * alpha + o_c * w
+                l_sum = l_sum * alpha + w
+                m = m_new
+        else:
+            offs_c = tl.arange(0, MERGE_CHUNK)
+            for c0 in tl.range(first, last + 1, MERGE_CHUNK, num_stages=MERGE_STAGES):
+                c = c0 + offs_c  # [MERGE_CHUNK] contributors; past `last`: masked, weight 0
+                slot = 2 * c + (_range_start(c, per, big) < seg_lo).to(tl.int32)
+                part = slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :]
+                ok = (c <= last)[:, None] & col_ok[None, :]
+                lse_c = tl.load(PartLse + part, mask=ok, other=float("-inf"))  # [MERGE_CHUNK, G_MERGE * D]
+                o_c = tl.load(PartO + part, mask=ok, other=0.0)
+                m_new = tl.maximum(m, tl.max(lse_c, 0))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding columns: no NaN
+                alpha = tl.exp2(m - m_ref)
+                w = tl.exp2(lse_c - m_ref[None, :])
+                o = o * alpha + tl.sum(o_c * w, 0)
+                l_sum = l_sum * alpha + tl.sum(w, 0)
+                m = m_new
         o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
         tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
         if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
@@ -426,6 +447,7 @@ def _lean_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     G_MERGE: tl.constexpr,
     MERGE_STAGES: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
     DEQUANT: tl.constexpr,
     UNIT: tl.constexpr,
@@ -531,8 +553,8 @@ def _lean_decode_kernel(
                     if _ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi):
                         tl.debug_barrier()  # the partial's stores precede the ticket (release)
                         _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse,
-                                          Counters, G, Hkv, stride_ob, stride_oh,
-                                          G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, COUNTER_STRIDE, WRITE_LSE)
+                                          Counters, G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM,
+                                          G_MERGE, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
                 # fmt: on
                 tile = seg_stop
         else:
@@ -625,8 +647,8 @@ def _lean_decode_kernel(
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
                 _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse, Counters,
-                                  G, Hkv, stride_ob, stride_oh,
-                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, COUNTER_STRIDE, WRITE_LSE)
+                                  G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM,
+                                  G_MERGE, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
                 # fmt: on
 
 
@@ -762,6 +784,8 @@ def lean_attention(
     config = config or default_config(D, q.dtype, fp8, positions=C * S)
     if fp8 and config.block_n % V_BLOCK != 0:
         raise ValueError(f"an FP8 cache needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
+    if config.merge_chunk < 1 or config.merge_chunk & (config.merge_chunk - 1):
+        raise ValueError(f"merge_chunk must be a power of two, got {config.merge_chunk}")
     grid = _grid_size(q.device, config, num_ctas)
     G = Hq // Hkv
     g_pad = _group_pad(G)
@@ -820,6 +844,7 @@ def lean_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         G_MERGE=triton.next_power_of_2(G),
         MERGE_STAGES=config.merge_stages,
+        MERGE_CHUNK=config.merge_chunk,
         COUNTER_STRIDE=_COUNTER_STRIDE,
         DEQUANT=dequant,
         UNIT=DEQUANT_UNIT.get(dequant, 1.0),

@@ -5,6 +5,8 @@ with a model-dtype or an FP8 (e4m3) cache.
 tests/conftest.py picks the interpreter when no GPU is present; with a GPU the CPU cases skip.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -29,7 +31,7 @@ CUDA = pytest.param(
 )
 DEVICES = [CPU, CUDA]
 BLOCK = la.DEFAULT_CONFIG.block_n  # positions per tile (fp16 / bf16)
-BLOCK_FP8 = la.FP8_CONFIG.block_n  # positions per tile (FP8 cache)
+BLOCK_FP8 = la.FP8_SHORT_CONFIG.block_n  # positions per tile of the FP8 configs' larger tiles
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # relative norm error
 DTYPES = {"cpu": [torch.float16, torch.float32], "cuda": [torch.bfloat16, torch.float16]}
 
@@ -83,10 +85,13 @@ def run_lean(q, k, v, lengths, scale, num_ctas=None, **kw):
     return out
 
 
-def check(device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=torch.float16, scale=None, seed=0):
+def check(
+    device, lengths, hq, hkv, num_ctas=None, head_dim=64, dtype=torch.float16, scale=None, seed=0, **kw
+):
+    """The kernel (kw: lean_attention's, e.g. config) against the float64 reference."""
     q, k, v, lens = make_inputs(device, lengths, hq, hkv, head_dim, dtype, seed)
     scale = head_dim**-0.5 if scale is None else scale
-    out = run_lean(q, k, v, lens, scale, num_ctas)
+    out = run_lean(q, k, v, lens, scale, num_ctas, **kw)
     err = rel_err(out, reference(q, k, v, lens, scale))
     assert err < TOL[dtype], f"relative error {err:.2e}"
     return q, k, v, lens, out
@@ -131,6 +136,27 @@ def test_merge_of_more_partials_than_in_flight(device):
     sched = la.lean_schedule([14 * BLOCK + 5], 2, head_dim=128, device=device, num_ctas=12)
     assert sched.max_splits_per_head > la.DEFAULT_CONFIG.merge_stages
     check(device, [14 * BLOCK + 5, 3 * BLOCK], hq=32, hkv=2, num_ctas=12, head_dim=128)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("merge_chunk", [2, 8])
+def test_merge_in_chunks(device, merge_chunk):
+    """The merge taking several partials an iteration (as FP8_CONFIG's does): a head split over
+    more CTAs than a chunk holds, in a count that leaves the last chunk part-empty."""
+    config = dataclasses.replace(la.DEFAULT_CONFIG, merge_chunk=merge_chunk, merge_stages=2)
+    lengths = [14 * BLOCK + 5, 3 * BLOCK]
+    splits = la.lean_schedule(lengths, 2, head_dim=128, device=device, num_ctas=29).max_splits_per_head
+    assert splits > merge_chunk and splits % merge_chunk
+    for dtype in DTYPES[device]:
+        check(device, lengths, hq=8, hkv=2, num_ctas=29, head_dim=128, dtype=dtype, config=config)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_chunk_must_be_a_power_of_two(device):
+    q, k, v, lens = make_inputs(device, [70], 4, 2)
+    config = dataclasses.replace(la.DEFAULT_CONFIG, merge_chunk=3)
+    with pytest.raises(ValueError, match="merge_chunk must be a power of two"):
+        la.lean_attention(q, k, v, lens, 0.125, config=config)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -330,13 +356,13 @@ def test_fp8_block_edges(device, config, n, num_ctas):
         la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4),
         la.FP8_SHORT_CONFIG,
         la.FP8_CONFIG,
-        la.FP8_LONG_CONFIG,
+        la.LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4),
     ],
-    ids=["one-block-tiles", "fp16-decode", "two-warpgroups", "long-context"],
+    ids=["one-block-tiles", "fp16-decode", "e4m3-mma", "two-warpgroups"],
 )
 def test_fp8_llama_shape_and_configs(device, config):
     """32 q / 8 KV heads, head_dim 128, tiles of one, two and four V blocks (e4m3 dots: two
-    warpgroups share a tile's positions), heads split over CTAs."""
+    warpgroups can share a tile's positions), heads split over CTAs."""
     lengths = [3 * BLOCK_FP8 + 17, 100] if device == "cpu" else [131_072 + 5, 999]
     for dtype in fp8_dtypes(device):
         check_fp8(device, lengths, hq=32, hkv=8, config=config, head_dim=128, num_ctas=5, dtype=dtype)
@@ -372,18 +398,13 @@ def test_fp8_bitwise_repeatable(device, config):
 
 def test_fp8_config_follows_cache_positions(monkeypatch):
     """An FP8 cache takes the short-cache config (fp16 decode) below FP8_SHORT_POSITIONS positions
-    (all rows) and the long-context one from FP8_LONG_POSITIONS up: decided by the cache's shape,
-    so one captured graph keeps one config as lengths grow."""
-    short, long = la.FP8_SHORT_POSITIONS, la.FP8_LONG_POSITIONS
-    want = {
-        short - 1: la.FP8_SHORT_CONFIG,
-        short: la.FP8_CONFIG,
-        long - 1: la.FP8_CONFIG,
-        long: la.FP8_LONG_CONFIG,
-    }
+    (all rows) and the e4m3 tensor-core one from there: decided by the cache's shape, so one
+    captured graph keeps one config as lengths grow."""
+    short = la.FP8_SHORT_POSITIONS
+    want = {short - 1: la.FP8_SHORT_CONFIG, short: la.FP8_CONFIG, 64 * short: la.FP8_CONFIG}
     for positions, config in want.items():
         assert la.default_config(128, torch.bfloat16, fp8=True, positions=positions) == config
-    assert la.default_config(128, torch.bfloat16, positions=4 * long) == la.DEFAULT_CONFIG  # bf16: one config
+    assert la.default_config(128, torch.bfloat16, positions=64 * short) == la.DEFAULT_CONFIG  # bf16: one
     seen = []
     grid_size = la._grid_size
     monkeypatch.setattr(  # records the config lean_attention launches with
@@ -391,11 +412,7 @@ def test_fp8_config_follows_cache_positions(monkeypatch):
         "_grid_size",
         lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
     )
-    for s, config in (
-        (short // 2 - 1, la.FP8_SHORT_CONFIG),
-        (short // 2, la.FP8_CONFIG),
-        (long // 2, la.FP8_LONG_CONFIG),
-    ):
+    for s, config in ((short // 2 - 1, la.FP8_SHORT_CONFIG), (short // 2, la.FP8_CONFIG)):
         k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
         scales = torch.ones(2, 1, s)
         la.lean_attention(
