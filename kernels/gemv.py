@@ -9,7 +9,7 @@ kernel has fully drained. Here at most one CTA an SM streams its blocks of outpu
 (dealt round-robin) through the whole of K in one flat software-pipelined loop (the rows padded
 into a `tl.dot`'s M axis; tensor cores do the arithmetic), and the step's kernels are chained
 with programmatic dependent launch (PDL): a kernel starts while its predecessor finishes, issues
-its first weight tile (weights never depend on an earlier kernel), and only then waits for the
+its first weight tiles (weights never depend on an earlier kernel), and only then waits for the
 predecessor's results (`gdc_wait`).
 
 `residual` (o_proj and down_proj) adds the result into the residual stream in place, rounded as
@@ -51,6 +51,11 @@ class GemvConfig:
     # with room for two or three CTAs an SM they pile onto those SMs and stream from a few SMs
     # (decode step 1-4% slower; bench/NOTES-attention.md).
     num_stages: int = 6
+    # Weight tiles issued before the PDL wait, up to 16 rows (above, one: the padded x tiles cost
+    # registers there). Two hide more of the predecessor's tail: decode step 0.7-0.9% faster at
+    # batch 1 (1k and 128k, bf16 and FP8 caches); four were 0.3-2% slower, and two at 32 rows 4%
+    # slower (bench/NOTES-attention.md).
+    early_tiles: int = 2
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -93,6 +98,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    EARLY_TILES: tl.constexpr,  # 1 or 2
 ):
     # CTA c owns the output blocks c, c + grid, c + 2 grid, ...; its (block, K chunk) pairs run as
     # one flat loop, so the software pipeline streams on across a block boundary instead of
@@ -105,17 +111,25 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < B
     x_rows = X + offs_m[:, None] * stride_xb  # [M_PAD, 1]
-    # The first weight tile is loaded before waiting for the previous kernel: it overlaps that
+    # The first EARLY_TILES weight tiles (K chunks of our first block; the host keeps EARLY_TILES
+    # within its chunks) are loaded before waiting for the previous kernel: they overlap that
     # kernel's tail (weights are never written by the step, so there is nothing to wait for).
     offs_n = cta * BLOCK_N + offs_j
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]; 64-bit for huge weights
-    w = tl.load(w_rows + offs_k[None, :], mask=(offs_n < N)[:, None] & (offs_k < K)[None, :], other=0.0)
+    n_ok = (offs_n < N)[:, None]
+    k1 = BLOCK_K + offs_k  # the second chunk
+    w0 = tl.load(w_rows + offs_k[None, :], mask=n_ok & (offs_k < K)[None, :], other=0.0)
+    if EARLY_TILES == 2:
+        w1 = tl.load(w_rows + k1[None, :], mask=n_ok & (k1 < K)[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernels' results
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-    acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [M_PAD, BLOCK_N]
-    for i in range(1, n_iters):  # software-pipelined: num_stages tiles in flight
+    acc = tl.dot(x, tl.trans(w0), input_precision=PRECISION)  # [M_PAD, BLOCK_N]
+    if EARLY_TILES == 2:
+        x = tl.load(x_rows + k1[None, :], mask=row_ok[:, None] & (k1 < K)[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w1), input_precision=PRECISION)
+    for i in range(EARLY_TILES, n_iters):  # software-pipelined: num_stages tiles in flight
         block, k0 = cta + (i // k_iters) * n_ctas, (i % k_iters) * BLOCK_K
         if k0 == 0:  # a new block begins: the previous one is complete
             done_n = (block - n_ctas) * BLOCK_N + offs_j
@@ -172,6 +186,7 @@ def gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact products
+        EARLY_TILES=2 if config.early_tiles >= 2 and B <= 16 and K > block_k else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
