@@ -369,19 +369,21 @@ def test_fp8_llama_shape_and_configs(device, config):
 
 
 @pytest.mark.gpu
-def test_fp8_tensor_cores_on_peaked_heads_at_long_context():
-    """KV heads whose K is up to 10x larger (scores of hundreds of log2 units) over 256k positions:
+@pytest.mark.parametrize("seed", range(4))
+def test_fp8_tensor_cores_on_peaked_heads_at_long_context(seed):
+    """KV heads whose K is up to 10x larger (scores of hundreds of log2 units) over 128k positions:
     every (sequence, query head) output within bf16-level error of the float64 reference on the
     dequantized cache. Hopper's e4m3 tensor cores keep less than fp32 in their accumulator, so q's
-    small terms must not be added into its large term's (that lost up to 3-6e-2 on such heads)."""
+    small terms must not be added into its large term's: that lost 1.4-3.0e-2 on such heads for
+    each of these seeds, against 4-7e-3 now (H200; the kernel is deterministic)."""
     if INTERPRETED or not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: the interpreter's e4m3 dots are exact")
-    lengths = [262_144, 5]
-    q, k, v, lens = make_inputs("cuda", lengths, 32, 8, 128, torch.bfloat16, fp8=True)[:4]
+    lengths = [131_072, 5]
+    q, k, v, lens = make_inputs("cuda", lengths, 32, 8, 128, torch.bfloat16, seed=seed, fp8=True)[:4]
     out = run_lean(q, k, v, lens, 128**-0.5, config=la.FP8_CONFIG)
     ref = reference(q, k, v, lens, 128**-0.5)
     per_head = (out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)  # [B, Hq]
-    assert per_head.max() < 2e-2, f"worst head {per_head.max():.2e}"
+    assert per_head.max() < 1e-2, f"worst head {per_head.max():.2e}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -479,6 +481,7 @@ def test_cuda_graph_growing_context(start, fp8):
     if INTERPRETED or not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     steps, lengths = 6, [start, start // 3, 5]
+    gen = torch.Generator(device="cuda").manual_seed(start)  # the new tokens' K/V and each step's q
     inputs = make_inputs("cuda", lengths, 32, 8, 128, torch.bfloat16, slack=steps + 1, fp8=fp8)
     q, k, v, lens = inputs[:4]
     kw = {"k_scale": k[1], "v_scale": v[1]} if fp8 else {}
@@ -494,8 +497,8 @@ def test_cuda_graph_growing_context(start, fp8):
         # Write the new token's K/V at each sequence's end, grow the lengths in place, replay.
         for b in range(len(lengths)):
             n = int(lens[b])
-            new_k = torch.randn_like(q[b, :8], dtype=torch.float32)  # [Hkv, D]
-            new_v = torch.randn_like(new_k)
+            new_k = torch.randn(8, 128, generator=gen, device="cuda")  # [Hkv, D]
+            new_v = torch.randn(8, 128, generator=gen, device="cuda")
             if fp8:  # the reference reads k, v: (e4m3, scale) pairs in K's layout
                 (kc[b, :, n], k[1][b, :, n]), (v[0][b, :, n], v[1][b, :, n]) = (
                     quantize_fp8(new_k),
@@ -505,7 +508,7 @@ def test_cuda_graph_growing_context(start, fp8):
             else:
                 kc[b, :, n], vc[b, :, n] = new_k.to(kc.dtype), new_v.to(vc.dtype)
         lens += 1
-        q.copy_(torch.randn_like(q))
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
