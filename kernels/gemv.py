@@ -14,9 +14,13 @@ predecessor's results (`gdc_wait`).
 
 `residual` (o_proj and down_proj) adds the result into the residual stream in place, rounded as
 transformers rounds `h + o_proj(...)`: the projection to the model dtype first, then the sum.
+`gated` (the MLP's fused gate/up) pairs each output feature's gate and up rows in one tile and
+writes silu(gate) * up from the epilogue, so the activation costs no launch of its own.
 The RMSNorm in front of qkv and gate/up stays a separate launch: folding it into the loop (x
 scaled by the norm weight, x^2 summed alongside) made those GEMVs 3-6x slower, because elementwise
-work on x in the loop stops its loads from being pipelined (bench/NOTES-attention.md).
+work on x in the loop stops its loads from being pipelined; with the rms computed first, x tiles
+normalised in the loop made the decode step 5% slower, and loaded an iteration ahead 23% slower
+(bench/NOTES-attention.md).
 """
 
 from __future__ import annotations
@@ -32,7 +36,11 @@ from .device import INTERPRETER_CTAS, sm_count
 # Rows padded into the dot's M axis (16, or 32 from 17 rows); larger batches go to cuBLAS. At 32
 # rows it beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80 against 9.07 ms).
 MAX_ROWS = 32
-MAX_OUTPUTS = 16384  # wider weights (gate/up, lm_head) stream as fast or faster through cuBLAS
+MAX_OUTPUTS = 16384  # wider weights (lm_head; gate/up above MAX_GATED_ROWS) go to cuBLAS
+# A single row's gate/up runs here with silu * up in the epilogue: decode step 1.6-3.2% faster than
+# cuBLAS then silu_mul (bf16 and FP8 caches, 1k and 128k). From 2 rows cuBLAS's GEMM is the faster
+# (batches of 2, 4, 8 and 32: 0.9-2.8% slower here; bench/NOTES-attention.md).
+MAX_GATED_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -62,14 +70,60 @@ DEFAULT_CONFIG = GemvConfig()
 
 
 @triton.jit
+def _tile_rows(block, offs_j, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A block's weight rows [BLOCK_N] and which exist. GATED: W is the fused [gate; up]
+    projection (N = 2 I rows) and a block is BLOCK_N / 2 output features: tile row 2 c is feature
+    c's gate row, 2 c + 1 its up row."""
+    if GATED:
+        feature = block * (BLOCK_N // 2) + offs_j // 2
+        return feature + (offs_j % 2) * (N // 2), feature < N // 2
+    rows = block * BLOCK_N + offs_j
+    return rows, rows < N
+
+
+@triton.jit
+def _weight_rows(W, block, offs_j, stride_wn, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pointers to a block's weight rows [BLOCK_N, 1] (64-bit offsets for huge weights), and which
+    exist [BLOCK_N, 1]."""
+    rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
+    return W + rows.to(tl.int64)[:, None] * stride_wn, ok[:, None]
+
+
+@triton.jit
 def _store_block(
-    Out, Bias, acc, offs_m, offs_n, row_ok, N, stride_ob, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+    Out,
+    Bias,
+    acc,  # [M_PAD, BLOCK_N] fp32
+    offs_m,
+    block,
+    offs_j,
+    row_ok,
+    N,
+    stride_ob,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Out[:, offs_n] = acc (+ bias), or += it with HAS_RESIDUAL; acc [M_PAD, BLOCK_N] fp32."""
-    n_ok = offs_n < N
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(Out.dtype.element_ty)
+    """The block's outputs: Out[:, block's features] = acc (+ bias), or += it with HAS_RESIDUAL;
+    GATED: silu(gate) * up of the interleaved pairs, rounded as transformers rounds
+    `F.silu(gate_proj(x)) * up_proj(x)` (each projection, then silu, then the product)."""
+    if GATED:
+        if HAS_BIAS:
+            rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
+            acc += tl.load(Bias + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
+        pairs = tl.reshape(acc.to(Out.dtype.element_ty).to(tl.float32), [acc.shape[0], BLOCK_N // 2, 2])
+        gate, up = tl.split(pairs)  # [M_PAD, BLOCK_N // 2] each
+        act = (gate * tl.sigmoid(gate)).to(Out.dtype.element_ty).to(tl.float32)
+        y = (act * up).to(Out.dtype.element_ty)
+        offs_n = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_ok = offs_n < N // 2
+    else:
+        offs_n = block * BLOCK_N + offs_j
+        n_ok = offs_n < N
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(Out.dtype.element_ty)
     out_ptrs = Out + offs_m[:, None] * stride_ob + offs_n[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     if HAS_RESIDUAL:
@@ -84,15 +138,17 @@ def _gemv_kernel(
     X,  # [B, K]
     W,  # [N, K], rows contiguous
     Bias,  # [N] or a dummy
-    Out,  # [B, N]; with HAS_RESIDUAL the residual stream, updated in place
+    Out,  # [B, N] ([B, N / 2] when GATED); with HAS_RESIDUAL the residual stream, updated in place
     B,
     N,
     K,
+    n_blocks,  # blocks of outputs: ceil(N / BLOCK_N), or of N / 2 features by BLOCK_N / 2 when GATED
     stride_xb,
     stride_wn,
     stride_ob,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
     USE_PDL: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -105,18 +161,16 @@ def _gemv_kernel(
     # draining there.
     cta, n_ctas = tl.program_id(0), tl.num_programs(0)
     k_iters = tl.cdiv(K, BLOCK_K)
-    n_iters = tl.cdiv(tl.cdiv(N, BLOCK_N) - cta, n_ctas) * k_iters
+    n_iters = tl.cdiv(n_blocks - cta, n_ctas) * k_iters
     offs_m = tl.arange(0, M_PAD)  # rows of x, padded
-    offs_j = tl.arange(0, BLOCK_N)  # output features within a block
+    offs_j = tl.arange(0, BLOCK_N)  # weight rows within a block's tile
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < B
     x_rows = X + offs_m[:, None] * stride_xb  # [M_PAD, 1]
     # The first EARLY_TILES weight tiles (K chunks of our first block; the host keeps EARLY_TILES
     # within its chunks) are loaded before waiting for the previous kernel: they overlap that
     # kernel's tail (weights are never written by the step, so there is nothing to wait for).
-    offs_n = cta * BLOCK_N + offs_j
-    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]; 64-bit for huge weights
-    n_ok = (offs_n < N)[:, None]
+    w_rows, n_ok = _weight_rows(W, cta, offs_j, stride_wn, N, GATED, BLOCK_N)  # [BLOCK_N, 1] each
     k1 = BLOCK_K + offs_k  # the second chunk
     w0 = tl.load(w_rows + offs_k[None, :], mask=n_ok & (offs_k < K)[None, :], other=0.0)
     if EARLY_TILES == 2:
@@ -132,17 +186,21 @@ def _gemv_kernel(
     for i in range(EARLY_TILES, n_iters):  # software-pipelined: num_stages tiles in flight
         block, k0 = cta + (i // k_iters) * n_ctas, (i % k_iters) * BLOCK_K
         if k0 == 0:  # a new block begins: the previous one is complete
-            done_n = (block - n_ctas) * BLOCK_N + offs_j
-            _store_block(Out, Bias, acc, offs_m, done_n, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL)
+            _store_block(
+                Out, Bias, acc, offs_m, block - n_ctas, offs_j, row_ok, N, stride_ob,
+                HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
+            )  # fmt: skip
             acc = tl.zeros_like(acc)
-        offs_n = block * BLOCK_N + offs_j
         k = k0 + offs_k
-        w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
-        w = tl.load(w_rows + k[None, :], mask=(offs_n < N)[:, None] & (k < K)[None, :], other=0.0)
+        w_rows, n_ok = _weight_rows(W, block, offs_j, stride_wn, N, GATED, BLOCK_N)
+        w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    last_n = (cta + ((n_iters - 1) // k_iters) * n_ctas) * BLOCK_N + offs_j
-    _store_block(Out, Bias, acc, offs_m, last_n, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL)
+    last_block = cta + ((n_iters - 1) // k_iters) * n_ctas
+    _store_block(
+        Out, Bias, acc, offs_m, last_block, offs_j, row_ok, N, stride_ob,
+        HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
+    )  # fmt: skip
 
 
 def gemv(
@@ -151,22 +209,28 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     residual: torch.Tensor | None = None,  # [B, N]: residual += result, in place, and returned
+    gated: bool = False,  # weight is [gate; up] (N = 2 I): the result is silu(gate) * up [B, I]
     use_pdl: bool = False,
     config: GemvConfig = DEFAULT_CONFIG,
     max_ctas: int | None = None,  # default: the SM count (the interpreter: INTERPRETER_CTAS)
-) -> torch.Tensor:  # [B, N] in x.dtype
-    """x @ weight^T + bias (added into residual in place, if given) in one Triton launch."""
+) -> torch.Tensor:  # [B, N] (gated: [B, N / 2]) in x.dtype
+    """x @ weight^T + bias (added into residual in place, if given; gated: silu(gate) * up of the
+    fused gate/up projection) in one Triton launch."""
     B, K = x.shape
     N = weight.shape[0]
-    if weight.shape[1] != K or B > MAX_ROWS or x.stride(-1) != 1 or weight.stride(-1) != 1:
+    fits = weight.shape[1] == K and B <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
+    if not fits or (gated and (N % 2 or residual is not None)):
         raise ValueError(
-            f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit (contiguous K)"
+            f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit (contiguous K"
+            + (", an even number of gate/up rows, no residual)" if gated else ")")
         )
-    out = residual if residual is not None else torch.empty(B, N, dtype=x.dtype, device=x.device)
+    out_features = N // 2 if gated else N
+    out = residual if residual is not None else torch.empty(B, out_features, dtype=x.dtype, device=x.device)
     block_k = config.block_k // 2 if x.dtype == torch.float32 else config.block_k  # fp32: twice the bytes
     if max_ctas is None:
         max_ctas = sm_count(x.device) if x.is_cuda else INTERPRETER_CTAS
-    n_blocks = triton.cdiv(N, config.block_n)
+    # a gated block is block_n weight rows too: block_n / 2 features' gate and up rows
+    n_blocks = triton.cdiv(out_features, config.block_n // 2 if gated else config.block_n)
     grid = triton.cdiv(n_blocks, triton.cdiv(n_blocks, max_ctas))  # as few CTAs as the most blocks a CTA need
     _gemv_kernel[(grid,)](
         x,
@@ -176,11 +240,13 @@ def gemv(
         B,
         N,
         K,
+        n_blocks,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
+        GATED=gated,
         USE_PDL=use_pdl,
         M_PAD=16 if B <= 16 else 32,  # tl.dot needs M >= 16
         BLOCK_N=config.block_n,

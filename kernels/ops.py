@@ -1,7 +1,8 @@
 """The decode step's ops: for each, its contract (shapes), its Triton path and its PyTorch twin.
 
 A decode step of an 8B model reads 16 GB in ~4 ms; PyTorch's plain ops would spend ~27 tiny
-launches per layer on norms, RoPE and the cache write. Here a layer is nine launches:
+launches per layer on norms, RoPE and the cache write. Here a layer is eight launches for one
+sequence, nine for a batch (gate/up through cuBLAS, then silu_mul):
 
 op                contract (B sequences, one new token each)             Triton path     PyTorch twin
 rms_norm          x [..., N], weight [N] -> [..., N]                     fused_triton    float32 math
@@ -9,6 +10,7 @@ linear            x [B, K], weight [N, K], bias [N] -> [B, N]            gemv / 
 linear_residual   residual [B, N] += linear(x [B, K]), in place          gemv            F.linear, +=
 rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_triton    rotate, index_put
 decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
+gate_up_silu      silu(x @ gate^T) * (x @ up^T): x [B, K] -> [B, I]        gemv (gated)    F.linear, silu_mul
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
 An FP8 (float8_e4m3fn) cache stores V blocked, [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
@@ -228,6 +230,26 @@ def decode_attention(
         else:
             out[b : b + 1] = decode_attention_reference(q[b : b + 1], k, v, length, scale)
     return (out, lse) if return_lse else out
+
+
+def gate_up_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    triton: bool | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The MLP's inner activation: x [B, K], weight [2 I, K] (gate rows, then up rows), bias [2 I]
+    -> silu(gate) * up [B, I], rounded as transformers does. Up to MAX_GATED_ROWS rows it is one
+    GEMV launch with silu * up in its epilogue; above, cuBLAS then silu_mul."""
+    if _triton(x, triton):
+        from .gemv import MAX_GATED_ROWS
+
+        if x.dim() == 2 and x.shape[0] <= MAX_GATED_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1:
+            from .gemv import gemv
+
+            return gemv(x, weight, bias, gated=True, use_pdl=_pdl(x, pdl))
+    return silu_mul(linear(x, weight, bias, triton, pdl), triton, pdl)
 
 
 def silu_mul(gate_up: torch.Tensor, triton: bool | None = None, pdl: bool = False) -> torch.Tensor:

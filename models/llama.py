@@ -129,8 +129,7 @@ class MLP(nn.Module):
     def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool) -> None:
         """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
         in place."""
-        gate_up = ops.linear(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, 2 I]
-        inner = ops.silu_mul(gate_up, pdl=pdl)  # [B, I]
+        inner = ops.gate_up_silu(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, I]
         self.down_proj.add_to(x, inner, pdl)
 
 
@@ -275,7 +274,8 @@ class Transformer(nn.Module):
         LongRoPE is its own position + 1 (transformers: the longest position + 1 of the pass).
 
         Pure device work with fixed shapes (the engine captures it in a CUDA graph): the residual
-        stream x is updated in place by o_proj and down_proj; nine launches per layer on CUDA,
+        stream x is updated in place by o_proj and down_proj; eight launches per layer on CUDA (nine
+        for a batch: kernels/ops.py),
         chained by programmatic dependent launch when `pdl` (kernels/ops.py)."""
         lengths = (positions + 1).to(torch.int32)  # [B] context after this token
         if active is not None:

@@ -5,7 +5,8 @@ import pytest
 import torch
 from helpers import rel_err
 
-from minidecode.kernels.ops import linear, linear_residual, rms_norm, rope_and_cache, silu_mul
+from minidecode.kernels.gemv import MAX_GATED_ROWS, gemv
+from minidecode.kernels.ops import gate_up_silu, linear, linear_residual, rms_norm, rope_and_cache, silu_mul
 
 # bf16 is checked on the GPU only: the interpreter's bf16 conversions do not round to nearest.
 CUDA = torch.cuda.is_available()
@@ -90,16 +91,43 @@ def test_linear_residual_rounds_like_transformers(dtype, triton):
     assert torch.equal(out, residual + proj)
 
 
+# (B, inter, K): inter not a multiple of the 16 features a block, K off BLOCK_K; inter 100 is 7
+# blocks, dealt to the interpreter's 4 CTAs; 17 rows pad the dot's M to 32.
+GATED_SHAPES = [(1, 40, 1100), (3, 24, 96), (16, 100, 520), (17, 40, 300)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, inter, K", GATED_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_silu(dtype, B, inter, K, bias):
+    torch.manual_seed(6)
+    x = torch.randn(B, K, dtype=dtype, device=DEVICE)
+    w = torch.randn(2 * inter, K, dtype=dtype, device=DEVICE) * (3 / K**0.5)  # gates of a few units
+    b = torch.randn(2 * inter, dtype=dtype, device=DEVICE) if bias else None
+    out = gemv(x, w, b, gated=True)
+    if B <= MAX_GATED_ROWS:  # the op takes this kernel; with more rows, cuBLAS and silu_mul
+        assert torch.equal(gate_up_silu(x, w, b, triton=True), out)
+    gate, up = (x.double() @ w.double().T + (b.double() if bias else 0)).chunk(2, -1)
+    exact = gate * torch.sigmoid(gate) * up
+    assert out.shape == (B, inter) and rel_err(out, exact) < (1e-5 if dtype == torch.float32 else 2e-2)
+    # The twin (F.linear, then silu * up) rounds at the same points: a half-precision result equals
+    # it but where the dots' summation order tips a projection's rounding (one element, or 2%).
+    # Not with a bias: on the GPU cuBLAS may round the product before adding it.
+    ref = gate_up_silu(x, w, b, triton=False)
+    if dtype != torch.float32 and not bias:
+        assert (out != ref).sum() <= max(1, 0.02 * out.numel())
+
+
 def test_gemv_rejects_too_many_rows_and_falls_back():
     x = torch.randn(33, 32, device=DEVICE)
     w = torch.randn(16, 32, device=DEVICE)
     residual = torch.zeros(33, 16, device=DEVICE)
     linear_residual(x, w, None, residual, triton=True)  # 33 > MAX_ROWS: the cuBLAS path
     torch.testing.assert_close(residual, x @ w.T)
-    from minidecode.kernels.gemv import gemv
-
     with pytest.raises(ValueError, match="do not fit"):
         gemv(x, w)
+    with pytest.raises(ValueError, match="even number of gate/up rows"):
+        gemv(x[:4], w[:15], gated=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
