@@ -10,7 +10,7 @@ linear            x [B, K], weight [N, K], bias [N] -> [B, N]            gemv / 
 linear_residual   residual [B, N] += linear(x [B, K]), in place          gemv            F.linear, +=
 rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_triton    rotate, index_put
 decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
-gate_up_silu      silu(x @ gate^T) * (x @ up^T): x [B, K] -> [B, I]        gemv (gated)    F.linear, silu_mul
+gate_up_silu      x [B, K], gate/up [2 I, K] -> silu(gate) * up [B, I]   gemv / cuBLAS   F.linear, silu_mul
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
 An FP8 (float8_e4m3fn) cache stores V blocked, [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
