@@ -17,8 +17,13 @@ def _rms_norm_kernel(X, W, Out, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constex
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+        # Let the next kernel (a GEMV) launch before waiting here: it issues its first weight tiles
+        # while this norm waits for x (decode step 1.8% faster at 128k and 3.1% at 1k than with the
+        # trigger after the wait; bench/NOTES-attention.md). RoPE / cache write and SiLU * up do the
+        # same (0.2-0.5%); the GEMVs and the attention kernel trigger after their wait (the GEMV
+        # triggering first was 0.7% slower at 128k, attention a tie).
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     xf = tl.load(X + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
@@ -123,9 +128,9 @@ def _rope_cache_kernel(
     cos = tl.load(Cos + b * D + offs)  # cos, sin, positions: written before the step's first kernel
     sin = tl.load(Sin + b * D + offs)
     pos = tl.load(Pos + b).to(tl.int64)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # qkv is the previous kernel's output
+    if USE_PDL:  # the next kernel may launch at once (as in _rms_norm_kernel)
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # qkv is the previous kernel's output
     row = QKV + b * (HQ + 2 * HKV) * D
     if h < HQ:
         x, xp = _head(row, h, offs, partner, QW, eps, D, HAS_NORM)
@@ -246,9 +251,9 @@ def _silu_mul_kernel(GU, Out, INTER, BLOCK: tl.constexpr, USE_PDL: tl.constexpr)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # gate_up is the previous kernel's output
+    if USE_PDL:  # the next kernel may launch at once (as in _rms_norm_kernel)
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # gate_up is the previous kernel's output
     g = tl.load(GU + row * 2 * INTER + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * INTER + INTER + offs, mask=mask, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(Out.dtype.element_ty).to(tl.float32)
