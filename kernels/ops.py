@@ -60,14 +60,16 @@ def rms_norm(
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None) -> bool:
-    """The Triton GEMV for a few rows and outputs up to MAX_OUTPUTS wide; cuBLAS otherwise (for
-    the 28672-wide gate/up of an 8B model it streams ~4% faster: bench/tune_gemv.py)."""
+def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None, gated: bool = False) -> bool:
+    """The Triton GEMV for a few rows and outputs up to MAX_OUTPUTS wide (wider ones, lm_head,
+    stream as fast through cuBLAS); gated (gate/up with silu * up fused) for up to MAX_GATED_ROWS
+    rows, whatever the width. cuBLAS otherwise."""
     if not _triton(x, triton):
         return False  # before the import: the CPU runtime never loads triton
-    from .gemv import MAX_OUTPUTS, MAX_ROWS
+    from .gemv import MAX_GATED_ROWS, MAX_OUTPUTS, MAX_ROWS
 
-    fits = x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.shape[0] <= MAX_OUTPUTS
+    max_rows = MAX_GATED_ROWS if gated else MAX_ROWS
+    fits = x.dim() == 2 and x.shape[0] <= max_rows and (gated or weight.shape[0] <= MAX_OUTPUTS)
     return fits and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
@@ -242,13 +244,10 @@ def gate_up_silu(
     """The MLP's inner activation: x [B, K], weight [2 I, K] (gate rows, then up rows), bias [2 I]
     -> silu(gate) * up [B, I], rounded as transformers does. Up to MAX_GATED_ROWS rows it is one
     GEMV launch with silu * up in its epilogue; above, cuBLAS then silu_mul."""
-    if _triton(x, triton):
-        from .gemv import MAX_GATED_ROWS
+    if _use_gemv(x, weight, triton, gated=True):
+        from .gemv import gemv
 
-        if x.dim() == 2 and x.shape[0] <= MAX_GATED_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1:
-            from .gemv import gemv
-
-            return gemv(x, weight, bias, gated=True, use_pdl=_pdl(x, pdl))
+        return gemv(x, weight, bias, gated=True, use_pdl=_pdl(x, pdl))
     return silu_mul(linear(x, weight, bias, triton, pdl), triton, pdl)
 
 
