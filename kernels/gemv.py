@@ -6,11 +6,11 @@ read once for 2 FLOPs, so a GEMV runs at memory speed or not at all. What a 1-ro
 around it, not in it: cuBLAS picks split-K kernels with a separate reduce launch for the 4096-wide
 outputs, and every launch pays for its start (launch, first DRAM round trip) after the previous
 kernel has fully drained. Here at most one CTA an SM streams its blocks of output features
-(dealt round-robin) through the whole of K in one flat software-pipelined loop (the rows padded
-into a `tl.dot`'s M axis; tensor cores do the arithmetic), and the step's kernels are chained
-with programmatic dependent launch (PDL): a kernel starts while its predecessor finishes, issues
-its first weight tiles (weights never depend on an earlier kernel), and only then waits for the
-predecessor's results (`gdc_wait`).
+(dealt round-robin) through the whole of K in one flat software-pipelined loop (tensor cores do
+the arithmetic; default_config says which operand fills the dot's M axis), and the step's
+kernels are chained with programmatic dependent launch (PDL): a kernel starts while its
+predecessor finishes, issues its first weight tiles (weights never depend on an earlier kernel),
+and only then waits for the predecessor's results (`gdc_wait`).
 
 `residual` (o_proj and down_proj) adds the result into the residual stream in place, rounded as
 transformers rounds `h + o_proj(...)`: the projection to the model dtype first, then the sum.
@@ -33,14 +33,13 @@ import triton.language as tl
 
 from .device import INTERPRETER_CTAS, sm_count
 
-# Rows padded into the dot's M axis (16, or 32 from 17 rows); larger batches go to cuBLAS. At 32
-# rows it beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80 against 9.07 ms).
+# x's rows, padded to 16 or (from 17 rows) 32, are the dot's M or N axis; larger batches go to
+# cuBLAS. At 32 rows this beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80
+# against 9.07 ms).
 MAX_ROWS = 32
-MAX_OUTPUTS = 16384  # wider weights (lm_head; gate/up above MAX_GATED_ROWS) go to cuBLAS
-# A single row's gate/up runs here with silu * up in the epilogue: decode step 1.6-3.2% faster than
-# cuBLAS then silu_mul (bf16 and FP8 caches, 1k and 128k). From 2 rows cuBLAS's GEMM is the faster
-# (batches of 2, 4, 8 and 32: 0.9-2.8% slower here; bench/NOTES-attention.md).
-MAX_GATED_ROWS = 1
+# Wider weights go to cuBLAS, except the fused gate/up (gated). lm_head (128,256 wide) through
+# WIDE_CONFIG was 0.2-0.3% faster a step: not worth routing the logits through here.
+MAX_OUTPUTS = 16384
 
 
 @dataclass(frozen=True)
@@ -64,9 +63,33 @@ class GemvConfig:
     # batch 1 (1k and 128k, bf16 and FP8 caches); four were 0.3-2% slower, and two at 32 rows 4%
     # slower (bench/NOTES-attention.md).
     early_tiles: int = 2
+    # The dot's operands: x [M_PAD, BLOCK_K] . W^T (x's padded rows on M: mma.sync, M = 16 or 32),
+    # or W [BLOCK_N, BLOCK_K] . x^T (weight rows on M: Hopper's warpgroup MMA, which needs
+    # M = block_n >= 64; a third of the registers, operands straight from shared memory).
+    w_on_m: bool = False
 
 
 DEFAULT_CONFIG = GemvConfig()
+# Weight rows on M (warpgroup MMA), 32 KiB weight tiles, 4 stages (one CTA an SM: 162 KiB of
+# shared memory at 16 rows, 194 KiB at 32).
+WIDE_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=4, w_on_m=True)
+# Gate/up of a batch: 64 features' gate and up rows a block, weight rows on M.
+GATED_BATCH_CONFIG = GemvConfig(block_n=128, block_k=128, num_stages=4, w_on_m=True)
+
+
+def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> GemvConfig:
+    """The config for `rows` of x and `out_features` outputs on `ctas` CTAs (H200 decode step,
+    synthetic Llama-3-8B; bench/NOTES-attention.md):
+    - weight rows on M wherever blocks of 64 keep as many CTAs as blocks of 32 dealt round-robin,
+      i.e. where those would deal two or more a CTA: qkv (6144 outputs, 96 CTAs either way) is
+      1.3-1.7% faster a step at batch 1 and 1.7% at 32 x 4k. The 4096-wide o_proj and down would
+      run on 64 CTAs instead of 128 (standalone 11-45% slower): they keep x's rows on M.
+    - gate/up with silu * up, a batch (2-32 rows): weight rows on M, where x's rows on M lost to
+      cuBLAS + silu_mul; 1.1-2.9% faster a step than that (batches of 2-32, 4k-32k).
+    - gate/up, one row: x's rows on M (weight rows on M were 0.7% slower a step)."""
+    if gated:
+        return DEFAULT_CONFIG if rows == 1 else GATED_BATCH_CONFIG
+    return WIDE_CONFIG if out_features > DEFAULT_CONFIG.block_n * ctas else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -134,6 +157,29 @@ def _store_block(
 
 
 @triton.jit
+def _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, PRECISION: tl.constexpr, W_ON_M: tl.constexpr):
+    """acc + one K chunk's products: x [M_PAD, BLOCK_K] . w^T -> [M_PAD, BLOCK_N], or with W_ON_M
+    w . x^T -> [BLOCK_N, M_PAD] (acc None: the first chunk)."""
+    if W_ON_M:
+        mask = row_ok[None, :] & (k < K)[:, None]
+        xt = tl.load(X + offs_m[None, :] * stride_xb + k[:, None], mask=mask, other=0.0)  # [BLOCK_K, M_PAD]
+        part = tl.dot(w, xt, input_precision=PRECISION)
+    else:
+        mask = row_ok[:, None] & (k < K)[None, :]
+        x = tl.load(X + offs_m[:, None] * stride_xb + k[None, :], mask=mask, other=0.0)
+        part = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    return part if acc is None else acc + part
+
+
+@triton.jit
+def _rows_first(acc, W_ON_M: tl.constexpr):
+    """The accumulator as [M_PAD, BLOCK_N]."""
+    if W_ON_M:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     X,  # [B, K]
     W,  # [N, K], rows contiguous
@@ -155,6 +201,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     EARLY_TILES: tl.constexpr,  # 1 or 2
+    W_ON_M: tl.constexpr,
 ):
     # CTA c owns the output blocks c, c + grid, c + 2 grid, ...; its (block, K chunk) pairs run as
     # one flat loop, so the software pipeline streams on across a block boundary instead of
@@ -166,7 +213,6 @@ def _gemv_kernel(
     offs_j = tl.arange(0, BLOCK_N)  # weight rows within a block's tile
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < B
-    x_rows = X + offs_m[:, None] * stride_xb  # [M_PAD, 1]
     # The first EARLY_TILES weight tiles (K chunks of our first block; the host keeps EARLY_TILES
     # within its chunks) are loaded before waiting for the previous kernel: they overlap that
     # kernel's tail (weights are never written by the step, so there is nothing to wait for).
@@ -178,27 +224,24 @@ def _gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernels' results
         tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-    acc = tl.dot(x, tl.trans(w0), input_precision=PRECISION)  # [M_PAD, BLOCK_N]
+    acc = _tile_dot(X, w0, offs_m, offs_k, row_ok, K, stride_xb, None, PRECISION, W_ON_M)
     if EARLY_TILES == 2:
-        x = tl.load(x_rows + k1[None, :], mask=row_ok[:, None] & (k1 < K)[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w1), input_precision=PRECISION)
+        acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, PRECISION, W_ON_M)
     for i in range(EARLY_TILES, n_iters):  # software-pipelined: num_stages tiles in flight
         block, k0 = cta + (i // k_iters) * n_ctas, (i % k_iters) * BLOCK_K
         if k0 == 0:  # a new block begins: the previous one is complete
             _store_block(
-                Out, Bias, acc, offs_m, block - n_ctas, offs_j, row_ok, N, stride_ob,
+                Out, Bias, _rows_first(acc, W_ON_M), offs_m, block - n_ctas, offs_j, row_ok, N, stride_ob,
                 HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
             )  # fmt: skip
             acc = tl.zeros_like(acc)
         k = k0 + offs_k
         w_rows, n_ok = _weight_rows(W, block, offs_j, stride_wn, N, GATED, BLOCK_N)
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, PRECISION, W_ON_M)
     last_block = cta + ((n_iters - 1) // k_iters) * n_ctas
     _store_block(
-        Out, Bias, acc, offs_m, last_block, offs_j, row_ok, N, stride_ob,
+        Out, Bias, _rows_first(acc, W_ON_M), offs_m, last_block, offs_j, row_ok, N, stride_ob,
         HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
     )  # fmt: skip
 
@@ -211,7 +254,7 @@ def gemv(
     residual: torch.Tensor | None = None,  # [B, N]: residual += result, in place, and returned
     gated: bool = False,  # weight is [gate; up] (N = 2 I): the result is silu(gate) * up [B, I]
     use_pdl: bool = False,
-    config: GemvConfig = DEFAULT_CONFIG,
+    config: GemvConfig | None = None,  # default: default_config(...)
     max_ctas: int | None = None,  # default: the SM count (the interpreter: INTERPRETER_CTAS)
 ) -> torch.Tensor:  # [B, N] (gated: [B, N / 2]) in x.dtype
     """x @ weight^T + bias (added into residual in place, if given; gated: silu(gate) * up of the
@@ -226,9 +269,10 @@ def gemv(
         )
     out_features = N // 2 if gated else N
     out = residual if residual is not None else torch.empty(B, out_features, dtype=x.dtype, device=x.device)
-    block_k = config.block_k // 2 if x.dtype == torch.float32 else config.block_k  # fp32: twice the bytes
     if max_ctas is None:
         max_ctas = sm_count(x.device) if x.is_cuda else INTERPRETER_CTAS
+    config = config or default_config(B, out_features, gated, max_ctas)
+    block_k = config.block_k // 2 if x.dtype == torch.float32 else config.block_k  # fp32: twice the bytes
     # a gated block is block_n weight rows too: block_n / 2 features' gate and up rows
     n_blocks = triton.cdiv(out_features, config.block_n // 2 if gated else config.block_n)
     grid = triton.cdiv(n_blocks, triton.cdiv(n_blocks, max_ctas))  # as few CTAs as the most blocks a CTA need
@@ -253,6 +297,7 @@ def gemv(
         BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact products
         EARLY_TILES=2 if config.early_tiles >= 2 and B <= 16 and K > block_k else 1,
+        W_ON_M=config.w_on_m,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

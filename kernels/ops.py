@@ -61,15 +61,14 @@ def rms_norm(
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None, gated: bool = False) -> bool:
-    """The Triton GEMV for a few rows and outputs up to MAX_OUTPUTS wide (wider ones, lm_head,
-    stream as fast through cuBLAS); gated (gate/up with silu * up fused) for up to MAX_GATED_ROWS
-    rows, whatever the width. cuBLAS otherwise."""
+    """The Triton GEMV for up to MAX_ROWS rows and outputs up to MAX_OUTPUTS wide (wider ones,
+    lm_head, stream as fast through cuBLAS); gated (gate/up with silu * up fused) whatever the
+    width. cuBLAS otherwise."""
     if not _triton(x, triton):
         return False  # before the import: the CPU runtime never loads triton
-    from .gemv import MAX_GATED_ROWS, MAX_OUTPUTS, MAX_ROWS
+    from .gemv import MAX_OUTPUTS, MAX_ROWS
 
-    max_rows = MAX_GATED_ROWS if gated else MAX_ROWS
-    fits = x.dim() == 2 and x.shape[0] <= max_rows and (gated or weight.shape[0] <= MAX_OUTPUTS)
+    fits = x.dim() == 2 and x.shape[0] <= MAX_ROWS and (gated or weight.shape[0] <= MAX_OUTPUTS)
     return fits and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
@@ -242,8 +241,8 @@ def gate_up_silu(
     pdl: bool = False,
 ) -> torch.Tensor:
     """The MLP's inner activation: x [B, K], weight [2 I, K] (gate rows, then up rows), bias [2 I]
-    -> silu(gate) * up [B, I], rounded as transformers does. Up to MAX_GATED_ROWS rows it is one
-    GEMV launch with silu * up in its epilogue; above, cuBLAS then silu_mul."""
+    -> silu(gate) * up [B, I], rounded as transformers does. Up to MAX_ROWS rows it is one GEMV
+    launch with silu * up in its epilogue; above, cuBLAS then silu_mul."""
     if _use_gemv(x, weight, triton, gated=True):
         from .gemv import gemv
 

@@ -5,7 +5,14 @@ import pytest
 import torch
 from helpers import rel_err
 
-from minidecode.kernels.gemv import MAX_GATED_ROWS, gemv
+from minidecode.kernels.gemv import (
+    DEFAULT_CONFIG,
+    GATED_BATCH_CONFIG,
+    MAX_ROWS,
+    WIDE_CONFIG,
+    default_config,
+    gemv,
+)
 from minidecode.kernels.ops import gate_up_silu, linear, linear_residual, rms_norm, rope_and_cache, silu_mul
 
 # bf16 is checked on the GPU only: the interpreter's bf16 conversions do not round to nearest.
@@ -29,7 +36,7 @@ def test_rms_norm(dtype):
 
 
 # Shapes off every block multiple: N not a multiple of BLOCK_N, K of BLOCK_K (or below it). N 200
-# is 7 blocks of 32 outputs: on the interpreter's 4 CTAs three take 2 blocks and one takes 1.
+# is wider than 32 outputs for each of the interpreter's 4 CTAs: weight rows on M (WIDE_CONFIG).
 GEMV_SHAPES = [
     (1, 40, 1100),
     (3, 24, 96),
@@ -105,7 +112,7 @@ def test_gate_up_silu(dtype, B, inter, K, bias):
     w = torch.randn(2 * inter, K, dtype=dtype, device=DEVICE) * (3 / K**0.5)  # gates of a few units
     b = torch.randn(2 * inter, dtype=dtype, device=DEVICE) if bias else None
     out = gemv(x, w, b, gated=True)
-    if B <= MAX_GATED_ROWS:  # the op takes this kernel; with more rows, cuBLAS and silu_mul
+    if B <= MAX_ROWS:  # the op takes this kernel; with more rows, cuBLAS and silu_mul
         assert torch.equal(gate_up_silu(x, w, b, triton=True), out)
     gate, up = (x.double() @ w.double().T + (b.double() if bias else 0)).chunk(2, -1)
     exact = gate * torch.sigmoid(gate) * up
@@ -116,6 +123,39 @@ def test_gate_up_silu(dtype, B, inter, K, bias):
     ref = gate_up_silu(x, w, b, triton=False)
     if dtype != torch.float32 and not bias:
         assert (out != ref).sum() <= max(1, 0.02 * out.numel())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "config", [DEFAULT_CONFIG, WIDE_CONFIG, GATED_BATCH_CONFIG], ids=["x_on_m", "wide", "gated_batch"]
+)
+@pytest.mark.parametrize("B, N, K", [(1, 200, 1100), (17, 136, 300), (32, 72, 520)])
+@pytest.mark.parametrize("mode", ["plain", "residual", "gated"])
+def test_gemv_both_dot_orientations(dtype, config, B, N, K, mode):
+    """x's rows or the weight's rows on the dot's M axis, every mode, two CTAs dealt several blocks
+    each (a block boundary inside the pipelined loop), against float64."""
+    torch.manual_seed(7)
+    x = torch.randn(B, K, dtype=dtype, device=DEVICE)
+    w = torch.randn(N, K, dtype=dtype, device=DEVICE) * (3 / K**0.5)
+    residual = torch.randn(B, N, dtype=dtype, device=DEVICE) if mode == "residual" else None
+    exact = x.double() @ w.double().T
+    if mode == "gated":
+        gate, up = exact.chunk(2, -1)
+        exact = gate * torch.sigmoid(gate) * up
+    elif mode == "residual":
+        exact = exact + residual.double()
+    out = gemv(x, w, residual=residual, gated=mode == "gated", config=config, max_ctas=2)
+    assert out.shape == exact.shape and rel_err(out, exact) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_gemv_default_config():
+    """Weight rows on M where blocks of 32 outputs would be dealt two or more a CTA (qkv of an 8B
+    model on 132 SMs), and for a batch's gate/up; x's rows on M for o_proj / down and one row's
+    gate/up."""
+    assert default_config(1, 6144, False, 132) is WIDE_CONFIG
+    assert default_config(32, 4096, False, 132) is DEFAULT_CONFIG
+    assert default_config(1, 14336, True, 132) is DEFAULT_CONFIG
+    assert default_config(2, 14336, True, 132) is GATED_BATCH_CONFIG
 
 
 def test_gemv_rejects_too_many_rows_and_falls_back():
