@@ -83,9 +83,9 @@ def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> Gemv
     - weight rows on M wherever blocks of 64 keep as many CTAs as blocks of 32 dealt round-robin,
       i.e. where those would deal two or more a CTA: qkv (6144 outputs, 96 CTAs either way) is
       1.3-1.7% faster a step at batch 1 and 1.7% at 32 x 4k. The 4096-wide o_proj and down would
-      run on 64 CTAs instead of 128 (standalone 11-45% slower): they keep x's rows on M.
+      run on 64 CTAs instead of 128 (standalone 11% slower or worse): they keep x's rows on M.
     - gate/up with silu * up, a batch (2-32 rows): weight rows on M, where x's rows on M lost to
-      cuBLAS + silu_mul; 1.1-2.9% faster a step than that (batches of 2-32, 4k-32k).
+      cuBLAS + silu_mul; 1.0-2.9% faster a step than that (batches of 2-32, 4k-32k).
     - gate/up, one row: x's rows on M (weight rows on M were 0.7% slower a step)."""
     if gated:
         return DEFAULT_CONFIG if rows == 1 else GATED_BATCH_CONFIG
