@@ -16,6 +16,8 @@ and only then waits for the predecessor's results (`gdc_wait`).
 transformers rounds `h + o_proj(...)`: the projection to the model dtype first, then the sum.
 `gated` (the MLP's fused gate/up) pairs each output feature's gate and up rows in one tile and
 writes silu(gate) * up from the epilogue, so the activation costs no launch of its own.
+`split_k` (GemvConfig) splits K over CTAs, for o_proj and down at 17-32 rows, where a CTA's x tiles
+would be as many bytes as its weight tiles.
 The RMSNorm in front of qkv and gate/up stays a separate launch: folding it into the loop (x
 scaled by the norm weight, x^2 summed alongside) made those GEMVs 3-6x slower, because elementwise
 work on x in the loop stops its loads from being pipelined; with the rms computed first, x tiles
@@ -67,6 +69,12 @@ class GemvConfig:
     # or W [BLOCK_N, BLOCK_K] . x^T (weight rows on M: Hopper's warpgroup MMA, which needs
     # M = block_n >= 64; a third of the registers, operands straight from shared memory).
     w_on_m: bool = False
+    # K split into this many parts, each a work item dealt round-robin like blocks: a part's fp32
+    # partial goes to a workspace, and after its loop each CTA draws its items' tickets; the last
+    # part of a block sums the partials in part order (bitwise repeatable) and runs the
+    # epilogue. Meant for one item a CTA: a CTA's later tickets wait for its whole loop (a batch's
+    # gate/up split in four, 7 items a CTA, was 10-30% slower; bench/NOTES-attention.md).
+    split_k: int = 1
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -75,6 +83,9 @@ DEFAULT_CONFIG = GemvConfig()
 WIDE_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=4, w_on_m=True)
 # Gate/up of a batch: 64 features' gate and up rows a block, weight rows on M.
 GATED_BATCH_CONFIG = GemvConfig(block_n=128, block_k=128, num_stages=4, w_on_m=True)
+# o_proj / down of 17-32 rows: blocks of 64 weight rows on M, K split in two (as many CTAs as
+# blocks of 32, half the x tiles per weight byte).
+SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=4, w_on_m=True, split_k=2)
 
 
 def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> GemvConfig:
@@ -83,13 +94,20 @@ def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> Gemv
     - weight rows on M wherever blocks of 64 keep as many CTAs as blocks of 32 dealt round-robin,
       i.e. where those would deal two or more a CTA: qkv (6144 outputs, 96 CTAs either way) is
       1.3-1.7% faster a step at batch 1 and 1.7% at 32 x 4k. The 4096-wide o_proj and down would
-      run on 64 CTAs instead of 128 (standalone 11% slower or worse): they keep x's rows on M.
+      run on 64 CTAs instead of 128 (standalone 11% slower or worse): they keep x's rows on M,
+    - except from 17 rows, where x (padded to 32 rows) is as many bytes a tile as the weights:
+      blocks of 64 weight rows on M with K split in two, one work item for each of 128 CTAs
+      (down 34.3 -> 32.5 us, o_proj 12.7 -> 12.2; 32 x 4k step 0.6% faster). At 8 and 16 rows
+      the split was 1-5% slower than x's rows on M.
     - gate/up with silu * up, a batch (2-32 rows): weight rows on M, where x's rows on M lost to
       cuBLAS + silu_mul; 1.0-2.9% faster a step than that (batches of 2-32, 4k-32k).
     - gate/up, one row: x's rows on M (weight rows on M were 0.7% slower a step)."""
     if gated:
         return DEFAULT_CONFIG if rows == 1 else GATED_BATCH_CONFIG
-    return WIDE_CONFIG if out_features > DEFAULT_CONFIG.block_n * ctas else DEFAULT_CONFIG
+    if out_features > DEFAULT_CONFIG.block_n * ctas:
+        return WIDE_CONFIG
+    split_items = SPLIT_K_CONFIG.split_k * -(-out_features // SPLIT_K_CONFIG.block_n)
+    return SPLIT_K_CONFIG if rows > 16 and split_items <= ctas else DEFAULT_CONFIG
 
 
 @triton.jit
@@ -179,12 +197,62 @@ def _rows_first(acc, W_ON_M: tl.constexpr):
     return acc
 
 
+COUNTER_STRIDE: tl.constexpr = tl.constexpr(32)  # int32s: each block's ticket on its own 128-byte line
+
+
+@triton.jit
+def _finish_item(
+    Out, Bias, Part, acc, offs_m, item, offs_j, row_ok, N, stride_ob,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, M_PAD: tl.constexpr,
+):  # fmt: skip
+    """acc [M_PAD, BLOCK_N] fp32 is work item `item`'s sum: the block's outputs, or with SPLIT_K
+    its partial over one part of K, stored for _merge_parts (a plain store: the software
+    pipeline runs on across it)."""
+    if SPLIT_K == 1:
+        _store_block(
+            Out, Bias, acc, offs_m, item, offs_j, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N
+        )  # fmt: skip
+    else:
+        tile = offs_m[:, None] * BLOCK_N + offs_j[None, :]
+        tl.store(Part + item * (M_PAD * BLOCK_N) + tile, acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_parts(
+    Out, Bias, Part, Counters, cta, n_ctas, n_items, offs_m, offs_j, row_ok, N, stride_ob,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, M_PAD: tl.constexpr,
+):  # fmt: skip
+    """After the loop, for each of our items: draw its block's ticket; the part that draws the
+    last one sums the block's partials in part order (bitwise repeatable whoever comes last),
+    stores the block and zeroes the counter. Nobody waits for another CTA: no deadlock."""
+    tl.debug_barrier()  # all our threads' partial stores come before the tickets' release
+    tile = offs_m[:, None] * BLOCK_N + offs_j[None, :]  # [M_PAD, BLOCK_N]
+    for item in range(cta, n_items, n_ctas):
+        block = item // SPLIT_K
+        counter = Counters + block * COUNTER_STRIDE
+        # Acquire-release: every part's partial is visible to whoever draws the last ticket.
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            parts = Part + block * SPLIT_K * (M_PAD * BLOCK_N) + tile
+            total = tl.load(parts, mask=row_ok[:, None], other=0.0)
+            for s in tl.static_range(1, SPLIT_K):
+                total += tl.load(parts + s * (M_PAD * BLOCK_N), mask=row_ok[:, None], other=0.0)
+            _store_block(
+                Out, Bias, total, offs_m, block, offs_j, row_ok, N, stride_ob,
+                HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
+            )  # fmt: skip
+            tl.store(counter, 0)  # every part has drawn its ticket: ready for the next launch
+
+
 @triton.jit
 def _gemv_kernel(
     X,  # [B, K]
     W,  # [N, K], rows contiguous
     Bias,  # [N] or a dummy
     Out,  # [B, N] ([B, N / 2] when GATED); with HAS_RESIDUAL the residual stream, updated in place
+    Part,  # SPLIT_K > 1: [n_blocks, SPLIT_K, M_PAD, BLOCK_N] fp32 partials (else a dummy)
+    Counters,  # SPLIT_K > 1: [n_blocks * COUNTER_STRIDE] int32 tickets, zero between launches
     B,
     N,
     K,
@@ -202,48 +270,55 @@ def _gemv_kernel(
     PRECISION: tl.constexpr,
     EARLY_TILES: tl.constexpr,  # 1 or 2
     W_ON_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    # CTA c owns the output blocks c, c + grid, c + 2 grid, ...; its (block, K chunk) pairs run as
-    # one flat loop, so the software pipeline streams on across a block boundary instead of
-    # draining there.
+    # CTA c owns the work items c, c + grid, c + 2 grid, ... (item = block * SPLIT_K + part of K);
+    # its (item, K chunk) pairs run as one flat loop, so the software pipeline streams on across an
+    # item boundary instead of draining there.
     cta, n_ctas = tl.program_id(0), tl.num_programs(0)
-    k_iters = tl.cdiv(K, BLOCK_K)
-    n_iters = tl.cdiv(n_blocks - cta, n_ctas) * k_iters
+    k_iters = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K chunks of a part (the last may run past K)
+    n_iters = tl.cdiv(n_blocks * SPLIT_K - cta, n_ctas) * k_iters
     offs_m = tl.arange(0, M_PAD)  # rows of x, padded
     offs_j = tl.arange(0, BLOCK_N)  # weight rows within a block's tile
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < B
-    # The first EARLY_TILES weight tiles (K chunks of our first block; the host keeps EARLY_TILES
+    # The first EARLY_TILES weight tiles (K chunks of our first item; the host keeps EARLY_TILES
     # within its chunks) are loaded before waiting for the previous kernel: they overlap that
     # kernel's tail (weights are never written by the step, so there is nothing to wait for).
-    w_rows, n_ok = _weight_rows(W, cta, offs_j, stride_wn, N, GATED, BLOCK_N)  # [BLOCK_N, 1] each
-    k1 = BLOCK_K + offs_k  # the second chunk
-    w0 = tl.load(w_rows + offs_k[None, :], mask=n_ok & (offs_k < K)[None, :], other=0.0)
+    w_rows, n_ok = _weight_rows(W, cta // SPLIT_K, offs_j, stride_wn, N, GATED, BLOCK_N)  # [BLOCK_N, 1] each
+    k_first = (cta % SPLIT_K) * k_iters * BLOCK_K + offs_k
+    k1 = BLOCK_K + k_first  # the second chunk
+    w0 = tl.load(w_rows + k_first[None, :], mask=n_ok & (k_first < K)[None, :], other=0.0)
     if EARLY_TILES == 2:
         w1 = tl.load(w_rows + k1[None, :], mask=n_ok & (k1 < K)[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernels' results
         tl.extra.cuda.gdc_launch_dependents()
-    acc = _tile_dot(X, w0, offs_m, offs_k, row_ok, K, stride_xb, None, PRECISION, W_ON_M)
+    acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, PRECISION, W_ON_M)
     if EARLY_TILES == 2:
         acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, PRECISION, W_ON_M)
     for i in range(EARLY_TILES, n_iters):  # software-pipelined: num_stages tiles in flight
-        block, k0 = cta + (i // k_iters) * n_ctas, (i % k_iters) * BLOCK_K
-        if k0 == 0:  # a new block begins: the previous one is complete
-            _store_block(
-                Out, Bias, _rows_first(acc, W_ON_M), offs_m, block - n_ctas, offs_j, row_ok, N, stride_ob,
-                HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
+        item, chunk = cta + (i // k_iters) * n_ctas, i % k_iters
+        if chunk == 0:  # a new item begins: the previous one is complete
+            _finish_item(
+                Out, Bias, Part, _rows_first(acc, W_ON_M), offs_m, item - n_ctas, offs_j, row_ok, N,
+                stride_ob, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
             )  # fmt: skip
             acc = tl.zeros_like(acc)
-        k = k0 + offs_k
-        w_rows, n_ok = _weight_rows(W, block, offs_j, stride_wn, N, GATED, BLOCK_N)
+        k = ((item % SPLIT_K) * k_iters + chunk) * BLOCK_K + offs_k
+        w_rows, n_ok = _weight_rows(W, item // SPLIT_K, offs_j, stride_wn, N, GATED, BLOCK_N)
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
         acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, PRECISION, W_ON_M)
-    last_block = cta + ((n_iters - 1) // k_iters) * n_ctas
-    _store_block(
-        Out, Bias, _rows_first(acc, W_ON_M), offs_m, last_block, offs_j, row_ok, N, stride_ob,
-        HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
+    last = cta + ((n_iters - 1) // k_iters) * n_ctas
+    _finish_item(
+        Out, Bias, Part, _rows_first(acc, W_ON_M), offs_m, last, offs_j, row_ok, N, stride_ob,
+        HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
     )  # fmt: skip
+    if SPLIT_K > 1:
+        _merge_parts(
+            Out, Bias, Part, Counters, cta, n_ctas, n_blocks * SPLIT_K, offs_m, offs_j, row_ok, N, stride_ob,
+            HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
+        )  # fmt: skip
 
 
 def gemv(
@@ -258,7 +333,8 @@ def gemv(
     max_ctas: int | None = None,  # default: the SM count (the interpreter: INTERPRETER_CTAS)
 ) -> torch.Tensor:  # [B, N] (gated: [B, N / 2]) in x.dtype
     """x @ weight^T + bias (added into residual in place, if given; gated: silu(gate) * up of the
-    fused gate/up projection) in one Triton launch."""
+    fused gate/up projection) in one Triton launch. A split-K config uses a workspace cached per
+    device and shape: calls that share one must be ordered on one stream (as the decode step's are)."""
     B, K = x.shape
     N = weight.shape[0]
     fits = weight.shape[1] == K and B <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -275,12 +351,21 @@ def gemv(
     block_k = config.block_k // 2 if x.dtype == torch.float32 else config.block_k  # fp32: twice the bytes
     # a gated block is block_n weight rows too: block_n / 2 features' gate and up rows
     n_blocks = triton.cdiv(out_features, config.block_n // 2 if gated else config.block_n)
-    grid = triton.cdiv(n_blocks, triton.cdiv(n_blocks, max_ctas))  # as few CTAs as the most blocks a CTA need
+    items = n_blocks * config.split_k
+    grid = triton.cdiv(items, triton.cdiv(items, max_ctas))  # as few CTAs as the most items a CTA needs
+    m_pad = 16 if B <= 16 else 32  # tl.dot needs M >= 16
+    part_chunks = triton.cdiv(triton.cdiv(K, block_k), config.split_k)  # K chunks of a part
+    if config.split_k > 1:
+        part, counters = _workspace(x.device, n_blocks, config.split_k, m_pad, config.block_n)
+    else:
+        part = counters = out  # unused
     _gemv_kernel[(grid,)](
         x,
         weight,
         weight if bias is None else bias,
         out,
+        part,
+        counters,
         B,
         N,
         K,
@@ -292,14 +377,31 @@ def gemv(
         HAS_RESIDUAL=residual is not None,
         GATED=gated,
         USE_PDL=use_pdl,
-        M_PAD=16 if B <= 16 else 32,  # tl.dot needs M >= 16
+        M_PAD=m_pad,
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact products
-        EARLY_TILES=2 if config.early_tiles >= 2 and B <= 16 and K > block_k else 1,
+        EARLY_TILES=2 if config.early_tiles >= 2 and B <= 16 and part_chunks > 1 else 1,
         W_ON_M=config.w_on_m,
+        SPLIT_K=config.split_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n_blocks: int, split_k: int, m_pad: int, block_n: int):
+    """Split-K partials [n_blocks, split_k, m_pad, block_n] fp32 and ticket counters (zero between
+    launches), cached per (device, shape): a CUDA graph captured after one eager call allocates
+    nothing. Calls that share a workspace must be ordered on one stream (the engine's step is)."""
+    key = (device, n_blocks, split_k, m_pad, block_n)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (
+            torch.empty(n_blocks, split_k, m_pad, block_n, dtype=torch.float32, device=device),
+            torch.zeros(n_blocks * COUNTER_STRIDE.value, dtype=torch.int32, device=device),
+        )
+    return _WORKSPACES[key]

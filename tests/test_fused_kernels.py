@@ -8,7 +8,9 @@ from helpers import rel_err
 from minidecode.kernels.gemv import (
     DEFAULT_CONFIG,
     GATED_BATCH_CONFIG,
+    SPLIT_K_CONFIG,
     WIDE_CONFIG,
+    GemvConfig,
     default_config,
     gemv,
 )
@@ -124,15 +126,23 @@ def test_gate_up_silu(dtype, B, inter, K, bias):
         assert (out != ref).sum() <= max(1, 0.02 * out.numel())
 
 
+# A split of K in three with x's rows on M: parts end mid-chunk (K 1100 is 9 chunks of 128 for
+# fp16, 18 of 64 for fp32, so 3 or 6 a part, the last part past K).
+SPLIT3_CONFIG = GemvConfig(block_n=32, block_k=128, split_k=3)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "config", [DEFAULT_CONFIG, WIDE_CONFIG, GATED_BATCH_CONFIG], ids=["x_on_m", "wide", "gated_batch"]
+    "config",
+    [DEFAULT_CONFIG, WIDE_CONFIG, GATED_BATCH_CONFIG, SPLIT_K_CONFIG, SPLIT3_CONFIG],
+    ids=["x_on_m", "wide", "gated_batch", "split_k", "split3"],
 )
 @pytest.mark.parametrize("B, N, K", [(1, 200, 1100), (17, 136, 300), (32, 72, 520)])
 @pytest.mark.parametrize("mode", ["plain", "residual", "gated"])
 def test_gemv_both_dot_orientations(dtype, config, B, N, K, mode):
-    """x's rows or the weight's rows on the dot's M axis, every mode, two CTAs dealt several blocks
-    each (a block boundary inside the pipelined loop), against float64."""
+    """x's rows or the weight's rows on the dot's M axis, K whole or split over CTAs, every mode,
+    two CTAs dealt several work items each (an item boundary inside the pipelined loop; several
+    tickets a CTA), against float64."""
     torch.manual_seed(7)
     x = torch.randn(B, K, dtype=dtype, device=DEVICE)
     w = torch.randn(N, K, dtype=dtype, device=DEVICE) * (3 / K**0.5)
@@ -150,11 +160,34 @@ def test_gemv_both_dot_orientations(dtype, config, B, N, K, mode):
 def test_gemv_default_config():
     """Weight rows on M where blocks of 32 outputs would be dealt two or more a CTA (qkv of an 8B
     model on 132 SMs), and for a batch's gate/up; x's rows on M for o_proj / down and one row's
-    gate/up."""
+    gate/up; from 17 rows o_proj / down split K, while its items fit one a CTA."""
     assert default_config(1, 6144, False, 132) is WIDE_CONFIG
-    assert default_config(32, 4096, False, 132) is DEFAULT_CONFIG
+    assert default_config(16, 4096, False, 132) is DEFAULT_CONFIG
+    assert default_config(17, 4096, False, 132) is SPLIT_K_CONFIG
+    assert default_config(32, 4064, False, 127) is DEFAULT_CONFIG  # 2 x 64 items > 127 CTAs
     assert default_config(1, 14336, True, 132) is DEFAULT_CONFIG
     assert default_config(2, 14336, True, 132) is GATED_BATCH_CONFIG
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [SPLIT_K_CONFIG, SPLIT3_CONFIG], ids=["split_k", "split3"])
+def test_gemv_split_k_repeats_and_resets(dtype, config):
+    """Split K: the partials are summed in part order whichever part comes last, so a result
+    repeats bitwise (on the GPU the parts race), and the tickets are zero again after each launch
+    (a graph replays the same counters)."""
+    from minidecode.kernels.gemv import _WORKSPACES
+
+    torch.manual_seed(8)
+    x = torch.randn(24, 1100, dtype=dtype, device=DEVICE)
+    w = torch.randn(200, 1100, dtype=dtype, device=DEVICE) * (3 / 1100**0.5)
+    residual = torch.randn(24, 200, dtype=dtype, device=DEVICE)
+    ctas = 3 if DEVICE == "cpu" else None  # CPU: several items a CTA; GPU: one each
+    outs = [gemv(x, w, residual=residual.clone(), config=config, max_ctas=ctas) for _ in range(3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    exact = x.double() @ w.double().T + residual.double()
+    assert rel_err(outs[0], exact) < (1e-5 if dtype == torch.float32 else 2e-2)
+    counters = [ws[1] for key, ws in _WORKSPACES.items() if key[0] == x.device]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 def test_gemv_rejects_too_many_rows_and_falls_back():
