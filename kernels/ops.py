@@ -1,8 +1,8 @@
 """The decode step's ops: for each, its contract (shapes), its Triton path and its PyTorch twin.
 
 A decode step of an 8B model reads 16 GB in ~4 ms; PyTorch's plain ops would spend ~27 tiny
-launches per layer on norms, RoPE and the cache write. Here a layer is eight launches for one
-sequence, nine for a batch (gate/up through cuBLAS, then silu_mul):
+launches per layer on norms, RoPE and the cache write. Here a layer is eight launches for up to
+MAX_ROWS (32) sequences, nine above (gate/up through cuBLAS, then silu_mul):
 
 op                contract (B sequences, one new token each)             Triton path     PyTorch twin
 rms_norm          x [..., N], weight [N] -> [..., N]                     fused_triton    float32 math

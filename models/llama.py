@@ -274,9 +274,9 @@ class Transformer(nn.Module):
         LongRoPE is its own position + 1 (transformers: the longest position + 1 of the pass).
 
         Pure device work with fixed shapes (the engine captures it in a CUDA graph): the residual
-        stream x is updated in place by o_proj and down_proj; eight launches per layer on CUDA (nine
-        for a batch: kernels/ops.py),
-        chained by programmatic dependent launch when `pdl` (kernels/ops.py)."""
+        stream x is updated in place by o_proj and down_proj; eight launches per layer on CUDA up to
+        32 sequences (nine above: kernels/ops.py), chained by programmatic dependent launch when
+        `pdl`."""
         lengths = (positions + 1).to(torch.int32)  # [B] context after this token
         if active is not None:
             lengths = lengths * active
