@@ -45,6 +45,26 @@ def test_graph_batch_equals_eager_batch_and_each_alone(model_dir, prompt_ids):
     assert [r.token_ids for r in c] == [r.token_ids for r in d]
 
 
+def test_a_batch_of_more_than_16_equals_each_alone(model_dir, prompt_ids):
+    """fp32 on CUDA, 20 ragged requests: the 32-row bucket, whose o_proj and down split K over the
+    GEMV's CTAs (kernels/gemv.py), gives through graphs what the eager batch and each request
+    alone give, and then again in a second run (the split's tickets are reset every launch)."""
+    items = [
+        PromptRequest(token_ids=prompt_ids(3 + 37 * i % 400, seed=50 + i), max_new_tokens=2 + i % 9)
+        for i in range(20)
+    ]
+    kw = dict(temperature=0, ignore_eos=True)
+    graph = LLM(model_dir, device="cuda", dtype="float32")
+    eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graph=False)
+    a = [r.token_ids for r in graph.generate(items, **kw)]
+    b = [r.token_ids for r in eager.generate(items, **kw)]
+    alone = [
+        graph.generate(token_ids=x.token_ids, max_new_tokens=x.max_new_tokens, **kw).token_ids for x in items
+    ]
+    assert a == b == alone
+    assert [r.token_ids for r in graph.generate(items, **kw)] == a
+
+
 def test_bf16_fp8_batch_runs_and_stays_close(model_dir, prompt_ids):
     """bf16 with an FP8 cache: a ragged batch completes, every result is full length."""
     llm = LLM(model_dir, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8")
