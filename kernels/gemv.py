@@ -106,7 +106,7 @@ def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> Gemv
         return DEFAULT_CONFIG if rows == 1 else GATED_BATCH_CONFIG
     if out_features > DEFAULT_CONFIG.block_n * ctas:
         return WIDE_CONFIG
-    split_items = SPLIT_K_CONFIG.split_k * -(-out_features // SPLIT_K_CONFIG.block_n)
+    split_items = SPLIT_K_CONFIG.split_k * triton.cdiv(out_features, SPLIT_K_CONFIG.block_n)
     return SPLIT_K_CONFIG if rows > 16 and split_items <= ctas else DEFAULT_CONFIG
 
 
