@@ -51,7 +51,8 @@ class LeanConfig:
     pipeline depth of the merge loop (iterations in flight), whether a CTA draws the ticket of its
     first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_CONFIG), how an FP8
     cache is read (e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots; see
-    FP8_SHORT_CONFIG), and how many partials a merge iteration takes (_ticket_and_merge)."""
+    FP8_SHORT_CONFIG), how many partials a merge iteration takes (_ticket_and_merge), and whether
+    the fp16 decode makes q's operand in every tile rather than once per segment (FP8_TINY_CONFIG)."""
 
     block_n: int
     num_warps: int
@@ -61,6 +62,7 @@ class LeanConfig:
     early_ticket: bool = False
     fp8_mma: bool = True
     merge_chunk: int = 1
+    q_per_tile: bool = False
 
 
 # The best of a sweep on an H200 at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps
@@ -75,12 +77,14 @@ def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positio
     """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
     twice the bytes, so half the positions per tile and two stages keep them within shared
     memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) takes
-    FP8_SHORT_CONFIG below FP8_SHORT_POSITIONS and FP8_CONFIG from there: a shape, not the
-    lengths, decides, so a CUDA graph captured for a cache replays one config however its context
-    grows."""
+    FP8_TINY_CONFIG up to FP8_TINY_POSITIONS, FP8_SHORT_CONFIG below FP8_SHORT_POSITIONS and
+    FP8_CONFIG from there: a shape, not the lengths, decides, so a CUDA graph captured for a
+    cache replays one config however its context grows."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if fp8:
+        if positions <= FP8_TINY_POSITIONS:
+            return FP8_TINY_CONFIG
         return FP8_SHORT_CONFIG if positions < FP8_SHORT_POSITIONS else FP8_CONFIG
     if dtype == torch.float32:
         return dataclasses.replace(DEFAULT_CONFIG, block_n=DEFAULT_CONFIG.block_n // 2, num_stages=2)
@@ -125,6 +129,16 @@ FP8_SHORT_CONFIG = LeanConfig(
     block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False
 )
 FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cache takes FP8_SHORT_CONFIG
+# Up to 2048 positions (a CTA holds at most one tile of 128), 4 warps, and q's operand made in
+# every tile: its load then leaves with the first K/V loads, in the loop's pipeline, instead of
+# being a round trip and a row maximum before them. At 1k positions the kernel is that one
+# tile's chain, 7.5 against 7.9 us for FP8_SHORT_CONFIG (bf16 cache: 7.6); from 3k positions,
+# where a CTA holds several tiles, the per-tile q costs more than it saves (H200,
+# bench/NOTES-attention.md).
+FP8_TINY_CONFIG = LeanConfig(
+    block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
+)
+FP8_TINY_POSITIONS = 2048  # cache positions (all rows) up to which an FP8 cache takes FP8_TINY_CONFIG
 # p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
 # and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
 P_RANGE = tl.constexpr(256.0)
@@ -172,6 +186,13 @@ def _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT: tl.conste
     qf = q.to(tl.float32)
     q_exp = _pow2_exponent(tl.max(tl.abs(qf), 1))  # [G_PAD]
     return qf * _pow2(127 + 134 - q_exp)[:, None], qk_scale * UNIT * _pow2(q_exp - 7)
+
+
+@triton.jit
+def _fp16_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT: tl.constexpr):
+    """The fp16 decode's q operand [G_PAD, D] (_fp8_query's pre-scaled q, in fp16) and its factor."""
+    q, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
+    return q.to(tl.float16), row_scale
 
 
 @triton.jit
@@ -460,6 +481,7 @@ def _lean_decode_kernel(
     WRITE_LSE: tl.constexpr,
     E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
     EARLY_TICKET: tl.constexpr,  # MMA: draw a partial first segment's ticket on leaving it
+    Q_PER_TILE: tl.constexpr,  # fp16 decode: q's operand made in every tile, not once a segment
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -561,12 +583,11 @@ def _lean_decode_kernel(
                 # fmt: on
                 tile = seg_stop
         else:
-            if DEQUANT != 0:
+            if (DEQUANT != 0) and not Q_PER_TILE:
                 # q's fp16 operand depends only on the head: made once per segment, not per tile
-                q_h, row_scale = _fp8_query(
+                q_h, row_scale = _fp16_query(
                     q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, UNIT
                 )
-                q_h = q_h.to(tl.float16)
             for t in range(tile, stop):
                 h = (t - seq_lo) // n_blk
                 seg_lo = seq_lo + h * n_blk
@@ -575,9 +596,10 @@ def _lean_decode_kernel(
                 if DEQUANT == 0:
                     q_ptrs = q_b + q_rows[:, None] * stride_qh + offs_d[None, :]
                     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                elif Q_PER_TILE:  # its load is then pipelined with the tile's (FP8_TINY_CONFIG)
+                    q_h, row_scale = _fp16_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
                 elif (t == seg_lo) & (t != tile):  # a new head starts inside our range
-                    q_h, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
-                    q_h = q_h.to(tl.float16)
+                    q_h, row_scale = _fp16_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
                 valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
                 # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
                 k = tl.load(
@@ -857,6 +879,7 @@ def lean_attention(
         WRITE_LSE=lse is not None,
         E4M3_HW=q.device.type == "cuda",
         EARLY_TICKET=config.early_ticket,
+        Q_PER_TILE=config.q_per_tile,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

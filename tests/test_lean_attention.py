@@ -257,6 +257,7 @@ V_BLOCK = la.V_BLOCK
 E4M3_MAX = 0x7E  # 448, finite: what a blocked V cache may hold past a length inside its last block
 # The kernel's two ways to read e4m3, each at the config the runtime runs it with.
 FP8_PATHS = [
+    pytest.param(la.FP8_TINY_CONFIG, id="fp16-decode-q-per-tile"),
     pytest.param(la.FP8_SHORT_CONFIG, id="fp16-decode"),
     pytest.param(la.FP8_CONFIG, id="e4m3-mma"),
 ]
@@ -354,11 +355,12 @@ def test_fp8_block_edges(device, config, n, num_ctas):
     "config",
     [
         la.LeanConfig(block_n=V_BLOCK, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4),
+        la.FP8_TINY_CONFIG,
         la.FP8_SHORT_CONFIG,
         la.FP8_CONFIG,
         la.LeanConfig(block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4),
     ],
-    ids=["one-block-tiles", "fp16-decode", "e4m3-mma", "two-warpgroups"],
+    ids=["one-block-tiles", "fp16-decode-q-per-tile", "fp16-decode", "e4m3-mma", "two-warpgroups"],
 )
 def test_fp8_llama_shape_and_configs(device, config):
     """32 q / 8 KV heads, head_dim 128, tiles of one, two and four V blocks (e4m3 dots: two
@@ -415,11 +417,18 @@ def test_fp8_bitwise_repeatable(device, config):
 
 
 def test_fp8_config_follows_cache_positions(monkeypatch):
-    """An FP8 cache takes the short-cache config (fp16 decode) below FP8_SHORT_POSITIONS positions
-    (all rows) and the e4m3 tensor-core one from there: decided by the cache's shape, so one
-    captured graph keeps one config as lengths grow."""
-    short = la.FP8_SHORT_POSITIONS
-    want = {short - 1: la.FP8_SHORT_CONFIG, short: la.FP8_CONFIG, 64 * short: la.FP8_CONFIG}
+    """An FP8 cache takes the tiny-cache config up to FP8_TINY_POSITIONS positions (all rows), the
+    short-cache config (fp16 decode) below FP8_SHORT_POSITIONS and the e4m3 tensor-core one from
+    there: decided by the cache's shape, so one captured graph keeps one config as lengths grow."""
+    short, tiny = la.FP8_SHORT_POSITIONS, la.FP8_TINY_POSITIONS
+    want = {
+        1: la.FP8_TINY_CONFIG,
+        tiny: la.FP8_TINY_CONFIG,
+        tiny + 1: la.FP8_SHORT_CONFIG,
+        short - 1: la.FP8_SHORT_CONFIG,
+        short: la.FP8_CONFIG,
+        64 * short: la.FP8_CONFIG,
+    }
     for positions, config in want.items():
         assert la.default_config(128, torch.bfloat16, fp8=True, positions=positions) == config
     assert la.default_config(128, torch.bfloat16, positions=64 * short) == la.DEFAULT_CONFIG  # bf16: one
@@ -430,7 +439,11 @@ def test_fp8_config_follows_cache_positions(monkeypatch):
         "_grid_size",
         lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
     )
-    for s, config in ((short // 2 - 1, la.FP8_SHORT_CONFIG), (short // 2, la.FP8_CONFIG)):
+    for s, config in (
+        (tiny // 2, la.FP8_TINY_CONFIG),
+        (short // 2 - 1, la.FP8_SHORT_CONFIG),
+        (short // 2, la.FP8_CONFIG),
+    ):
         k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
         scales = torch.ones(2, 1, s)
         la.lean_attention(
