@@ -133,8 +133,8 @@ FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cac
 # every tile: its load then leaves with the first K/V loads, in the loop's pipeline, instead of
 # being a round trip and a row maximum before them. At 1k positions the kernel is that one
 # tile's chain, 7.5 against 7.9 us for FP8_SHORT_CONFIG (bf16 cache: 7.6); from 3k positions,
-# where a CTA holds several tiles, the per-tile q costs more than it saves (H200,
-# bench/NOTES-attention.md).
+# where CTAs hold two tiles, FP8_SHORT_CONFIG is 10% faster, and per-tile q slows its 8 warps
+# (H200, bench/NOTES-attention.md).
 FP8_TINY_CONFIG = LeanConfig(
     block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
 )
