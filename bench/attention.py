@@ -589,7 +589,7 @@ def main() -> None:
     env = environment(args.commit)
     env["lean_config"] = dataclasses.asdict(args.config)
     env["lean_fp8_config"] = {
-        f"up to {la.FP8_TINY_POSITIONS} positions": dataclasses.asdict(la.FP8_TINY_CONFIG),
+        f"up to {la.FP8_TINY_HEAD_POSITIONS} positions x KV heads": dataclasses.asdict(la.FP8_TINY_CONFIG),
         f"below {la.FP8_SHORT_POSITIONS} positions": dataclasses.asdict(la.FP8_SHORT_CONFIG),
         "from there": dataclasses.asdict(la.FP8_CONFIG),
     }

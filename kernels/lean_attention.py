@@ -73,17 +73,20 @@ class LeanConfig:
 DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, fp8: bool = False, positions: int = 0) -> LeanConfig:
+def default_config(
+    head_dim: int, dtype: torch.dtype, fp8: bool = False, positions: int = 0, kv_heads: int = 1
+) -> LeanConfig:
     """The tuned config for q's dtype and an FP8 (e4m3) or a q-dtype cache; fp32 K/V tiles are
     twice the bytes, so half the positions per tile and two stages keep them within shared
-    memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) takes
-    FP8_TINY_CONFIG up to FP8_TINY_POSITIONS, FP8_SHORT_CONFIG below FP8_SHORT_POSITIONS and
-    FP8_CONFIG from there: a shape, not the lengths, decides, so a CUDA graph captured for a
-    cache replays one config however its context grows."""
+    memory (fp32 is for tests, not speed). An FP8 cache of `positions` (all its rows) and
+    `kv_heads` takes FP8_TINY_CONFIG up to FP8_TINY_HEAD_POSITIONS positions times KV heads,
+    FP8_SHORT_CONFIG below FP8_SHORT_POSITIONS positions and FP8_CONFIG from there: a shape, not
+    the lengths, decides, so a CUDA graph captured for a cache replays one config however its
+    context grows."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"lean_attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if fp8:
-        if positions <= FP8_TINY_POSITIONS:
+        if positions * kv_heads <= FP8_TINY_HEAD_POSITIONS:
             return FP8_TINY_CONFIG
         return FP8_SHORT_CONFIG if positions < FP8_SHORT_POSITIONS else FP8_CONFIG
     if dtype == torch.float32:
@@ -129,16 +132,17 @@ FP8_SHORT_CONFIG = LeanConfig(
     block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False
 )
 FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cache takes FP8_SHORT_CONFIG
-# Up to 2048 positions (a CTA holds at most one tile of 128), 4 warps, and q's operand made in
-# every tile: its load then leaves with the first K/V loads, in the loop's pipeline, instead of
-# being a round trip and a row maximum before them. At 1k positions the kernel is that one
-# tile's chain, 7.5 against 7.9 us for FP8_SHORT_CONFIG (bf16 cache: 7.6); from 3k positions,
-# where CTAs hold two tiles, FP8_SHORT_CONFIG is 10% faster, and per-tile q slows its 8 warps
-# (H200, bench/NOTES-attention.md).
+# Up to 128 tiles of 128 positions (2048 positions of 8 KV heads: at most one tile a CTA on an
+# H200), 4 warps, and q's operand made in every tile: its load then leaves with the first K/V
+# loads, in the loop's pipeline, instead of being a round trip and a row maximum before them. At
+# 1k positions of 8 heads the kernel is that one tile's chain, 7.5 against 7.9 us for
+# FP8_SHORT_CONFIG (bf16 cache: 7.6); where CTAs hold two tiles or more (3k positions of 8
+# heads, 1k of 32), FP8_SHORT_CONFIG is 7-10% faster, and per-tile q slows its 8 warps (H200,
+# bench/NOTES-attention.md).
 FP8_TINY_CONFIG = LeanConfig(
     block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
 )
-FP8_TINY_POSITIONS = 2048  # cache positions (all rows) up to which an FP8 cache takes FP8_TINY_CONFIG
+FP8_TINY_HEAD_POSITIONS = 16384  # cache positions (all rows) x KV heads up to which: FP8_TINY_CONFIG
 # p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
 # and in its normal range (>= 2^-6) down to p ~ 2^-14, before split_e4m3 takes it to two terms.
 P_RANGE = tl.constexpr(256.0)
@@ -806,7 +810,7 @@ def lean_attention(
     if lengths.dtype != torch.int32:
         lengths = lengths.to(torch.int32)
 
-    config = config or default_config(D, q.dtype, fp8, positions=C * S)
+    config = config or default_config(D, q.dtype, fp8, positions=C * S, kv_heads=Hkv)
     if fp8 and config.block_n % V_BLOCK != 0:
         raise ValueError(f"an FP8 cache needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     if config.merge_chunk < 1 or config.merge_chunk & (config.merge_chunk - 1):

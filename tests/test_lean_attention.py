@@ -417,20 +417,23 @@ def test_fp8_bitwise_repeatable(device, config):
 
 
 def test_fp8_config_follows_cache_positions(monkeypatch):
-    """An FP8 cache takes the tiny-cache config up to FP8_TINY_POSITIONS positions (all rows), the
-    short-cache config (fp16 decode) below FP8_SHORT_POSITIONS and the e4m3 tensor-core one from
-    there: decided by the cache's shape, so one captured graph keeps one config as lengths grow."""
-    short, tiny = la.FP8_SHORT_POSITIONS, la.FP8_TINY_POSITIONS
-    want = {
-        1: la.FP8_TINY_CONFIG,
-        tiny: la.FP8_TINY_CONFIG,
-        tiny + 1: la.FP8_SHORT_CONFIG,
-        short - 1: la.FP8_SHORT_CONFIG,
-        short: la.FP8_CONFIG,
-        64 * short: la.FP8_CONFIG,
+    """An FP8 cache takes the tiny-cache config up to FP8_TINY_HEAD_POSITIONS positions (all rows)
+    times KV heads, the short-cache config (fp16 decode) below FP8_SHORT_POSITIONS positions and
+    the e4m3 tensor-core one from there: decided by the cache's shape, so one captured graph keeps
+    one config as lengths grow."""
+    short, tiny = la.FP8_SHORT_POSITIONS, la.FP8_TINY_HEAD_POSITIONS
+    want = {  # (positions, KV heads): config
+        (1, 8): la.FP8_TINY_CONFIG,
+        (tiny // 8, 8): la.FP8_TINY_CONFIG,
+        (tiny // 8 + 1, 8): la.FP8_SHORT_CONFIG,
+        (tiny // 8, 32): la.FP8_SHORT_CONFIG,
+        (short - 1, 8): la.FP8_SHORT_CONFIG,
+        (short, 8): la.FP8_CONFIG,
+        (64 * short, 8): la.FP8_CONFIG,
     }
-    for positions, config in want.items():
-        assert la.default_config(128, torch.bfloat16, fp8=True, positions=positions) == config
+    for (positions, kv_heads), config in want.items():
+        chosen = la.default_config(128, torch.bfloat16, fp8=True, positions=positions, kv_heads=kv_heads)
+        assert chosen == config
     assert la.default_config(128, torch.bfloat16, positions=64 * short) == la.DEFAULT_CONFIG  # bf16: one
     seen = []
     grid_size = la._grid_size
@@ -439,15 +442,16 @@ def test_fp8_config_follows_cache_positions(monkeypatch):
         "_grid_size",
         lambda device, config, num_ctas: seen.append(config) or grid_size(device, config, num_ctas),
     )
-    for s, config in (
-        (tiny // 2, la.FP8_TINY_CONFIG),
+    for s, config in (  # 2 rows x 2 KV heads x s positions
+        (tiny // 4, la.FP8_TINY_CONFIG),
+        (tiny // 4 + 1, la.FP8_SHORT_CONFIG),
         (short // 2 - 1, la.FP8_SHORT_CONFIG),
         (short // 2, la.FP8_CONFIG),
     ):
-        k = torch.zeros(2, 1, s, 64, dtype=torch.float8_e4m3fn)  # 2 rows x s positions
-        scales = torch.ones(2, 1, s)
+        k = torch.zeros(2, 2, s, 64, dtype=torch.float8_e4m3fn)
+        scales = torch.ones(2, 2, s)
         la.lean_attention(
-            torch.randn(2, 1, 64), k, la.to_v_blocked_t(k), torch.tensor([1, 0], dtype=torch.int32), 0.1,
+            torch.randn(2, 2, 64), k, la.to_v_blocked_t(k), torch.tensor([1, 0], dtype=torch.int32), 0.1,
             k_scale=scales, v_scale=scales.clone(),
         )  # fmt: skip
         assert seen[-1] == config
