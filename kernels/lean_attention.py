@@ -123,11 +123,12 @@ DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # the decodes: e4m3 valu
 FP8_CONFIG = LeanConfig(
     block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=2, early_ticket=True, merge_chunk=8
 )
-# Below FP8_SHORT_POSITIONS, each element decoded to fp16 for fp16 dots, 256 positions a tile over
-# 8 warps, one CTA an SM. A CTA holds one or two tiles there, so the step waits on a tile's chain of
-# work more than on bandwidth, and the decode's two dots beat the tensor-core path's five and its
-# q and p splits (decode step at 1k 1.8% faster, at 8k 1.2%, at 4k 0.6% slower, at 12k 0.6% faster;
-# H200, bench/NOTES-attention.md).
+# Below FP8_SHORT_POSITIONS (above the tiny tier, FP8_TINY_CONFIG below), each element decoded to
+# fp16 for fp16 dots, 256 positions a tile over 8 warps, one CTA an SM. A CTA holds one or two
+# tiles there, so the step waits on a tile's chain of work more than on bandwidth, and the
+# decode's two dots beat the tensor-core path's five and its q and p splits (decode step at 1k
+# 1.8% faster, at 8k 1.2%, at 4k 0.6% slower, at 12k 0.6% faster; H200,
+# bench/NOTES-attention.md).
 FP8_SHORT_CONFIG = LeanConfig(
     block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False
 )
