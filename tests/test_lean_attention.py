@@ -255,7 +255,8 @@ MMA_TOL = TOL[torch.bfloat16]
 FP8_VS_UNQUANTIZED = 0.25
 V_BLOCK = la.V_BLOCK
 E4M3_MAX = 0x7E  # 448, finite: what a blocked V cache may hold past a length inside its last block
-# The kernel's two ways to read e4m3, each at the config the runtime runs it with.
+# The kernel's two ways to read e4m3 (the fp16 decode with q made once a segment or every tile,
+# and the e4m3 tensor-core dots), each at the config the runtime runs it with.
 FP8_PATHS = [
     pytest.param(la.FP8_TINY_CONFIG, id="fp16-decode-q-per-tile"),
     pytest.param(la.FP8_SHORT_CONFIG, id="fp16-decode"),
