@@ -68,8 +68,7 @@ def fill(llm: LLM, context: int) -> None:
             else:
                 layer.normal_()
     if cache.dtype == FP8:
-        cache.k_scale.fill_(0.01)
-        cache.v_scale.fill_(0.01)
+        cache.kv_scale.fill_(0.01)
 
 
 @torch.inference_mode()

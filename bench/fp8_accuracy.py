@@ -81,8 +81,7 @@ def fill_speed(llm: LLM, context: int, steps: int) -> None:
     if cache.dtype == FP8:
         for t in (cache.k, cache.v):
             t.view(torch.uint8).random_(0, 0x7E)  # finite positive e4m3 values (0x7F is NaN)
-        cache.k_scale.fill_(0.01)
-        cache.v_scale.fill_(0.01)
+        cache.kv_scale.fill_(0.01)
     else:
         cache.k.normal_()
         cache.v.normal_()

@@ -7,7 +7,15 @@ import triton
 import triton.language as tl
 
 from .e4m3 import round_to_e4m3
-from .quant import FP8_DTYPE, SCALE_FLOOR, V_BLOCK, v_blocks
+from .quant import (
+    FP8_DTYPE,
+    SCALE_FLOOR,
+    V_BLOCK,
+    check_kv_scale,
+    kv_scale_words,
+    static_scale_bf16,
+    v_blocks,
+)
 
 
 @triton.jit
@@ -68,9 +76,9 @@ def _head(Row, head, offs, partner, W, eps, D: tl.constexpr, HAS_NORM: tl.conste
 
 @triton.jit
 def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr, static_scale, STATIC: tl.constexpr):
-    """x [D] float32 -> (uint8 e4m3 bit patterns [D], float32 scale), as kernels/quant.py's
-    quantize_fp8: scale = max(amax / 448, floor) (or `static_scale` when STATIC), e4m3(x / scale)
-    rounded to nearest even.
+    """x [D] float32 -> (uint8 e4m3 bit patterns [D], the scale's bfloat16 bits in the top half of
+    an int32), as kernels/quant.py's quantize_fp8: scale = bf16_ceil(max(amax / 448, floor)) (or
+    `static_scale`, already a bfloat16 value, when STATIC), e4m3(x / scale) rounded to nearest even.
 
     Rounded by e4m3.round_to_e4m3 (float32 and integer ops): the interpreter and any GPU compute
     the same bits."""
@@ -78,8 +86,10 @@ def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr, static_scale, STATIC: tl.conste
         scale = static_scale
     else:
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), SCALE_FLOOR)
+        # bf16_ceil: float32 bits rounded up to their top 16
+        scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-    return round_to_e4m3(y), scale
+    return round_to_e4m3(y), scale.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -91,8 +101,7 @@ def _rope_cache_kernel(
     Q,
     KC,
     VC,
-    KS,
-    VS,
+    KVS,
     QW,
     KW,
     eps,
@@ -117,8 +126,8 @@ def _rope_cache_kernel(
 ):
     # Program (b, h): h < HQ rotates query head h into Q [B, HQ, D]; otherwise KV head h - HQ is
     # rotated (k) and copied (v) into the caches [B, HKV, S, D] at position Pos[b]. FP8: the caches
-    # are uint8 views of e4m3, V blocked [B, HKV, S / V_BLOCK, D, V_BLOCK] (v_stride_*), and each
-    # row's scale goes to KS / VS [B, HKV, S] float32.
+    # are uint8 views of e4m3, V blocked [B, HKV, S / V_BLOCK, D, V_BLOCK] (v_stride_*), and the
+    # K and V rows' bf16 scales go to KVS [B, HKV, S] int32 (K's in the low half, V's in the high).
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, D)
@@ -143,15 +152,14 @@ def _rope_cache_kernel(
         v = tl.load(row + (HQ + HKV + j) * D + offs)
         if FP8:
             # quantize the rows the model-dtype cache would hold (k rounded to qkv's dtype first)
-            k8, k_scale = _quantize_e4m3(k.to(v.dtype).to(tl.float32), SCALE_FLOOR, k_static, STATIC)
-            v8, v_scale = _quantize_e4m3(v.to(tl.float32), SCALE_FLOOR, v_static, STATIC)
+            k8, k_bits = _quantize_e4m3(k.to(v.dtype).to(tl.float32), SCALE_FLOOR, k_static, STATIC)
+            v8, v_bits = _quantize_e4m3(v.to(tl.float32), SCALE_FLOOR, v_static, STATIC)
             tl.store(KC + dst, k8)
             # block pos // V_BLOCK, slot pos % V_BLOCK of each head_dim element (stride V_BLOCK)
             v_blk = (pos // V_BLOCK) * v_stride_blk + offs * V_BLOCK + pos % V_BLOCK
             tl.store(VC + b * v_stride_b + j * v_stride_h + v_blk, v8)
             s_dst = b * scale_stride_b + j * scale_stride_h + pos
-            tl.store(KS + s_dst, k_scale)
-            tl.store(VS + s_dst, v_scale)
+            tl.store(KVS + s_dst, ((k_bits >> 16) & 0xFFFF) | v_bits)  # kv_scale[b, j, pos] = (K, V)
         else:
             tl.store(KC + dst, k.to(KC.dtype.element_ty))
             tl.store(VC + dst, v)
@@ -169,15 +177,13 @@ def rope_and_cache(
     k_norm,
     eps,
     use_pdl,
-    k_scale=None,
-    v_scale=None,
+    kv_scale=None,
     static_scales=None,
 ):
     """Caches [C, Hkv, S, D] with C = B (a row per sequence) or 1 (every sequence writes into the
     one row, at its own `positions`). FP8: k_cache / v_cache float8_e4m3fn, v_cache blocked
-    [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK], and k_scale / v_scale float32 [C, Hkv, S]
-    (kernels/quant.py's scheme, computed here per written row, or the checkpoint's
-    `static_scales` (k, v) floats)."""
+    [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK], and kv_scale [C, Hkv, S, 2] bfloat16 (kernels/quant.py's
+    scheme, computed here per written row, or the checkpoint's `static_scales` (k, v) floats)."""
     B = qkv.shape[0]
     C, Hkv, S, D = k_cache.shape
     if C not in (B, 1):
@@ -191,22 +197,14 @@ def rope_and_cache(
                 f"an FP8 V cache must be blocked [C, Hkv, ceil(S / {V_BLOCK}), D, {V_BLOCK}] = {list(want)} "
                 f"(each block contiguous), got {list(v_cache.shape)}"
             )
-        if k_scale is None or v_scale is None:
-            raise ValueError("an FP8 cache needs k_scale and v_scale ([B, Hkv, S] float32)")
-        if k_scale.shape != (C, Hkv, S) or k_scale.dtype != torch.float32 or k_scale.stride(-1) != 1:
-            raise ValueError(
-                f"k_scale must be [C, Hkv, S] = {[C, Hkv, S]} float32, got {list(k_scale.shape)}"
-            )
-        if (v_scale.shape, v_scale.stride(), v_scale.dtype) != (
-            k_scale.shape,
-            k_scale.stride(),
-            torch.float32,
-        ):
-            raise ValueError("v_scale must match k_scale (shape, dtype, strides)")
+        if kv_scale is None:
+            raise ValueError("an FP8 cache needs kv_scale ([B, Hkv, S, 2] bfloat16)")
+        check_kv_scale(kv_scale, (C, Hkv, S))
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        scale_words = kv_scale_words(kv_scale)  # [C, Hkv, S] int32
     else:
         assert k_cache.stride() == v_cache.stride()
-        k_scale = v_scale = k_cache  # unused pointers
+        scale_words = k_cache  # an unused pointer
     q = torch.empty(B, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
     _rope_cache_kernel[(B, num_heads + Hkv)](
@@ -217,18 +215,17 @@ def rope_and_cache(
         q,
         k_cache,
         v_cache,
-        k_scale,
-        v_scale,
+        scale_words,
         q_norm if has_norm else qkv,
         k_norm if has_norm else qkv,
         eps,
-        *(static_scales or (1.0, 1.0)),  # read only when STATIC
+        *(static_scale_bf16(s) for s in static_scales or (1.0, 1.0)),  # read only when STATIC
         num_heads,
         Hkv,
         k_cache.stride(0) if C == B else 0,  # one shared row: every sequence writes row 0
         k_cache.stride(1),
-        (k_scale.stride(0) if C == B else 0) if fp8 else 0,
-        k_scale.stride(1) if fp8 else 0,
+        (scale_words.stride(0) if C == B else 0) if fp8 else 0,
+        scale_words.stride(1) if fp8 else 0,
         v_cache.stride(0) if C == B else 0,
         v_cache.stride(1),
         v_cache.stride(2),  # FP8: the stride of V's blocks

@@ -233,10 +233,11 @@ def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_ops, row_scale, m_i, l_i, ac
     Hopper's warpgroup MMA needs M >= 64, the group's G query heads fill only N = G_PAD).
 
     k [BLOCK_N, D] and v [D, BLOCK_N] (blocked V: positions contiguous, as the dot's K-major
-    operand needs) are uint8 e4m3 as stored, never decoded. Scores: k . (each of q's three terms,
-    q_ops) with fp32 accumulation, times the K scales and q's factor. P.V: p times v_scale / (the
-    tile's largest), times P_RANGE, split into two e4m3 terms; the tile's largest v_scale / P_RANGE
-    multiplies the fp32 result. fp32 softmax and fp32 accumulation across tiles, as in the fp16 paths."""
+    operand needs) are uint8 e4m3 as stored, never decoded; k_scale, v_scale [BLOCK_N] float32.
+    Scores: k . (each of q's three terms, q_ops) with fp32 accumulation, times the K scales and
+    q's factor. P.V: p times v_scale / (the tile's largest), times P_RANGE, split into two e4m3
+    terms; the tile's largest v_scale / P_RANGE multiplies the fp32 result. fp32 softmax and fp32
+    accumulation across tiles, as in the fp16 paths."""
     k8 = k.to(tl.float8e4nv, bitcast=True)
     q_hi, q_mid, q_lo = q_ops
     # Hopper's e4m3 tensor cores accumulate with less than fp32 precision (about 14 bits kept),
@@ -267,6 +268,17 @@ def _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK: tl.
     return tl.load(
         v_h + (n0 // V_BLOCK) * stride_vn + offs_v, mask=(n0 + v_block_lo < length)[None, :], other=0.0
     )
+
+
+@triton.jit
+def _load_scales(KVScale, offs, valid):
+    """The K and V scales [BLOCK_N] float32 of positions `offs` (0 where not valid). KVScale: the
+    cache's kv_scale [..., 2] bfloat16 as int32 words, K's scale in the low 16 bits and V's in the
+    high 16: one 4-byte load per position, which Triton pipelines as an asynchronous copy (two
+    2-byte loads it cannot, and the tile loop would wait on them), and a bf16 pattern moved to the
+    top of a float32 is that float32 exactly."""
+    word = tl.load(KVScale + offs, mask=valid, other=0)
+    return (word << 16).to(tl.float32, bitcast=True), (word & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -443,8 +455,7 @@ def _lean_decode_kernel(
     Q,  # [B, Hq, D]
     K,  # [B, Hkv, S, D], last dim contiguous (FP8: the uint8 view of the e4m3 cache)
     V,  # [B, Hkv, S, D]; V_BLOCK > 0: [B, Hkv, S / V_BLOCK, D, V_BLOCK], positions contiguous
-    KScale,  # FP8: [B, Hkv, S] float32, last dim contiguous, K row = e4m3 row * scale
-    VScale,  # FP8: [B, Hkv, S] float32
+    KVScale,  # FP8: [B, Hkv, S] int32, last dim contiguous: the bf16 K (low half) and V scales
     Out,  # [B, Hq, D]
     Lse,  # [B, Hq] float32, contiguous: log-sum-exp of the scaled scores, natural log (WRITE_LSE)
     Lengths,  # [B] int32
@@ -565,8 +576,7 @@ def _lean_decode_kernel(
                     n0 = (t - seg_lo) * BLOCK_N
                     valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
                     k = tl.load(k_h + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0)
-                    k_scale = tl.load(KScale + s_h + n0 + offs_n, mask=valid, other=0.0)
-                    v_scale = tl.load(VScale + s_h + n0 + offs_n, mask=valid, other=0.0)
+                    k_scale, v_scale = _load_scales(KVScale + s_h + n0, offs_n, valid)
                     v = _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK)
                     # fmt: off
                     m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, (q_hi, q_mid, q_lo),
@@ -617,7 +627,7 @@ def _lean_decode_kernel(
                     # fp16 dot of the dequantized values (e4m3 / UNIT) with q's pre-scaled operand
                     # (_fp8_query); its undoing factor and the per-position K scale multiply the
                     # [G_PAD, BLOCK_N] score tile, not the K elements.
-                    k_scale = tl.load(KScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
+                    k_scale, v_scale = _load_scales(KVScale + s_b + h * stride_sh + n0, offs_n, valid)
                     qk = tl.dot(q_h, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
                     qk = qk * row_scale[:, None] * k_scale[None, :]
                 qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -644,7 +654,6 @@ def _lean_decode_kernel(
                     # that p stays in [0, 1] in fp16; that largest scale (and UNIT) multiplies the
                     # tile's fp32 result. fp32 accumulation across tiles, never fp16/fp8. V is
                     # blocked: the B operand [BLOCK_N, HEAD_DIM] has its reduction axis contiguous.
-                    v_scale = tl.load(VScale + s_b + h * stride_sh + n0 + offs_n, mask=valid, other=0.0)
                     v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
                     p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
                     pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))  # [G_PAD, HEAD_DIM] fp32
@@ -730,8 +739,7 @@ def lean_attention(
     lengths: torch.Tensor,  # [B] int32 on q's device, 0 <= starts[b] + lengths[b] <= S
     scale: float,
     *,
-    k_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32, with a float8_e4m3fn cache
-    v_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32
+    kv_scale: torch.Tensor | None = None,  # [C, Hkv, S, 2] bfloat16 (K, V), with a float8_e4m3fn cache
     starts: torch.Tensor | None = None,  # [B] int64: where sequence b's positions begin (default 0)
     num_ctas: int | None = None,
     config: LeanConfig | None = None,
@@ -745,7 +753,7 @@ def lean_attention(
     costs nothing and its output row is left unwritten (an idle batch slot).
 
     K/V share q's dtype (fp16 / bf16 / fp32), or are float8_e4m3fn with per-(sequence, KV head,
-    position) float32 scales `k_scale` / `v_scale` (kernels/quant.py: row = e4m3 row * scale) and
+    position) scales `kv_scale` (bfloat16, K's then V's; kernels/quant.py: row = e4m3 row * scale) and
     V in the blocked, transposed layout of to_v_blocked_t (see V_BLOCK). An FP8 cache is read by
     e4m3 tensor-core dots or decoded to fp16 in registers, as the config says (config.fp8_mma);
     softmax and accumulation stay in fp32 either way. The caller's contract for an FP8 cache:
@@ -782,16 +790,9 @@ def lean_attention(
             f"K and V must share q's dtype or be float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}"
         )
     if fp8:
-        if k_scale is None or v_scale is None:
-            raise ValueError("an FP8 (float8_e4m3fn) cache needs k_scale and v_scale ([B, Hkv, S] float32)")
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s.shape != (C, Hkv, S) or s.dtype != torch.float32 or s.stride(-1) != 1:
-                raise ValueError(
-                    f"{name} must be [C, Hkv, S] = {[C, Hkv, S]} float32 with a contiguous last dim, "
-                    f"got {list(s.shape)} {s.dtype}"
-                )
-        if k_scale.stride() != v_scale.stride():
-            raise ValueError("k_scale and v_scale must have the same strides")
+        if kv_scale is None:
+            raise ValueError("an FP8 (float8_e4m3fn) cache needs kv_scale ([B, Hkv, S, 2] bfloat16)")
+        quant.check_kv_scale(kv_scale, (C, Hkv, S))
         want = [C, Hkv, -(-S // V_BLOCK), D, V_BLOCK]
         if list(v_cache.shape) != want:
             raise ValueError(
@@ -800,8 +801,8 @@ def lean_attention(
             )
         if starts is not None and starts.device.type == "cpu" and bool((starts % V_BLOCK).ne(0).any()):
             raise ValueError(f"with an FP8 cache every start must be a multiple of {V_BLOCK}")
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale / v_scale are for a float8_e4m3fn cache, not {k_cache.dtype}")
+    elif kv_scale is not None:
+        raise ValueError(f"kv_scale is for a float8_e4m3fn cache, not {k_cache.dtype}")
     if lengths.shape != (B,):
         raise ValueError(f"lengths must be [B] = [{B}], got {tuple(lengths.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -834,15 +835,15 @@ def lean_attention(
             dequant = DEQUANT_MMA
         else:  # the interpreter has no float8 casts: the integer decode stands in for the hardware's
             dequant = DEQUANT_CVT if q.device.type == "cuda" else DEQUANT_BITS
+        scale_words = quant.kv_scale_words(kv_scale)  # [C, Hkv, S] int32
     else:
-        k_scale = v_scale = k_cache  # unused pointers
+        scale_words = k_cache  # an unused pointer
         dequant = DEQUANT_NONE
     _lean_decode_kernel[(grid,)](
         q,
         k_cache,
         v_cache,
-        k_scale,
-        v_scale,
+        scale_words,
         out,
         out if lse is None else lse,  # unused pointer without lse
         lengths,
@@ -863,8 +864,8 @@ def lean_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         v_cache.stride(3) if fp8 else 0,
-        (k_scale.stride(0) if C == B else 0) if fp8 else 0,
-        k_scale.stride(1) if fp8 else 0,
+        (scale_words.stride(0) if C == B else 0) if fp8 else 0,
+        scale_words.stride(1) if fp8 else 0,
         out.stride(0),
         out.stride(1),
         BLOCK_B=triton.next_power_of_2(B),

@@ -14,7 +14,8 @@ gate_up_silu      x [B, K], gate/up [2 I, K] -> silu(gate) * up [B, I]   gemv / 
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
 An FP8 (float8_e4m3fn) cache stores V blocked, [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
-(kernels/quant.py's layout; K and the scales as usual).
+(kernels/quant.py's layout; K as usual), and the K and V scales of each (token, head) side by
+side, kv_scale [C, Hkv, S, 2] bfloat16.
 
 The twins round as transformers does and run on the CPU (and serve as the tests' reference).
 `triton=None` picks the Triton path for CUDA tensors; tests pass triton=True to run it on CPU
@@ -118,8 +119,7 @@ def rope_and_cache(
     eps: float = 1e-6,
     triton: bool | None = None,
     pdl: bool = False,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
     static_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """One new token per sequence.
@@ -131,8 +131,8 @@ def rope_and_cache(
     float32 math), writes k and v at each sequence's position, and returns q [B, Hq, D].
 
     FP8 cache (float8_e4m3fn): the rows written are quantize_fp8 of the model-dtype k and v, their
-    scales go to k_scale / v_scale [C, Hkv, S] float32; `static_scales` (k, v) are a checkpoint's
-    calibrated scales, used instead of each row's own. v_cache is blocked there,
+    scales go to kv_scale [C, Hkv, S, 2] bfloat16 (K's, V's); `static_scales` (k, v) are a
+    checkpoint's calibrated scales, used instead of each row's own. v_cache is blocked there,
     [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]: position p's row goes to block p // V_BLOCK, slot
     p % V_BLOCK of each head_dim element (kernels/quant.py).
     """
@@ -141,7 +141,7 @@ def rope_and_cache(
 
         return fused_triton.rope_and_cache(
             qkv, cos, sin, positions, k_cache, v_cache, num_heads, q_norm, k_norm, eps, _pdl(qkv, pdl),
-            k_scale, v_scale, static_scales,
+            kv_scale, static_scales,
         )  # fmt: skip
     B = qkv.shape[0]
     Hkv, D = k_cache.shape[1], k_cache.shape[3]
@@ -153,10 +153,9 @@ def rope_and_cache(
     # index_put with device-side positions: no host sync, safe inside a CUDA graph.
     if k_cache.dtype == FP8_DTYPE:
         k_static, v_static = static_scales or (None, None)
-        k, k_row_scale = quantize_fp8(k, k_static)  # [B, Hkv, D] e4m3, [B, Hkv] float32
+        k, k_row_scale = quantize_fp8(k, k_static)  # [B, Hkv, D] e4m3, [B, Hkv] bfloat16
         v, v_row_scale = quantize_fp8(v, v_static)
-        k_scale[batch, :, positions] = k_row_scale
-        v_scale[batch, :, positions] = v_row_scale
+        kv_scale[batch, :, positions] = torch.stack((k_row_scale, v_row_scale), -1)  # [B, Hkv, 2]
         k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))  # index_put: no fp8
         v_cache[batch, :, positions // V_BLOCK, :, positions % V_BLOCK] = v  # [B, Hkv, D] into the blocks
     else:
@@ -183,8 +182,7 @@ def decode_attention(
     scale: float,
     triton: bool | None = None,
     pdl: bool = False,
-    k_scale: torch.Tensor | None = None,  # [C, Hkv, S] float32, with a float8_e4m3fn cache
-    v_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,  # [C, Hkv, S, 2] bfloat16 (K, V), with an FP8 cache
     starts: torch.Tensor | None = None,  # [B] int64: first position of each sequence (default 0)
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] (, lse [B, Hq] float32)
@@ -205,7 +203,7 @@ def decode_attention(
 
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         out = lean_attention(
-            q, k_cache, v_cache, lengths, scale, k_scale=k_scale, v_scale=v_scale, starts=starts,
+            q, k_cache, v_cache, lengths, scale, kv_scale=kv_scale, starts=starts,
             use_pdl=_pdl(q, pdl), lse=lse,
         )  # fmt: skip
         return (out, lse) if return_lse else out
@@ -218,9 +216,10 @@ def decode_attention(
         row, span = b if k_cache.shape[0] > 1 else 0, slice(first, first + n)
         k = k_cache[row : row + 1, :, span]  # [1, Hkv, n, D]
         if k_cache.dtype == FP8_DTYPE:  # float32 values of the valid positions, V from its blocks
-            k = dequantize_fp8(k, k_scale[row : row + 1, :, span])
+            scales = kv_scale[row : row + 1, :, span]  # [1, Hkv, n, 2]
+            k = dequantize_fp8(k, scales[..., 0])
             v = read_v_rows(v_cache[row : row + 1], first, first + n)  # [1, Hkv, n, D] e4m3
-            v = dequantize_fp8(v, v_scale[row : row + 1, :, span])
+            v = dequantize_fp8(v, scales[..., 1])
         else:
             v = v_cache[row : row + 1, :, span]
         length = torch.tensor([n], device=lengths.device)

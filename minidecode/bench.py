@@ -36,7 +36,7 @@ FORMULA = (
     "bytes per decode step = (all weights - embedding table + one embedding row) * dtype bytes "
     "[tied lm_head: all weights, the table counted once, as lm_head] "
     "+ KV bytes per token * context (the step's attention length; an fp8_e4m3 cache: 1 byte per "
-    "K/V element plus a 4-byte float32 scale per token, KV head and K or V); "
+    "K/V element plus a 2-byte bfloat16 scale per token, KV head and K or V); "
     "roofline tok/s = read ceiling / bytes per step"
 )
 PEERS = {

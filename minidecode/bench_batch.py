@@ -123,9 +123,7 @@ def padded_flash_attention(smax: int) -> Iterator[None]:
     to smax positions (stride-0 batch view of the first smax positions of the cache row)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def attend(
-        q, k_cache, v_cache, lengths, scale, triton=None, pdl=False, k_scale=None, v_scale=None, starts=None
-    ):
+    def attend(q, k_cache, v_cache, lengths, scale, triton=None, pdl=False, kv_scale=None, starts=None):
         B, Hq, D = q.shape
         Hkv = k_cache.shape[1]
         k = k_cache[:1, :, :smax].expand(B, -1, -1, -1)  # [B, Hkv, smax, D]

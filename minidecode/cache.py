@@ -1,6 +1,7 @@
 """One contiguous, preallocated KV cache for all layers, sized to the request: in the model's
-dtype, or FP8 (e4m3) with a float32 scale per (token, KV head) (kernels/quant.py's scheme), its V
-stored blocked (kernels/quant.py's layout, the one the lean decode kernel reads fastest)."""
+dtype, or FP8 (e4m3) with a bfloat16 scale per (token, KV head) for K and for V (kernels/quant.py's
+scheme), its V stored blocked (kernels/quant.py's layout, the one the lean decode kernel reads
+fastest)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,26 @@ from typing import NamedTuple
 
 import torch
 
-from minidecode.kernels.quant import V_BLOCK, v_blocks
+from minidecode.kernels.quant import SCALE_DTYPE, V_BLOCK, v_blocks
 
 FP8 = torch.float8_e4m3fn
-SCALE_BYTES = 4  # one float32 scale per (token, KV head), for K and for V
+SCALE_BYTES = SCALE_DTYPE.itemsize  # one bfloat16 scale per (token, KV head), for K and for V
 
 
 class LayerKV(NamedTuple):
     """One layer's cache, as the ops take it: k, v [B, Hkv, S, D]; with an FP8 cache v is blocked,
-    [B, Hkv, ceil(S / V_BLOCK), D, V_BLOCK], and k_scale and v_scale are [B, Hkv, S] float32
-    (row = e4m3 row * scale), else None."""
+    [B, Hkv, ceil(S / V_BLOCK), D, V_BLOCK], and kv_scale is [B, Hkv, S, 2] bfloat16, K's scale then
+    V's (row = e4m3 row * scale), else None."""
 
     k: torch.Tensor
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
+    kv_scale: torch.Tensor | None = None
 
 
 class KVCache:
     """K and V for every layer in two allocations, `[layers, B, Hkv, S, D]` each (plus, for an
-    FP8 cache, k_scale / v_scale `[layers, B, Hkv, S]` float32).
+    FP8 cache, kv_scale `[layers, B, Hkv, S, 2]` bfloat16: each position's K and V scales side by
+    side, which the decode kernel loads as one 32-bit word).
 
     Heads-major per sequence, so the positions of one (sequence, KV head) are one contiguous
     run of S x D elements: the decode kernel streams them with no gather, and prefill's SDPA
@@ -53,12 +54,11 @@ class KVCache:
     ):
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.k_scale = self.v_scale = None
+        self.kv_scale = None
         if dtype == FP8:
             v_shape = (*shape[:3], v_blocks(max_len), head_dim, V_BLOCK)
             self.v = torch.zeros(v_shape, dtype=dtype, device=device)
-            self.k_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device)
-            self.v_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device)
+            self.kv_scale = torch.empty((*shape[:-1], 2), dtype=SCALE_DTYPE, device=device)
         else:
             self.v = torch.empty(shape, dtype=dtype, device=device)
         self.max_len = max_len
@@ -97,23 +97,23 @@ class KVCache:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by name, each with positions on dim 3 (save/load walk these): k, v,
-        and k_scale, v_scale for an FP8 cache, whose v has blocks of V_BLOCK positions on dim 3
+        and kv_scale for an FP8 cache, whose v has blocks of V_BLOCK positions on dim 3
         (entries(): how many hold a given count of positions)."""
         named = {"k": self.k, "v": self.v}
-        if self.k_scale is not None:
-            named |= {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if self.kv_scale is not None:
+            named["kv_scale"] = self.kv_scale
         return named
 
     def entries(self, length: int) -> dict[str, int]:
         """How many of each stored tensor's dim-3 entries hold positions 0..length-1: `length`, or
         for an FP8 cache's v its ceil(length / V_BLOCK) blocks."""
-        blocked = self.k_scale is not None
+        blocked = self.kv_scale is not None
         return {name: v_blocks(length) if blocked and name == "v" else length for name in self.tensors()}
 
     def layer(self, i: int) -> LayerKV:
-        if self.k_scale is None:
+        if self.kv_scale is None:
             return LayerKV(self.k[i], self.v[i])  # each [B, Hkv, S, D]
-        return LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])  # v blocked
+        return LayerKV(self.k[i], self.v[i], self.kv_scale[i])  # v blocked
 
     def region(self, start: int, length: int) -> KVCache:
         """Positions start..start+length-1 as a cache of their own (views, no copy): a batch's
@@ -127,8 +127,8 @@ class KVCache:
         first, count = self.entries(start), self.entries(length)  # start: whole blocks, exact
         for name, t in self.tensors().items():
             setattr(view, name, t[:, :, :, first[name] : first[name] + count[name]])
-        if self.k_scale is None:
-            view.k_scale = view.v_scale = None
+        if self.kv_scale is None:
+            view.kv_scale = None
         view.max_len = length
         return view
 

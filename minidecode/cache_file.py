@@ -30,11 +30,12 @@ from torch import nn
 from .errors import UserError
 
 FORMAT = "minidecode.kv-cache"
-# 2: an FP8 cache's V is stored blocked. A format-1 FP8 file (V by position) is refused, not
-# converted: it is a cache, which a prefill makes again. Format-1 files of other cache dtypes hold
-# exactly format 2's layout and load as they are.
-FORMAT_VERSION = 2
-FP8_BLOCKED_SINCE = 2
+# 2: an FP8 cache's V is stored blocked. 3: an FP8 cache's scales are bfloat16, K's and V's side
+# by side in one tensor (kv_scale; format 2 had float32 k_scale and v_scale). An FP8 file of an
+# earlier format is refused, not converted: it is a cache, which a prefill makes again. Files of
+# other cache dtypes hold the same layout in every format and load as they are.
+FORMAT_VERSION = 3
+FP8_LAYOUT_SINCE = 3
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 ST_DTYPES = {
     torch.float32: "F32",
@@ -206,9 +207,9 @@ def open_cache_file(path: Path, identity: dict[str, str], layout: Layout) -> Cac
             for key, why in IDENTITY_ERRORS.items():
                 if meta.get(key) != identity[key]:
                     raise bad(why.format(found=meta.get(key), expected=identity[key]))
-            if version < FP8_BLOCKED_SINCE and identity["cache_dtype"] == "float8_e4m3fn":
+            if version < FP8_LAYOUT_SINCE and identity["cache_dtype"] == "float8_e4m3fn":
                 raise bad(
-                    f"holds an FP8 cache in format {version}, whose V layout this minidecode no longer "
+                    f"holds an FP8 cache in format {version}, whose layout this minidecode no longer "
                     "reads: prefill the prompt again and save a new cache file"
                 )
             length = int(meta["length"])

@@ -306,7 +306,7 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Cache bytes of one position, all layers (FP8: e4m3 rows plus their float32 scales)."""
+        """Cache bytes of one position, all layers (FP8: e4m3 rows plus their bfloat16 scales)."""
         cfg = self.config
         return KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
 

@@ -97,15 +97,15 @@ class Attention(nn.Module):
         starts [B] int64: where each sequence's region begins in a cache of one shared row (kv
         [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
         B = x.shape[0]
-        k_cache, v_cache, k_scale, v_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S]
+        k_cache, v_cache, kv_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S, 2]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         q = ops.rope_and_cache(
             qkv, cos, sin, written, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
-            k_scale=k_scale, v_scale=v_scale, static_scales=self.kv_static_scales,
+            kv_scale=kv_scale, static_scales=self.kv_static_scales,
         )  # fmt: skip
         out = self.attend(
-            q, k_cache, v_cache, lengths, self.scale, pdl=pdl, k_scale=k_scale, v_scale=v_scale, starts=starts
+            q, k_cache, v_cache, lengths, self.scale, pdl=pdl, kv_scale=kv_scale, starts=starts
         )  # [B, Hq, D]
         self.o_proj.add_to(x, out.view(B, -1), pdl)
 
@@ -222,7 +222,7 @@ class Transformer(nn.Module):
         seq_len = torch.tensor(start + T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
         q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
-        quantized = cache.k_scale is not None
+        quantized = cache.kv_scale is not None
         if quantized:  # one layer's K and V, [B, Hkv, start + T, D] each, reused by every layer
             shape = (B, cfg.num_kv_heads, start + T, D)
             staging = [torch.empty(shape, dtype=x.dtype, device=x.device) for _ in "kv"]
@@ -325,8 +325,8 @@ def _quantize_into(
     k_static, v_static = static_scales or (None, None)
     for s in range(start, end, chunk):
         e = min(s + chunk, end)
-        kv.k[:, :, s:e], kv.k_scale[:, :, s:e] = quantize_fp8(k_stage[:, :, s:e], k_static)
-        v8, kv.v_scale[:, :, s:e] = quantize_fp8(v_stage[:, :, s:e], v_static)  # [B, Hkv, e - s, D]
+        kv.k[:, :, s:e], kv.kv_scale[:, :, s:e, 0] = quantize_fp8(k_stage[:, :, s:e], k_static)
+        v8, kv.kv_scale[:, :, s:e, 1] = quantize_fp8(v_stage[:, :, s:e], v_static)  # [B, Hkv, e - s, D]
         write_v_rows(kv.v, s, v8)
 
 
@@ -335,8 +335,8 @@ def _dequantize_prefix(kv: LayerKV, staging: list[torch.Tensor], start: int, chu
     k_stage, v_stage = staging
     for s in range(0, start, chunk):
         e = min(s + chunk, start)
-        k_stage[:, :, s:e] = dequantize_fp8(kv.k[:, :, s:e], kv.k_scale[:, :, s:e], k_stage.dtype)
-        v_stage[:, :, s:e] = dequantize_fp8(read_v_rows(kv.v, s, e), kv.v_scale[:, :, s:e], v_stage.dtype)
+        k_stage[:, :, s:e] = dequantize_fp8(kv.k[:, :, s:e], kv.kv_scale[:, :, s:e, 0], k_stage.dtype)
+        v_stage[:, :, s:e] = dequantize_fp8(read_v_rows(kv.v, s, e), kv.kv_scale[:, :, s:e, 1], v_stage.dtype)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -199,7 +199,7 @@ class ParallelTransformer(Transformer):
         seq_len = torch.tensor(T, device=tokens.device)
         x = self.model.embed_tokens(tokens[:, lo : lo + n])  # [B, n, hidden]: our rows' residual stream
         q_all = torch.empty(B, cfg.num_heads, n, D, dtype=x.dtype, device=x.device)
-        quantized = cache.k_scale is not None
+        quantized = cache.kv_scale is not None
         if quantized:  # our range's K and V in the model dtype; quantized into the cache after attention
             staging = [torch.empty(B, cfg.num_kv_heads, n, D, dtype=x.dtype, device=x.device) for _ in "kv"]
         for i, layer in enumerate(self.model.layers):

@@ -74,10 +74,11 @@ def counters_zero() -> bool:
 
 def run_lean(q, k, v, lengths, scale, num_ctas=None, **kw):
     """Run into a NaN-poisoned output, then check it is fully written and the counters are zero.
-    An FP8 cache's V (e4m3, scale) in K's layout goes to the kernel blocked (blocked_v)."""
+    An FP8 cache's V (e4m3, scale) in K's layout goes to the kernel blocked (blocked_v), its K and V
+    scales side by side (kv_scale)."""
     if isinstance(k, tuple):
-        (k, kw["k_scale"]), (v, kw["v_scale"]) = k, v
-        v = blocked_v(v, lengths.tolist())
+        (k, k_scale), (v, v_scale) = k, v
+        v, kw["kv_scale"] = blocked_v(v, lengths.tolist()), torch.stack((k_scale, v_scale), -1)
     out = torch.full_like(q, float("nan"))
     la.lean_attention(q, k, v, lengths, scale, num_ctas=num_ctas, out=out, **kw)
     assert not out.isnan().any(), "output not fully written (or NaN computed)"
@@ -450,10 +451,10 @@ def test_fp8_config_follows_cache_positions(monkeypatch):
         (short // 2, la.FP8_CONFIG),
     ):
         k = torch.zeros(2, 2, s, 64, dtype=torch.float8_e4m3fn)
-        scales = torch.ones(2, 2, s)
+        scales = torch.ones(2, 2, s, 2, dtype=torch.bfloat16)
         la.lean_attention(
             torch.randn(2, 2, 64), k, la.to_v_blocked_t(k), torch.tensor([1, 0], dtype=torch.int32), 0.1,
-            k_scale=scales, v_scale=scales.clone(),
+            kv_scale=scales,
         )  # fmt: skip
         assert seen[-1] == config
 
@@ -462,13 +463,14 @@ def test_fp8_config_follows_cache_positions(monkeypatch):
 def test_fp8_rejects_bad_input(device):
     q, (k8, ks), (v8, vs), lens, (k, v) = make_inputs(device, [70], 4, 2, fp8=True)
     vt = la.to_v_blocked_t(v8)
-    kw = {"k_scale": ks, "v_scale": vs}
-    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+    kv_scale = torch.stack((ks, vs), -1)  # [1, 2, S, 2]
+    kw = {"kv_scale": kv_scale}
+    with pytest.raises(ValueError, match="needs kv_scale"):
         la.lean_attention(q, k8, vt, lens, 0.1)
-    with pytest.raises(ValueError, match=r"k_scale must be \[C, Hkv, S\]"):
-        la.lean_attention(q, k8, vt, lens, 0.1, k_scale=ks[:, :1], v_scale=vs)
-    with pytest.raises(ValueError, match="v_scale must be"):
-        la.lean_attention(q, k8, vt, lens, 0.1, k_scale=ks, v_scale=vs.half())
+    S = k8.shape[2]
+    for bad in (kv_scale[:, :1], kv_scale.float(), torch.stack((ks, vs), 0).permute(1, 2, 3, 0)):
+        with pytest.raises(ValueError, match=rf"kv_scale must be \[1, 2, {S}, 2\] bfloat16 with contiguous"):
+            la.lean_attention(q, k8, vt, lens, 0.1, kv_scale=bad)
     with pytest.raises(ValueError, match="q must be"):
         la.lean_attention(q.to(torch.float8_e4m3fn), k8, vt, lens, 0.1, **kw)
     with pytest.raises(ValueError, match="for a float8_e4m3fn cache"):
@@ -502,7 +504,10 @@ def test_cuda_graph_growing_context(start, fp8):
     gen = torch.Generator(device="cuda").manual_seed(start)  # the new tokens' K/V and each step's q
     inputs = make_inputs("cuda", lengths, 32, 8, 128, torch.bfloat16, slack=steps + 1, fp8=fp8)
     q, k, v, lens = inputs[:4]
-    kw = {"k_scale": k[1], "v_scale": v[1]} if fp8 else {}
+    kw = {}
+    if fp8:  # the kernel reads kv_scale; the reference reads its K and V columns (views)
+        kw["kv_scale"] = torch.stack((k[1], v[1]), -1)
+        k, v = (k[0], kw["kv_scale"][..., 0]), (v[0], kw["kv_scale"][..., 1])
     kc, vc = (k[0], blocked_v(v[0], lengths)) if fp8 else (k, v)
     out = torch.empty_like(q)
     la.lean_attention(q, kc, vc, lens, 128**-0.5, out=out, **kw)  # eager: compile, allocate workspace
@@ -593,11 +598,11 @@ def test_fp8_regions_of_one_shared_row(device, config):
     v_row = pack_regions(v8.view(torch.uint8), lengths, gaps)[0]
     for s, n in zip(starts.tolist(), lengths, strict=True):
         v_row[:, :, s + n : -(-(s + n) // V_BLOCK) * V_BLOCK] = E4M3_MAX
-    k_scale, v_scale = pack_regions(ks, lengths, gaps)[0], pack_regions(vs, lengths, gaps)[0]
+    kv_scale = pack_regions(torch.stack((ks, vs), -1), lengths, gaps)[0]  # [1, Hkv, P, 2]
     vt_row = la.to_v_blocked_t(v_row.view(v8.dtype))
     out = torch.full_like(q, float("nan"))
     la.lean_attention(
-        q, k_row.view(k8.dtype), vt_row, lens, 64**-0.5, k_scale=k_scale, v_scale=v_scale,
+        q, k_row.view(k8.dtype), vt_row, lens, 64**-0.5, kv_scale=kv_scale,
         starts=starts, num_ctas=5, out=out, config=config,
     )  # fmt: skip
     assert counters_zero()

@@ -176,7 +176,7 @@ def test_cache_file_is_safetensors_of_the_valid_positions(saved):
     path, ids, k = saved
     with safe_open(path, "pt") as f:
         meta = f.metadata()
-        assert meta["format_version"] == "2" and meta["cache_dtype"] == "float32"
+        assert meta["format_version"] == "3" and meta["cache_dtype"] == "float32"
         assert int(meta["length"]) == len(ids) and len(meta["config_sha256"]) == 64
         assert f.get_tensor("token_ids").tolist() == ids
         assert torch.equal(f.get_tensor("k"), k)
@@ -389,16 +389,17 @@ def test_fp8_cache_file_holds_v_blocks_and_loads_them_exactly(model_dir, tmp_pat
     for count in (n, 100):
         target = fresh.engine._new_cache(400)
         read_cache_file(fresh.engine.loaded, target.region(0, count).tensors())
-        for name in ("k", "k_scale", "v_scale"):
+        for name in ("k", "kv_scale"):
             got, want = (getattr(c, name)[:, :, :, :count] for c in (target, cache))
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
         got, want = (read_v_rows(c.v, 0, count) for c in (target, cache))
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_format_1_fp8_cache_file_is_refused_other_dtypes_load(model_dir, saved, tmp_path):
-    """Format 1 stored an FP8 cache's V by position: such a file is refused in one line (a cache
-    is made again by a prefill); a format-1 file of another dtype has today's layout and loads."""
+def test_older_fp8_cache_files_are_refused_other_dtypes_load(model_dir, saved, tmp_path):
+    """Format 1 stored an FP8 cache's V by position, format 2 its scales as float32 k_scale and
+    v_scale: such a file is refused in one line (a cache is made again by a prefill); a format-1
+    file of another dtype has today's layout and loads."""
     llm = load(model_dir, kv_cache_dtype="fp8")
     greedy(llm, DOC, max_context=400)
     cache, n = llm.engine.cache, len(llm.engine.cached_ids)
@@ -413,9 +414,14 @@ def test_format_1_fp8_cache_file_is_refused_other_dtypes_load(model_dir, saved, 
     with pytest.raises(UserError) as refused:
         load(model_dir, kv_cache_dtype="fp8").load_cache(old)
     assert str(refused.value) == (
-        f"cache file {old} holds an FP8 cache in format 1, whose V layout this minidecode no longer "
+        f"cache file {old} holds an FP8 cache in format 1, whose layout this minidecode no longer "
         "reads: prefill the prompt again and save a new cache file"
     )
+    format_2 = tmp_path / "fp8-v2.cache"
+    rewrite_header(written, format_2, lambda h: h["__metadata__"].update(format_version="2"))
+    with pytest.raises(UserError, match="holds an FP8 cache in format 2, whose layout this minidecode no"):
+        load(model_dir, kv_cache_dtype="fp8").load_cache(format_2)
+    assert load(model_dir, kv_cache_dtype="fp8").load_cache(written) == n  # today's format loads
     plain_old = tmp_path / "float32-v1.cache"
     rewrite_header(saved[0], plain_old, lambda h: h["__metadata__"].update(format_version="1"))
     assert load(model_dir).load_cache(plain_old) == len(saved[1])

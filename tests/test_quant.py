@@ -11,6 +11,7 @@ from minidecode.kernels.quant import (
     FP8_MAX,
     SCALE_FLOOR,
     V_BLOCK,
+    bf16_ceil,
     dequantize_fp8,
     quantize_fp8,
     read_v_rows,
@@ -31,10 +32,12 @@ def test_quantize_per_token_and_head():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 64, generator=gen) * torch.logspace(-3, 3, 5)[:, None]  # rows of any size
     x8, scale = quantize_fp8(x)
-    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (2, 3, 5) and scale.dtype == torch.float32
-    # the largest |x| of each row lands on 448: nothing saturates, the full range is used
-    torch.testing.assert_close(x8.float().abs().amax(-1), torch.full_like(scale, FP8_MAX))
-    torch.testing.assert_close(scale.double(), x.double().abs().amax(-1) / FP8_MAX, rtol=1e-6, atol=0)
+    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (2, 3, 5) and scale.dtype == torch.bfloat16
+    # the scale is amax / 448 rounded up to bfloat16 (float64 math): nothing saturates, and the
+    # largest |x| of each row, within 2^-7 below 448, still rounds to 448: the full range is used
+    exact = x.double().abs().amax(-1) / FP8_MAX
+    assert (scale.double() >= exact).all() and (scale.double() < exact * (1 + 2**-7)).all()
+    torch.testing.assert_close(x8.float().abs().amax(-1), torch.full(scale.shape, FP8_MAX))
     # each element is the e4m3 value nearest x / scale (float64 search over the whole grid)
     grid = e4m3_grid()
     y = (x.double() / scale.double()[..., None]).flatten()
@@ -50,7 +53,7 @@ def test_zero_rows_and_floor():
     x = torch.zeros(4, 128)
     x[1, 3] = 1e-35
     x8, scale = quantize_fp8(x)
-    assert torch.equal(scale[[0, 2, 3]], torch.full((3,), SCALE_FLOOR))
+    assert torch.equal(scale[[0, 2, 3]], bf16_ceil(torch.full((3,), SCALE_FLOOR)))
     assert x8.float().isfinite().all() and dequantize_fp8(x8, scale).isfinite().all()
     assert x8[0].float().eq(0).all()
 
@@ -58,11 +61,27 @@ def test_zero_rows_and_floor():
 def test_static_scale_saturates():
     x = torch.tensor([[0.5, -1.0, 10.0, -1000.0]])
     x8, scale = quantize_fp8(x, static_scale=0.5)
-    assert torch.equal(scale, torch.tensor([0.5]))
+    assert torch.equal(scale.float(), torch.tensor([0.5]))
     # 10 / 0.5 = 20 is on the grid; -1000 / 0.5 = -2000 is beyond 448 and clamps
     assert x8.float().tolist() == [[1.0, -2.0, 20.0, -FP8_MAX]]
+    # a scale between bfloat16 values is rounded up (at most 2^-7 larger): never more saturation
+    _, scale = quantize_fp8(x, static_scale=0.03)
+    assert scale.dtype == torch.bfloat16 and 0.03 <= scale.item() < 0.03 * (1 + 2**-7)
     with pytest.raises(ValueError, match="positive"):
         quantize_fp8(x, static_scale=0.0)
+
+
+def test_bf16_ceil_is_the_smallest_bfloat16_not_below():
+    """bf16_ceil against float64 math over every bfloat16 neighbourhood it can land in: the result
+    is a bfloat16 >= x, and the next bfloat16 below it is < x."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.cat((torch.rand(5000, generator=gen) * torch.logspace(-30, 30, 5000), torch.tensor([0.0, 1.0])))
+    x = torch.cat((x, bf16_ceil(x[:100]).float()))  # values that are bfloat16 already stay
+    up = bf16_ceil(x)
+    below = (up.view(torch.int16) - 1).view(torch.bfloat16)  # the next smaller bfloat16 (x > 0)
+    assert up.dtype == torch.bfloat16 and (up.double() >= x.double()).all()
+    assert ((below.double() < x.double()) | (x == 0)).all()
+    assert torch.equal(bf16_ceil(x[-100:]).float(), x[-100:])
 
 
 def test_dequantize_rejects_bad_input():
@@ -93,11 +112,11 @@ def test_rope_and_cache_writes_fp8(dtype):
     q_ref = rope_and_cache(qkv, cos, sin, positions, kc, vc, Hq, None, None, 1e-6, False)
     k8 = torch.zeros(B, Hkv, S, D, dtype=torch.float8_e4m3fn, device=DEVICE)
     v8 = torch.zeros(B, Hkv, v_blocks(S), D, V_BLOCK, dtype=torch.float8_e4m3fn, device=DEVICE)
-    ks = torch.full((B, Hkv, S), float("nan"), device=DEVICE)
-    vs = torch.full_like(ks, float("nan"))
-    q = rope_and_cache(qkv, cos, sin, positions, k8, v8, Hq, None, None, 1e-6, False, k_scale=ks, v_scale=vs)
+    kv_scale = torch.full((B, Hkv, S, 2), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    q = rope_and_cache(qkv, cos, sin, positions, k8, v8, Hq, None, None, 1e-6, False, kv_scale=kv_scale)
     assert torch.equal(q, q_ref)
     v_standard = torch.zeros_like(k8)  # what V would hold in K's layout
+    ks, vs = kv_scale[..., 0], kv_scale[..., 1]
     for got8, got_scale, written in ((k8, ks, kc), (v_standard, vs, vc)):
         for b, pos in enumerate(positions.tolist()):
             ref8, ref_scale = quantize_fp8(written[b, :, pos])
@@ -111,7 +130,7 @@ def test_rope_and_cache_writes_fp8(dtype):
         assert got_scale.isnan().permute(0, 2, 1)[untouched].all()
     assert k8.float().eq(0).permute(0, 2, 1, 3)[untouched].all()
     assert torch.equal(v8.float(), to_v_blocked_t(v_standard.cpu()).to(DEVICE).float())  # every byte
-    assert vs[0, 0, 3] == SCALE_FLOOR
+    assert vs[0, 0, 3] == bf16_ceil(torch.tensor(SCALE_FLOOR))
 
 
 def test_rope_and_cache_fp8_needs_scales_and_a_blocked_v():
@@ -120,14 +139,14 @@ def test_rope_and_cache_fp8_needs_scales_and_a_blocked_v():
     position = torch.tensor([0], device=DEVICE)
     k8 = torch.zeros(1, 1, 4, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
     v8 = torch.zeros(1, 1, 1, 64, V_BLOCK, dtype=torch.float8_e4m3fn, device=DEVICE)
-    with pytest.raises(ValueError, match="k_scale"):
+    with pytest.raises(ValueError, match="needs kv_scale"):
         rope_and_cache(qkv, cos, sin, position, k8, v8, 2, None, None, 1e-6, False)
-    bad = torch.zeros(1, 1, 3, device=DEVICE)
-    with pytest.raises(ValueError, match="k_scale must be"):
-        rope_and_cache(qkv, cos, sin, position, k8, v8, 2, None, None, 1e-6, False, bad, bad)
-    scales = torch.zeros(1, 1, 4, device=DEVICE)
+    scales = torch.zeros(1, 1, 4, 2, dtype=torch.bfloat16, device=DEVICE)
+    for bad in (scales[:, :, :3], scales.float(), scales.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        with pytest.raises(ValueError, match=r"kv_scale must be \[1, 1, 4, 2\] bfloat16"):
+            rope_and_cache(qkv, cos, sin, position, k8, v8, 2, None, None, 1e-6, False, bad)
     with pytest.raises(ValueError, match=r"an FP8 V cache must be blocked \[C, Hkv, ceil\(S / 64\), D, 64\]"):
-        rope_and_cache(qkv, cos, sin, position, k8, k8.clone(), 2, None, None, 1e-6, False, scales, scales)
+        rope_and_cache(qkv, cos, sin, position, k8, k8.clone(), 2, None, None, 1e-6, False, scales)
 
 
 # ---- the blocked V layout ------------------------------------------------------------------------
