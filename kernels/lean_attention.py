@@ -139,9 +139,11 @@ FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cac
 # 1k positions of 8 heads the kernel is that one tile's chain, 7.5 against 7.9 us for
 # FP8_SHORT_CONFIG (bf16 cache: 7.6); where CTAs hold two tiles or more (3k positions of 8
 # heads, 1k of 32), FP8_SHORT_CONFIG is 7-10% faster, and per-tile q slows its 8 warps (H200,
-# bench/NOTES-attention.md).
+# bench/NOTES-attention.md). Two stages: with one tile a CTA there is nothing to prefetch, and a
+# third stage's prologue cost 0.2-0.3 us at 1k-2k once the scales became one word (7.66 against
+# 7.43 us at 1k, same run).
 FP8_TINY_CONFIG = LeanConfig(
-    block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
+    block_n=128, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
 )
 FP8_TINY_HEAD_POSITIONS = 16384  # cache positions (all rows) x KV heads up to which: FP8_TINY_CONFIG
 # p * v_scale / (the tile's largest v_scale) is in [0, 1]; times P_RANGE it stays below e4m3's 448
