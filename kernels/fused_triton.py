@@ -13,7 +13,6 @@ from .quant import (
     V_BLOCK,
     check_kv_scale,
     kv_scale_words,
-    static_scale_bf16,
     v_blocks,
 )
 
@@ -78,7 +77,7 @@ def _head(Row, head, offs, partner, W, eps, D: tl.constexpr, HAS_NORM: tl.conste
 def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr, static_scale, STATIC: tl.constexpr):
     """x [D] float32 -> (uint8 e4m3 bit patterns [D], the scale's bfloat16 bits in the top half of
     an int32), as kernels/quant.py's quantize_fp8: scale = bf16_ceil(max(amax / 448, floor)) (or
-    `static_scale`, already a bfloat16 value, when STATIC), e4m3(x / scale) rounded to nearest even.
+    bf16_ceil(static_scale) when STATIC), e4m3(x / scale) rounded to nearest even.
 
     Rounded by e4m3.round_to_e4m3 (float32 and integer ops): the interpreter and any GPU compute
     the same bits."""
@@ -86,8 +85,8 @@ def _quantize_e4m3(x, SCALE_FLOOR: tl.constexpr, static_scale, STATIC: tl.conste
         scale = static_scale
     else:
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), SCALE_FLOOR)
-        # bf16_ceil: float32 bits rounded up to their top 16
-        scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+    # bf16_ceil: float32 bits rounded up to their top 16 (the cache stores the scale in bfloat16)
+    scale = ((scale.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
     return round_to_e4m3(y), scale.to(tl.int32, bitcast=True)
 
@@ -219,7 +218,7 @@ def rope_and_cache(
         q_norm if has_norm else qkv,
         k_norm if has_norm else qkv,
         eps,
-        *(static_scale_bf16(s) for s in static_scales or (1.0, 1.0)),  # read only when STATIC
+        *(static_scales or (1.0, 1.0)),  # read only when STATIC
         num_heads,
         Hkv,
         k_cache.stride(0) if C == B else 0,  # one shared row: every sequence writes row 0
