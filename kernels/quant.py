@@ -7,12 +7,13 @@ Scheme: one scale per (token, KV head), computed when the row is written, held i
 - Per token and head because a row is written once and never rewritten: its scale needs no
   calibration data, no running statistics and no re-quantization of older rows, and one outlier
   token or head spends e4m3's 3 mantissa bits only on itself.
-- 448 is the largest finite e4m3 (float8_e4m3fn) value: the row's largest |x| maps onto it (to
-  within bf16's rounding of the scale, which rounds up), so no element can overflow (an
+- 448 is the largest finite e4m3 (float8_e4m3fn) value: the row's largest |x| maps onto it, so
+  no element can overflow (an
   unscaled e4m3 cache saturates at 448; a silent scale of 1.0 would clip every larger K/V value).
 - bfloat16, rounded up (bf16_ceil): float32's range in 2 bytes. Rounding the scale up by less
-  than 2^-7 costs nothing measurable (the row's largest value lands in [444.5, 448] instead of on
-  448; e4m3 keeps the same 3 mantissa bits in every binade), and it never divides a value past 448.
+  than 2^-7 costs nothing measurable (the row's largest |x| / scale lands in [444.5, 448] and still
+  rounds to 448; e4m3 keeps the same 3 mantissa bits in every binade), and it never divides a
+  value past 448.
 - SCALE_FLOOR keeps an all-zero row (and rows below ~1e-28) from dividing by zero: they
   quantize to zeros (or e4m3 subnormals) of a tiny scale.
 - K's and V's scales of a (token, head) sit side by side, `kv_scale [..., 2]` (K, then V): one
@@ -51,13 +52,6 @@ def bf16_ceil(x: torch.Tensor) -> torch.Tensor:
     return (bits >> 16).to(torch.int16).view(SCALE_DTYPE)
 
 
-def static_scale_bf16(static_scale: float) -> float:
-    """A checkpoint's calibrated scale as the cache stores it: rounded up to bfloat16."""
-    if not static_scale > 0:
-        raise ValueError(f"a static FP8 scale must be positive, got {static_scale}")
-    return float(bf16_ceil(torch.tensor(static_scale, dtype=torch.float32)))
-
-
 def quantize_fp8(x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (x_fp8 [..., D] float8_e4m3fn, scale [...] bfloat16).
 
@@ -67,7 +61,9 @@ def quantize_fp8(x: torch.Tensor, static_scale: float | None = None) -> tuple[to
     if static_scale is None:
         scale = bf16_ceil((xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(SCALE_FLOOR))
     else:
-        scale = torch.full(xf.shape[:-1], static_scale_bf16(static_scale), dtype=SCALE_DTYPE, device=x.device)
+        if not static_scale > 0:
+            raise ValueError(f"a static FP8 scale must be positive, got {static_scale}")
+        scale = bf16_ceil(torch.tensor(static_scale)).expand(xf.shape[:-1]).to(x.device)
     # The division is IEEE (as the Triton writer's div_rn); the cast rounds to nearest even; the
     # clamp only acts on a static scale (or one float32 ulp past 448, from the division's rounding).
     x_fp8 = (xf / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
