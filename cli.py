@@ -103,9 +103,16 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+RANK0_GRACE_S = 5.0  # how long the other ranks of a failing torchrun launch let rank 0 print
+
+
 def fail(message: str, code: int = 2) -> None:
     if rank() == 0:  # every rank of a torchrun launch fails alike; one line is enough
         typer.echo(f"error: {message}", err=True)
+    else:
+        # torchrun stops every worker as soon as one exits with an error: a rank that got here
+        # first would kill rank 0 before its line is out (seen once in CI: no error line at all)
+        time.sleep(RANK0_GRACE_S)
     raise typer.Exit(code)
 
 
