@@ -8,8 +8,8 @@ Scheme: one scale per (token, KV head), computed when the row is written, held i
   calibration data, no running statistics and no re-quantization of older rows, and one outlier
   token or head spends e4m3's 3 mantissa bits only on itself.
 - 448 is the largest finite e4m3 (float8_e4m3fn) value: the row's largest |x| maps onto it, so
-  no element can overflow (an
-  unscaled e4m3 cache saturates at 448; a silent scale of 1.0 would clip every larger K/V value).
+  no element can overflow (an unscaled e4m3 cache saturates at 448; a silent scale of 1.0 would
+  clip every larger K/V value).
 - bfloat16, rounded up (bf16_ceil): float32's range in 2 bytes. Rounding the scale up by less
   than 2^-7 costs nothing measurable (the row's largest |x| / scale lands in [444.5, 448] and still
   rounds to 448; e4m3 keeps the same 3 mantissa bits in every binade), and it never divides a
