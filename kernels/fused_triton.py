@@ -196,8 +196,6 @@ def rope_and_cache(
                 f"an FP8 V cache must be blocked [C, Hkv, ceil(S / {V_BLOCK}), D, {V_BLOCK}] = {list(want)} "
                 f"(each block contiguous), got {list(v_cache.shape)}"
             )
-        if kv_scale is None:
-            raise ValueError("an FP8 cache needs kv_scale ([B, Hkv, S, 2] bfloat16)")
         check_kv_scale(kv_scale, (C, Hkv, S))
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         scale_words = kv_scale_words(kv_scale)  # [C, Hkv, S] int32

@@ -792,8 +792,6 @@ def lean_attention(
             f"K and V must share q's dtype or be float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}"
         )
     if fp8:
-        if kv_scale is None:
-            raise ValueError("an FP8 (float8_e4m3fn) cache needs kv_scale ([B, Hkv, S, 2] bfloat16)")
         quant.check_kv_scale(kv_scale, (C, Hkv, S))
         want = [C, Hkv, -(-S // V_BLOCK), D, V_BLOCK]
         if list(v_cache.shape) != want:

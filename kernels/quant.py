@@ -82,10 +82,12 @@ def dequantize_fp8(
     return (x_fp8.float() * scale.float()[..., None]).to(dtype)
 
 
-def check_kv_scale(kv_scale: torch.Tensor, positions: tuple[int, int, int]) -> None:
-    """An FP8 cache's scales must be [C, Hkv, S, 2] bfloat16 (`positions` = (C, Hkv, S)), each
+def check_kv_scale(kv_scale: torch.Tensor | None, positions: tuple[int, int, int]) -> None:
+    """An FP8 cache needs its scales, [C, Hkv, S, 2] bfloat16 (`positions` = (C, Hkv, S)), each
     (K, V) pair adjacent and the positions contiguous: the kernels read a pair as one int32 word."""
     want = [*positions, 2]
+    if kv_scale is None:
+        raise ValueError(f"an FP8 (float8_e4m3fn) cache needs kv_scale ({want} bfloat16)")
     if list(kv_scale.shape) != want or kv_scale.dtype != SCALE_DTYPE or kv_scale.stride()[-2:] != (2, 1):
         raise ValueError(
             f"kv_scale must be {want} bfloat16 with contiguous (K, V) pairs along the positions, "
