@@ -33,15 +33,14 @@ from .engine import (
     Engine,
     Generation,
     Request,
-    _gib,
     _host_peak_bytes,
     activation_bytes,
     capture,
     decode_step,
-    free_memory,
     kv_dtype_name,
 )
 from .errors import UserError
+from .memory import free_memory, gib
 from .sampling import batch_mode, sample
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
@@ -237,9 +236,9 @@ class Batch:
                 yield BatchEvent(
                     i,
                     done=True,
-                    error=f"a context of {context:,} tokens needs {_gib(context * per_token)} of KV cache, "
-                    f"but only {room:,} tokens ({_gib(room * per_token)}) fit on {engine.device} beside the "
-                    f"weights ({_gib(weight_bytes(engine.model))}) and activations",
+                    error=f"a context of {context:,} tokens needs {gib(context * per_token)} of KV cache, "
+                    f"but only {room:,} tokens ({gib(room * per_token)}) fit on {engine.device} beside the "
+                    f"weights ({gib(weight_bytes(engine.model))}) and activations",
                 )
         self.capacity = spare + 1 if self.waiting else 0
         self.spare = self.capacity - 1  # idle slots write their (ignored) K/V here

@@ -20,6 +20,7 @@ from .cache_file import CacheFile, open_cache_file, read_cache_file, write_cache
 from .config import ModelConfig
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
+from .memory import free_memory, gib
 from .sampling import SamplingParams, SamplingRows, sample
 from .validate import check_int, check_stops
 
@@ -86,21 +87,6 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return self.needed_bytes <= self.free_bytes
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes a new allocation can still get on `device`."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        import os
-
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
@@ -240,10 +226,6 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = "length"
     tokens: Iterator[tuple[int, float | None]] | None = None  # set by Engine.generate
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 class Engine:
@@ -403,8 +385,8 @@ class Engine:
             per_token = self.kv_bytes_per_token
             fit_tokens = max(0, (plan.free_bytes - plan.activation_bytes) // per_token)
             raise UserError(
-                f"KV cache for {request.context:,} tokens needs {_gib(plan.kv_cache_bytes)} plus "
-                f"{_gib(plan.activation_bytes)} of activations, but only {_gib(plan.free_bytes)} is free on "
+                f"KV cache for {request.context:,} tokens needs {gib(plan.kv_cache_bytes)} plus "
+                f"{gib(plan.activation_bytes)} of activations, but only {gib(plan.free_bytes)} is free on "
                 f"{plan.device}; lower the prompt length, max_new_tokens or --max-context "
                 f"(about {fit_tokens:,} tokens fit with a {plan.kv_cache_dtype} cache)"
             )

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Self
 
 import torch
 
-from minidecode.models.llama import Transformer
-
 from .batching import DEFAULT_MAX_BATCH, Batch, BatchEvent, BatchProgress, check_max_batch
 from .cache import FP8, KVCache
 from .cache_file import config_hash, weights_fingerprint
@@ -28,14 +26,13 @@ from .engine import (
     Generation,
     GenerationStats,
     Request,
-    _gib,
     activation_bytes,
     default_prefill_chunk,
-    free_memory,
     kv_dtype_name,
 )
 from .errors import UserError
-from .loading import DEFAULT_MODEL, load_weights, resolve_model_dir
+from .loading import DEFAULT_MODEL, build_model, resolve_model_dir
+from .memory import free_memory, gib
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, StreamDecoder, Tokenizer
 from .validate import (
@@ -458,8 +455,6 @@ class LLM:
         # its share of the weights and every rank runs every request in step with the others.
         self.parallel: Parallel | None = None
         if (tp, cp) != (1, 1):  # torch.distributed loads only here
-            from minidecode.models.parallel import ParallelTransformer
-
             from .distributed import init_parallel
 
             self.parallel = init_parallel(tp, cp, device)
@@ -482,33 +477,7 @@ class LLM:
             self.tokenizer = Tokenizer(self.model_dir)
             check_vocab(self.tokenizer.vocab_size, self.config.vocab_size)
             self.generation_defaults, self.eos_ids = self._generation_config()
-        with torch.device("meta"):
-            if self.parallel is None:
-                self.model = Transformer(self.config)
-            else:
-                self.model = ParallelTransformer(self.config, self.parallel)
-        weights = sum(p.numel() for p in self.model.parameters()) * self.dtype.itemsize  # this rank's
-        free = free_memory(self.device)
-        problem = None
-        if weights > free:
-            problem = (
-                f"the weights need {_gib(weights)} but only {_gib(free)} is free on {self.device}; "
-                "use a smaller dtype or another device"
-            )
-        if self.parallel is not None:  # any rank's problem stops every rank
-            problem = self.parallel.first_error(problem)
-        if problem is not None:
-            raise UserError(problem)
-        if self.synthetic:
-            init_random_weights(self.model, self.device, self.dtype)
-        else:
-            shard = None if self.parallel is None else self.model.shard  # only this rank's rows
-            kv_scales = load_weights(self.model, self.model_dir, self.device, self.dtype, shard)
-            for layer, scales in zip(self.model.model.layers, kv_scales or [], strict=False):
-                layer.self_attn.kv_static_scales = scales  # the checkpoint's calibrated FP8 scales
-        self.model.fuse_projections()
-        self.model.setup_rope(self.device)
-        self.model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
+        self.model = build_model(self.config, self.model_dir, self.device, self.dtype, self.parallel)
         self.engine = Engine(
             self.model,
             self.device,
@@ -990,19 +959,6 @@ def synthetic_config(name: str) -> ModelConfig:
     return preset_config(preset)
 
 
-@torch.no_grad()
-def init_random_weights(model: Transformer, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-    """Materialise a meta-device model with random weights (std 0.02, norms at 1), one tensor at a
-    time on the device: a 70B shape never touches host memory."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data = torch.ones(p.shape, dtype=dtype, device=device)
-        else:
-            p.data = torch.empty(p.shape, dtype=dtype, device=device).normal_(0, 0.02, generator=generator)
-
-
 def describe(
     model: str | Path | None,
     context: int | None = None,
@@ -1052,15 +1008,15 @@ def describe(
         f"model        {model or 'stdlib-tiny (shipped)'}  [{source}]",
         f"architecture {cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"MLP {cfg.intermediate_size}, heads {cfg.num_heads} q / {cfg.num_kv_heads} kv x {cfg.head_dim}",
-        f"parameters   {cfg.num_parameters() / 1e9:.3f} B ({_gib(weights)} in {str(dt)[6:]})",
+        f"parameters   {cfg.num_parameters() / 1e9:.3f} B ({gib(weights)} in {str(dt)[6:]})",
         f"vocabulary   {cfg.vocab_size:,}; tied embeddings: {cfg.tie_word_embeddings}",
         f"context      {cfg.max_position_embeddings:,} positions; RoPE {rope}, theta {cfg.rope.theta:g}"
         + (f"; sliding window {cfg.sliding_window:,}" if cfg.sliding_window else ""),
         *([parallel] if parallel else []),
         f"memory plan  at {context:,} tokens on {dev}{' (per GPU)' if parallel else ''}: "
-        f"weights {_gib(plan_weights)} + KV cache {_gib(kv)} "
-        f"in {kv_dtype_name(kv_dt)} ({kv_per_token / 1024:g} KiB/token) + activations {_gib(act)} "
-        f"= {_gib(plan_weights + kv + act)}; free now {_gib(free)} -> "
+        f"weights {gib(plan_weights)} + KV cache {gib(kv)} "
+        f"in {kv_dtype_name(kv_dt)} ({kv_per_token / 1024:g} KiB/token) + activations {gib(act)} "
+        f"= {gib(plan_weights + kv + act)}; free now {gib(free)} -> "
         + ("fits" if plan_weights + kv + act <= free else "DOES NOT FIT"),
     ]
     if context > cfg.max_position_embeddings:

@@ -16,6 +16,11 @@ if TYPE_CHECKING:  # torch is imported by load_weights: resolving a folder (the 
     import torch
     from torch import nn
 
+    from minidecode.models.llama import Transformer
+
+    from .config import ModelConfig
+    from .distributed import Parallel
+
 # The small model shipped inside the package (training/train_tiny_model.py made it).
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "stdlib-tiny"
 # What generation needs from a hub repo; never the .bin / .pth duplicates of the weights.
@@ -190,3 +195,68 @@ def _kv_scales_per_layer(
 def _names(names: list[str], most: int = 5) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def build_model(
+    cfg: ModelConfig,
+    model_dir: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: Parallel | None = None,
+) -> Transformer:
+    """The model ready for inference on `device`: the checkpoint's weights (model_dir), or random
+    ones (model_dir None: a synthetic shape, for speed runs); q/k/v and gate/up fused, RoPE tables
+    built. Under tensor / context parallelism (`parallel`), this rank's part only. Refuses (every
+    rank, if any rank must) when the weights cannot fit the device's free memory."""
+    import torch
+
+    from minidecode.models.llama import Transformer
+
+    from .memory import free_memory, gib
+
+    with torch.device("meta"):
+        if parallel is None:
+            model = Transformer(cfg)
+        else:
+            from minidecode.models.parallel import ParallelTransformer
+
+            model = ParallelTransformer(cfg, parallel)
+    weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # this rank's
+    free = free_memory(device)
+    problem = None
+    if weights > free:
+        problem = (
+            f"the weights need {gib(weights)} but only {gib(free)} is free on {device}; "
+            "use a smaller dtype or another device"
+        )
+    if parallel is not None:  # any rank's problem stops every rank
+        problem = parallel.first_error(problem)
+    if problem is not None:
+        raise UserError(problem)
+    if model_dir is None:
+        init_random_weights(model, device, dtype)
+    else:
+        shard = None if parallel is None else model.shard  # only this rank's rows
+        kv_scales = load_weights(model, model_dir, device, dtype, shard)
+        for layer, scales in zip(model.model.layers, kv_scales or [], strict=False):
+            layer.self_attn.kv_static_scales = scales  # the checkpoint's calibrated FP8 scales
+    model.fuse_projections()
+    model.setup_rope(device)
+    model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
+    return model
+
+
+def init_random_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+    """Materialise a meta-device model with random weights (std 0.02, norms at 1), one tensor at a
+    time on the device: a 70B shape never touches host memory."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data = torch.ones(p.shape, dtype=dtype, device=device)
+            else:
+                p.data = torch.empty(p.shape, dtype=dtype, device=device)
+                p.data.normal_(0, 0.02, generator=generator)
