@@ -22,6 +22,7 @@ import typer
 
 from minidecode import __version__
 from minidecode.errors import UserError
+from minidecode.request import DEFAULT_MAX_BATCH, DEFAULT_MAX_NEW_TOKENS
 
 
 def _show_version(value: bool) -> None:
@@ -192,29 +193,18 @@ def unescape(text: str) -> str:
     return _ESCAPE.sub(replace, text)
 
 
-def check_settings(
-    max_new_tokens: int,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    seed: int | None,
-    stops: list[str],
-    device: str | None,
-    dtype: str | None,
-    kv_cache_dtype: str,
-) -> None:
-    """The sampling and device arguments of `generate` and `batch`, checked without torch."""
-    from minidecode.validate import (
-        check_device_name,
-        check_dtype_name,
-        check_kv_cache_dtype_name,
-        check_request,
-    )
+def runtime_checks(device: str | None, dtype: str | None, kv_cache_dtype: str) -> None:
+    """The device and dtype arguments, checked without torch."""
+    from minidecode.validate import check_device_name, check_dtype_name, check_kv_cache_dtype_name
 
     check_device_name(device)
     check_dtype_name(dtype)
     check_kv_cache_dtype_name(kv_cache_dtype)
-    check_request(max_new_tokens, temperature, top_k, top_p, seed, stops)
+
+
+def world_size() -> int | None:
+    """torchrun's WORLD_SIZE (None when not under torchrun)."""
+    return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
 
 
 def check_generate_args(
@@ -222,13 +212,7 @@ def check_generate_args(
     text: str | None,
     prompt_tokens: int | None,
     chat: bool,
-    max_new_tokens: int,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    seed: int | None,
-    stops: list[str],
-    max_context: int | None,
+    settings,
     device: str | None,
     dtype: str | None,
     kv_cache_dtype: str = "auto",
@@ -239,19 +223,18 @@ def check_generate_args(
 ) -> None:
     """Every argument of `generate` that can be checked without the model (and without torch);
     text None: a rank other than 0 of a torchrun launch, which uses rank 0's prompt."""
-    from minidecode.validate import check_parallel, check_text
+    from minidecode.validate import check_parallel
 
-    world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
-    if check_parallel(tp, cp, world) > 1 and (load_cache is not None or save_cache is not None):
+    if check_parallel(tp, cp, world_size()) > 1 and (load_cache is not None or save_cache is not None):
         raise UserError("--load-cache / --save-cache are not supported with --tp / --cp")
-
+    if load_cache is not None and load_cache.is_dir():
+        raise UserError(f"cache file {load_cache} is a directory; give a file saved by --save-cache")
     if load_cache is not None and not load_cache.is_file():
         raise UserError(f"cache file {load_cache} does not exist")
-    if save_cache is not None and (save_cache.is_dir() or not save_cache.resolve().parent.is_dir()):
-        raise UserError(f"cannot save the cache to {save_cache}: not a file in an existing folder")
-    check_settings(max_new_tokens, temperature, top_k, top_p, seed, stops, device, dtype, kv_cache_dtype)
-    if max_context is not None and max_context < 1:
-        raise UserError(f"--max-context must be >= 1, got {max_context}")
+    if save_cache is not None:
+        check_writable(save_cache)  # before minutes of prefill, not after
+    runtime_checks(device, dtype, kv_cache_dtype)
+    settings.check(need_prompt=False)
     if prompt_tokens is not None:
         if prompt_tokens < 1:
             raise UserError("--prompt-tokens must be >= 1")
@@ -260,6 +243,8 @@ def check_generate_args(
         return
     if text is None:
         return
+    from minidecode.request import check_text
+
     check_text(text)
     if not text:
         raise UserError("the prompt is empty")
@@ -273,6 +258,45 @@ def check_generate_args(
             raise UserError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
 
 
+MaxContextOpt = Annotated[
+    int | None, typer.Option(help="KV cache positions to reserve (default: prompt + new tokens)")
+]
+AllowExtrapolationOpt = Annotated[
+    bool, typer.Option(metavar="", help="Allow contexts beyond the model's max_position_embeddings")
+]
+IgnoreEosOpt = Annotated[
+    bool, typer.Option(metavar="", help="Run to --max-new-tokens past the end-of-sequence token")
+]
+LogprobsOpt = Annotated[
+    bool, typer.Option(metavar="", help="Return log p of each new token (in --json / the results)")
+]
+GraphOpt = Annotated[
+    bool, typer.Option(metavar="", help="Replay decode steps as a CUDA graph (--no-graph: eager)")
+]
+
+
+def request_settings(
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    stop,
+    max_context,
+    allow_extrapolation,
+    logprobs,
+    ignore_eos,
+):
+    """The command's sampling and limit options as the one Request of the API (unchecked)."""
+    from minidecode.request import Request
+
+    return Request(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        stop=[unescape(s) for s in stop or []], max_context=max_context,
+        allow_extrapolation=allow_extrapolation, logprobs=logprobs, ignore_eos=ignore_eos,
+    )  # fmt: skip
+
+
 @app.command()
 def generate(
     model: ModelArg = None,
@@ -280,7 +304,7 @@ def generate(
     prompt_file: Annotated[
         Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file (UTF-8)")
     ] = None,
-    max_new_tokens: MaxNewTokensOpt = 128,
+    max_new_tokens: MaxNewTokensOpt = DEFAULT_MAX_NEW_TOKENS,
     temperature: TemperatureOpt = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
@@ -292,20 +316,15 @@ def generate(
         bool,
         typer.Option(metavar="", help="Wrap the prompt as a user message in the chat template"),
     ] = False,
-    max_context: Annotated[
-        int | None, typer.Option(help="KV cache size in tokens (default: prompt + new)")
-    ] = None,
-    allow_extrapolation: Annotated[
-        bool,
-        typer.Option(metavar="", help="Allow contexts beyond the model's max_position_embeddings"),
-    ] = False,
+    max_context: MaxContextOpt = None,
+    allow_extrapolation: AllowExtrapolationOpt = False,
+    ignore_eos: IgnoreEosOpt = False,
+    logprobs: LogprobsOpt = False,
     prompt_tokens: Annotated[
         int | None,
         typer.Option(help="Use a prompt of exactly this many tokens (random ids; for synthetic models)"),
     ] = None,
-    graph: Annotated[
-        bool, typer.Option(metavar="", help="Replay decode steps as a CUDA graph (--no-graph: eager)")
-    ] = True,
+    graph: GraphOpt = True,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
@@ -326,7 +345,10 @@ def generate(
 ) -> None:
     """Generate a continuation of a prompt; text streams to stdout, stats to stderr. With --tp /
     --cp, under torchrun: rank 0 reads the prompt and prints, every rank computes its part."""
-    stops = [unescape(s) for s in stop or []]
+    settings = request_settings(
+        max_new_tokens, temperature, top_k, top_p, seed, stop, max_context, allow_extrapolation, logprobs,
+        ignore_eos,
+    )  # fmt: skip
     first = rank() == 0
     try:
         text = None
@@ -335,8 +357,8 @@ def generate(
         elif prompt is not None or prompt_file is not None:
             fail("--prompt-tokens replaces --prompt / --prompt-file")
         check_generate_args(
-            model, text, prompt_tokens, chat, max_new_tokens, temperature, top_k, top_p, seed,
-            stops, max_context, device, dtype, kv_cache_dtype, load_cache, save_cache, tp, cp,
+            model, text, prompt_tokens, chat, settings, device, dtype, kv_cache_dtype, load_cache, save_cache,
+            tp, cp,
         )  # fmt: skip
         from minidecode.llm import LLM
 
@@ -347,38 +369,19 @@ def generate(
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
         if load_cache is not None:
             llm.load_cache(load_cache)
-        request = {}
         if prompt_tokens is not None:
             # Refuse a prompt the memory plan cannot hold before making its random ids.
-            plan = llm.engine.plan(max_context or prompt_tokens + max_new_tokens, prompt_tokens)
-            problem = None
-            if not plan.fits:
-                problem = (
-                    f"a {prompt_tokens:,}-token prompt needs {plan.needed_bytes / 2**30:,.2f} GiB for its KV "
-                    f"cache and activations but only {plan.free_bytes / 2**30:,.2f} GiB is free on "
-                    f"{plan.device}; lower --prompt-tokens"
-                )
-            if llm.parallel is not None:  # a rank short of memory stops every rank
-                problem = llm.parallel.first_error(problem)
-            if problem is not None:
-                fail(problem)
-            request["token_ids"] = llm.random_prompt(prompt_tokens, seed=seed or 0)
+            context = max_context or prompt_tokens + settings.new_tokens
+            if llm.parallel is None:
+                llm.check_fits(context, prompt_tokens)
+            else:  # a rank short of memory stops every rank
+                llm.parallel.agree(lambda: llm.check_fits(context, prompt_tokens))
+            settings.token_ids = llm.random_prompt(prompt_tokens, seed=seed or 0)
         elif chat:
-            request["messages"] = [{"role": "user", "content": text}]
+            settings.messages = [{"role": "user", "content": text}]
         else:
-            request["prompt"] = text
-        stream = llm.stream(
-            **request,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=stops,
-            max_context=max_context,
-            allow_extrapolation=allow_extrapolation,
-            on_prefill_progress=Progress(enabled=not json_output and first),
-        )
+            settings.prompt = text
+        stream = llm.stream(settings, on_prefill_progress=Progress(enabled=not json_output and first))
         for piece in stream:
             if not json_output and first:
                 sys.stdout.write(piece)
@@ -387,8 +390,8 @@ def generate(
         if save_cache is not None:
             start = time.perf_counter()
             size = llm.save_cache(save_cache)
-            seconds, tokens = time.perf_counter() - start, len(llm.engine.cached_ids)
-            saved = f"saved {tokens:,} tokens ({size / 2**30:.2f} GiB) to {save_cache} in {seconds:.2f} s"
+            seconds = time.perf_counter() - start
+            saved = f"saved the cache ({size / 2**30:.2f} GiB) to {save_cache} in {seconds:.2f} s"
             typer.echo(saved, err=True)
     except UserError as e:
         fail(str(e))
@@ -478,7 +481,7 @@ class BatchReport:
     a plain line at every tenth of the requests ended."""
 
     def __init__(self, output: Path | None, entries: list[BatchLine], progress: bool):
-        from minidecode.batching import BatchProgress
+        from minidecode.llm import BatchProgress
 
         self.output, self.entries, self.enabled = output, entries, progress
         self.refused = sum(entry.error is not None for entry in entries)  # refused as read
@@ -555,16 +558,18 @@ def batch(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write the results here (default: stdout)")
     ] = None,
-    max_batch: Annotated[int, typer.Option(min=1, help="Most requests decoded at once")] = 32,
-    max_new_tokens: MaxNewTokensOpt = 128,
+    max_batch: Annotated[int, typer.Option(help="Most requests decoded at once")] = DEFAULT_MAX_BATCH,
+    max_new_tokens: MaxNewTokensOpt = DEFAULT_MAX_NEW_TOKENS,
     temperature: TemperatureOpt = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     seed: Annotated[int | None, typer.Option(help="Random seed for sampling (default: random)")] = None,
     stop: StopOpt = None,
-    ignore_eos: Annotated[
-        bool, typer.Option(metavar="", help="Generate max_new_tokens even past the end-of-sequence token")
-    ] = False,
+    max_context: MaxContextOpt = None,
+    allow_extrapolation: AllowExtrapolationOpt = False,
+    ignore_eos: IgnoreEosOpt = False,
+    logprobs: LogprobsOpt = False,
+    graph: GraphOpt = True,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
@@ -574,17 +579,29 @@ def batch(
 ) -> None:
     """Run many requests as one continuously refilled batch. The requests file holds one JSON object a line:
     "prompt", "messages" or "token_ids"; optionally "id" (default: the line number) and its own
-    max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, logprobs, max_context,
-    allow_extrapolation (the options are the defaults). One JSON result a line is written as each
-    request ends: {"id", "line", "text", "finish_reason", "token_ids", "prompt_tokens", "stats"},
-    or {"id", "line", "error"} for a request that was refused. Exit code 1 if any was."""
+    max_new_tokens, temperature, top_k, top_p, seed, stop, max_context, allow_extrapolation,
+    logprobs, ignore_eos, reuse_prefix (the options are the defaults). One JSON result a line is
+    written as each request ends: {"id", "line", "text", "finish_reason", "token_ids",
+    "prompt_tokens", "stats"}, or {"id", "line", "error"} for a request that was refused. Exit
+    code 1 if any was."""
     if requests is None:  # one argument: the requests file, with the shipped model
         if model is None:
             fail("give a requests file (JSONL, one JSON object a line), or - for stdin")
         model, requests = None, model
-    stops = [unescape(s) for s in stop or []]
+    defaults = request_settings(
+        max_new_tokens, temperature, top_k, top_p, seed, stop, max_context, allow_extrapolation, logprobs,
+        ignore_eos,
+    )  # fmt: skip
     try:
-        check_settings(max_new_tokens, temperature, top_k, top_p, seed, stops, device, dtype, kv_cache_dtype)
+        if (world_size() or 1) > 1:
+            raise UserError(
+                "batch runs in one process: start it without torchrun (--tp / --cp are for generate)"
+            )
+        runtime_checks(device, dtype, kv_cache_dtype)
+        defaults.check(need_prompt=False)
+        from minidecode.engine import check_max_batch
+
+        check_max_batch(max_batch)
     except UserError as e:
         fail(str(e))
     if output is not None:
@@ -599,20 +616,17 @@ def batch(
         try:
             from minidecode.llm import LLM
 
-            llm = LLM(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+            llm = LLM(
+                model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, cuda_graph=graph,
+                max_batch=max_batch,
+            )  # fmt: skip
             if llm.synthetic:
                 typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise", err=True)
+            given = {k: v for k, v in asdict(defaults).items() if v is not None}
             stream = llm.stream_batch(
                 [entry.fields for entry in good],
-                max_batch=max_batch,
                 on_result=lambda i, result: report.write(good[i], result),
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-                stop=stops,
-                ignore_eos=ignore_eos,
+                **given,
             )
         except UserError as e:
             fail(str(e))
@@ -623,12 +637,99 @@ def batch(
                 for _ in stream:
                     report.draw()
     report.draw(final=True)
-    from minidecode.batching import batch_stats_line
-
     counts = report.counts()
     typer.echo(batch_stats_line(counts, time.perf_counter() - counts.started), err=True)
     if counts.failed:
         raise typer.Exit(1)
+
+
+def batch_stats_line(progress, seconds: float) -> str:
+    """The summary of a finished batch run."""
+    rate = progress.new_tokens / max(seconds, 1e-9)
+    return (
+        f"{progress.done:,} done, {progress.failed:,} failed of {progress.total:,} requests | "
+        f"{progress.new_tokens:,} new tok in {seconds:.2f} s ({rate:,.1f} tok/s)"
+    )
+
+
+@app.command()
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model id clients name (default: the model argument)")
+    ] = None,
+    max_tokens_default: Annotated[
+        int, typer.Option(help="Cap of a chat completion's default max_tokens (the rest of the context)")
+    ] = 4096,
+    max_waiting: Annotated[int, typer.Option(help="Queued requests beyond this get HTTP 503")] = 256,
+    max_batch: Annotated[int, typer.Option(help="Most requests decoded at once")] = DEFAULT_MAX_BATCH,
+    graph: GraphOpt = True,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) plus /health,
+    /metrics, /tokenize and /detokenize; every request feeds the one engine loop (concurrent clients
+    decode as one batch). Needs the serve extra: pip install "minidecode[serve]"."""
+    import importlib.util
+
+    try:
+        if (world_size() or 1) > 1:
+            raise UserError("serve runs in one process: start it without torchrun (no --tp / --cp yet)")
+        runtime_checks(device, dtype, kv_cache_dtype)
+        from minidecode.request import check_int
+
+        check_int("--port", port, 0)
+        if port > 65535:
+            raise UserError(f"--port must be at most 65535, got {port}")
+        check_int("--max-tokens-default", max_tokens_default, 1)
+        check_int("--max-waiting", max_waiting, 1)
+        missing = [
+            m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None
+        ]
+        if missing:
+            raise UserError(f'serve needs {", ".join(missing)}: pip install "minidecode[serve]"')
+        from minidecode.engine import check_max_batch
+
+        check_max_batch(max_batch)
+        check_port_free(host, port)
+        from minidecode.llm import LLM
+        from minidecode.server import ServerSettings, serve
+
+        llm = LLM(
+            model,
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            cuda_graph=graph,
+            max_batch=max_batch,
+        )
+        settings = ServerSettings(
+            served_model_name or model or "stdlib-tiny", max_tokens_default, max_waiting
+        )
+        typer.echo(f"serving {settings.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+        serve(llm, settings, host, port)
+    except UserError as e:
+        fail(str(e))
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse an address in use (or not ours) before the model loads."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"cannot listen on {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 @app.command()
@@ -656,7 +757,7 @@ def info(
         for name, value in (("--tp", tp), ("--cp", cp)):
             if value < 1:
                 raise UserError(f"{name} must be >= 1, got {value}")
-        from minidecode.llm import describe
+        from minidecode.info import describe
 
         plan = describe(
             model, context=context, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, tp=tp, cp=cp
@@ -721,8 +822,8 @@ def bench(
         ),
     ] = None,
     batch_peer: Annotated[
-        str, typer.Option(help="Peers for --batch, comma-separated: padded, transformers")
-    ] = "padded,transformers",
+        str, typer.Option(help="Peers for --batch, comma-separated: transformers")
+    ] = "transformers",
 ) -> None:
     """Prefill and decode speed per prompt length against the read roofline, with the median and
     range over repeats (and transformers' eager and compiled settings with --compare). With
@@ -832,16 +933,22 @@ def command_line(ctx: typer.Context) -> str:
 
 
 def check_writable(path: Path) -> None:
-    """Fail now, before a long run, if `path` cannot be written."""
-    import os
+    """Fail now, before a long run, if `path` cannot be written: a file is made in its folder
+    and removed (a read-only file system refuses even root)."""
+    import tempfile
 
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         fail(f"{path} is a directory; give a file name")
     if not folder.is_dir():
         fail(f"cannot write {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if path.exists() and not os.access(path, os.W_OK):
         fail(f"cannot write {path}: permission denied")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        fail(f"cannot write {path}: {e.strerror or e}")
 
 
 def write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file) -> None:
@@ -889,7 +996,7 @@ def bench_metadata(llm, command: str) -> dict:
 
     import torch
 
-    from minidecode.engine import kv_dtype_name
+    from minidecode.cache import kv_dtype_name
 
     commit = os.environ.get("MINIDECODE_COMMIT")  # the commit of a tree copied without its history
     try:

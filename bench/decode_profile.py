@@ -15,16 +15,17 @@ import torch
 
 from minidecode import LLM
 from minidecode.bench import measure_ceilings, step_bytes
+from minidecode.sampling import GREEDY
 
 
 def step_ms(llm: LLM, steps: int = 64) -> float:
-    """Milliseconds per `engine.step()`: the last request's decode step, run on from where it ended."""
+    """Milliseconds per decode step of one sequence (a graph replay, or the eager step)."""
     for _ in range(3):
-        llm.engine.step()
+        llm.engine.step(1, GREEDY, False)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        llm.engine.step()
+        llm.engine.step(1, GREEDY, False)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / steps
@@ -39,15 +40,15 @@ def main() -> None:
     for graph, pdl in ((True, True), (True, False), (False, True)):
         llm = LLM(name, cuda_graph=graph)
         llm.engine.pdl = pdl
-        llm.generate(
-            token_ids=llm.random_prompt(context), max_new_tokens=4, temperature=0, max_context=context + 256
-        )
+        llm.engine.start_filled(context, 256)  # random-valued cache: decode time only
+        for t in llm.engine.cache.tensors().values():  # a bf16 cache (the default): K and V
+            t.normal_()
         ms = step_ms(llm)
         floor = step_bytes(llm.config, llm.dtype.itemsize).at(context + 70) / ceiling * 1e3
         rows.append((graph, pdl, ms, floor))
         if not graph:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                llm.engine.step()
+                llm.engine.step(1, GREEDY, False)
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -25,8 +25,8 @@ import time
 import torch
 
 from minidecode import LLM
-from minidecode.cache import FP8, KVCache
-from minidecode.engine import Engine, kv_dtype_name
+from minidecode.cache import FP8, KVCache, kv_dtype_name
+from minidecode.sampling import GREEDY
 
 WINDOWS = 3  # --fill: timed windows of --steps decode steps each
 
@@ -76,8 +76,9 @@ def accuracy(llm: LLM, context: int, steps: int) -> None:
 @torch.inference_mode()
 def fill_speed(llm: LLM, context: int, steps: int) -> None:
     """Decode tok/s at `context` with a cache FILLED WITH RANDOM VALUES (no prefill)."""
-    engine: Engine = llm.engine
-    cache = engine.ensure_cache(context + WINDOWS * steps + 8)
+    engine = llm.engine
+    llm.release_cache()
+    cache = engine.start_filled(context, WINDOWS * steps + 8)
     if cache.dtype == FP8:
         for t in (cache.k, cache.v):
             t.view(torch.uint8).random_(0, 0x7E)  # finite positive e4m3 values (0x7F is NaN)
@@ -85,20 +86,19 @@ def fill_speed(llm: LLM, context: int, steps: int) -> None:
     else:
         cache.k.normal_()
         cache.v.normal_()
-    engine.prepare_decode(llm.sampling_params(0, None, None, None), want_logprobs=False)
-    engine.state.positions.fill_(context)
     for _ in range(4):  # warm-up replays
-        engine.step()
+        engine.step(1, GREEDY, False)
     rates = []
     for _ in range(WINDOWS):  # the context grows by `steps` a window; its spread is the run's noise
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            engine.step(1, GREEDY, False)
         torch.cuda.synchronize()
         rates.append(steps / (time.perf_counter() - t0))
     rates.sort()
-    kv = context * engine.kv_bytes_per_token / 2**30
+    kv = context * engine.planner.kv_bytes_per_token / 2**30
+    llm.release_cache()
     print(f"\nFILLED CACHE (random values, no prefill): decode speed only, {llm.name}")
     print("| context | KV cache | KV GiB | steps | decode tok/s | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -1,19 +1,18 @@
 """minidecode: long-context text generation for Llama-family models, with a stream-K decode kernel."""
 
 from .errors import UserError
+from .request import Request
 
 # The public names load on first use (PEP 562): `import minidecode` and the CLI's --help stay
 # free of torch, which takes a second or more to import.
 _LAZY = {
     "ModelConfig": "config",
-    "GenerationStats": "engine",
-    "MemoryPlan": "engine",
-    "Request": "engine",
+    "MemoryPlan": "memory",
+    "GenerationStats": "sequence",
+    "GenerationResult": "sequence",
     "LLM": "llm",
-    "GenerationResult": "llm",
     "Stream": "llm",
     "BatchStream": "llm",
-    "PromptRequest": "llm",
     "generate": "llm",
     "SamplingParams": "sampling",
 }
@@ -30,5 +29,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["GenerationResult", "GenerationStats", "LLM", "MemoryPlan", "ModelConfig", "Request"]
-__all__ += ["BatchStream", "PromptRequest", "SamplingParams", "Stream", "UserError", "generate"]
+__all__ += ["BatchStream", "SamplingParams", "Stream", "UserError", "generate"]
 __version__ = "0.1.0"

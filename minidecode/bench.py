@@ -22,15 +22,14 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import closing
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .config import ModelConfig
-from .engine import GenerationStats, Request
 from .errors import UserError
 from .llm import LLM
+from .sequence import GenerationStats
 
 FORMULA = (
     "bytes per decode step = (all weights - embedding table + one embedding row) * dtype bytes "
@@ -243,20 +242,19 @@ def timed_generation(
     """Greedy generation of exactly new_tokens (eos ignored): its stats and the host time at which
     each token was yielded."""
     times = []
-    request = Request(
-        prompt_ids=ids,
-        params=llm.sampling_params(0, None, None, None),
+    stream = llm.stream(
+        token_ids=ids,
+        temperature=0,
         max_new_tokens=new_tokens,
         max_context=max_context,
         ignore_eos=True,
         allow_extrapolation=True,
         reuse_prefix=False,  # every measured prefill runs in full, even on a repeated prompt
     )
-    generation = llm.engine.generate(request)
-    with closing(generation.tokens) as tokens:
-        for _ in tokens:
+    for event in stream.events():
+        if event.token is not None:
             times.append(time.perf_counter())
-    return generation.stats, times
+    return stream.result.stats, times
 
 
 def run_bench(
@@ -270,7 +268,7 @@ def run_bench(
         f"read ceiling {ceilings.read_bytes_per_s / 1e9:,.0f} GB/s, "
         f"copy {ceilings.copy_bytes_per_s / 1e9:,.0f} GB/s (read + write)"
     )
-    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.kv_bytes_per_token)
+    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.planner.kv_bytes_per_token)
     special = special_token_ids(llm)
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}
@@ -317,7 +315,7 @@ def run_bench(
             f"the read roofline ({r.roofline_tokens_per_s.median:.0f} tok/s)"
         )
     if transformers is not None:
-        llm.engine.release()  # give the peer the memory
+        llm.release_cache()  # give the peer the memory
         _free(llm.device)
         model = transformers_peer(llm)
         for peer in settings.peers:

@@ -1,31 +1,23 @@
 """Batched decode throughput (`minidecode bench --batch SPEC`): many sequences decoded together,
-against the batched roofline and two peers measured in the same run.
+through the public API, against the batched roofline and a peer measured in the same run.
 
 Batched roofline: a step reads the weights once for the whole batch plus every sequence's K/V
 (its own context), so tok/s <= B x read ceiling / (weights + sum of the contexts x KV bytes per
 position), with the contexts at each window's mean.
 
-Peers: `padded` is the same runtime with the decode attention replaced by PyTorch SDPA's flash
-kernel over every sequence padded to the batch's longest context (what a runtime without ragged
-attention pays; flash cannot mask padding, so this peer is for time only: its padded K/V are one
-buffer read B times through a stride-0 batch view, and its tokens are not used). `transformers`
-is transformers' greedy `generate` on the left-padded batch (SDPA, dynamic cache).
+Peer: `transformers` is transformers' greedy `generate` on the left-padded batch (SDPA, dynamic
+cache).
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from minidecode.models.llama import Attention
-
-from .batching import Batch
 from .bench import (
     Ceilings,
     Spread,
@@ -42,12 +34,10 @@ from .bench import (
     window_contexts,
     window_rates,
 )
-from .engine import Request
 from .errors import UserError
 from .llm import LLM
 
 BATCH_PEERS = {
-    "padded": "same runtime, SDPA flash over the batch padded to the longest (time only)",
     "transformers": "transformers generate, left-padded batch (sdpa, dynamic cache)",
 }
 WARM_STEPS = 4  # decode steps before the first timed window (graph capture for the bucket)
@@ -95,19 +85,11 @@ class BatchResult:
 def timed_batch(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
     """Greedy decode of exactly new_tokens for every prompt, all in one batch: (prefill seconds,
     host time of each step's hand-out; the first is the prefilled tokens')."""
-    requests = [
-        Request(
-            ids,
-            llm.sampling_params(0, None, None, None),
-            new_tokens,
-            ignore_eos=True,
-            allow_extrapolation=True,
-        )
-        for ids in prompts
-    ]
-    batch = Batch(llm.engine, requests, max_batch=len(prompts))
     t0, times, seen = time.perf_counter(), [], 0
-    for event in batch.events():
+    stream = llm.stream_batch(
+        prompts, temperature=0, max_new_tokens=new_tokens, ignore_eos=True, allow_extrapolation=True
+    )
+    for event in stream.events():
         if event.error is not None:
             raise UserError(f"request {event.index} was refused: {event.error}")
         if event.token is not None:
@@ -115,29 +97,6 @@ def timed_batch(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[fl
             if seen % len(prompts) == 0:  # every sequence has its token of this step
                 times.append(time.perf_counter())
     return times[0] - t0, times
-
-
-@contextlib.contextmanager
-def padded_flash_attention(smax: int) -> Iterator[None]:
-    """The decode attention replaced by SDPA flash over [B, Hkv, smax, D]: every sequence padded
-    to smax positions (stride-0 batch view of the first smax positions of the cache row)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def attend(q, k_cache, v_cache, lengths, scale, triton=None, pdl=False, kv_scale=None, starts=None):
-        B, Hq, D = q.shape
-        Hkv = k_cache.shape[1]
-        k = k_cache[:1, :, :smax].expand(B, -1, -1, -1)  # [B, Hkv, smax, D]
-        v = v_cache[:1, :, :smax].expand(B, -1, -1, -1)
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            out = F.scaled_dot_product_attention(q.view(B, Hkv, Hq // Hkv, D), k, v, scale=scale)
-        return out.reshape(B, Hq, D)
-
-    original = Attention.__dict__["attend"]  # the staticmethod itself (class access unwraps it)
-    Attention.attend = staticmethod(attend)
-    try:
-        yield
-    finally:
-        Attention.attend = original
 
 
 def transformers_batch_rates(
@@ -170,7 +129,7 @@ def run_batch_bench(
     specs: list[str],
     window: int = 32,
     repeats: int = 3,
-    peers: tuple[str, ...] = ("padded",),
+    peers: tuple[str, ...] = ("transformers",),
     peer_max_batch_tokens: int = 300_000,
     log: Callable[[str], None] = print,
 ) -> tuple[list[BatchResult], Ceilings]:
@@ -182,7 +141,7 @@ def run_batch_bench(
         raise UserError(f"unknown batch peer {unknown[0]!r}; known: {', '.join(BATCH_PEERS)}")
     batches = [(spec, parse_batch_spec(spec)) for spec in specs]
     ceilings = measure_ceilings(llm.device, 2.0 if llm.device.type == "cuda" else 0.25)
-    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.kv_bytes_per_token)
+    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.planner.kv_bytes_per_token)
     special = special_token_ids(llm)
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}
@@ -224,24 +183,10 @@ def run_batch_bench(
             f"{result.percent_of_roofline.median:.1f}% of the batched roofline "
             f"({result.roofline_tokens_per_s.median:,.0f} tok/s), prefill {prefill:.2f} s"
         )
-        if "padded" in peers:
-            peer = BatchPeerResult("padded")
-            try:
-                with padded_flash_attention(max(lengths) + new_tokens):
-                    _, times = timed_batch(llm, prompts, new_tokens)
-                peer.decode_tokens_per_s = Spread.of(
-                    [B * r for r in window_rates(times[WARM_STEPS:], window)]
-                )
-            except (RuntimeError, torch.OutOfMemoryError) as e:
-                peer.error = (
-                    out_of_memory_message(e) if isinstance(e, torch.OutOfMemoryError) else str(e)[:200]
-                )
-            result.peers.append(peer)
-            log(f"  {BATCH_PEERS['padded']}: {_summary(peer)}")
         results.append(result)
     if "transformers" in peers:
         _import_transformers()
-        llm.engine.release()
+        llm.release_cache()
         _free(llm.device)
         model = transformers_peer(llm)
         for result in results:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validate import check_sampling
+from .request import check_sampling
 
 GREEDY, SAMPLE, FILTER = "greedy", "sample", "filter"  # what a batch's decode step must do
 

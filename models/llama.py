@@ -199,11 +199,19 @@ class Transformer(nn.Module):
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
         start: int = 0,
+        between: Callable[[], None] | None = None,
+        unit_flops: float | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] at positions start..start+T-1 -> final-normed hidden [B, hidden] (last
         position) or [B, T, hidden]; fills cache positions start..start+T-1. start > 0 prefills a
         suffix after a prefix already in the cache: the new rows attend causally to themselves and
         fully to positions 0..start-1.
+
+        `between()` is called after each unit of work (a chunk of projections, an attention call, a
+        chunk of o_proj + MLP): the engine runs the decode steps of other sequences there, or stops
+        an aborted prefill by raising. `unit_flops` bounds a unit's work (FLOPs) so that those steps
+        come often: projection chunks shrink below `chunk`, and attention goes in blocks of query
+        rows (each block against every earlier key); None keeps whole-prompt attention calls.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is one square
@@ -226,34 +234,52 @@ class Transformer(nn.Module):
         if quantized:  # one layer's K and V, [B, Hkv, start + T, D] each, reused by every layer
             shape = (B, cfg.num_kv_heads, start + T, D)
             staging = [torch.empty(shape, dtype=x.dtype, device=x.device) for _ in "kv"]
+        end = start + T
+        rows = chunk if unit_flops is None else max(16, min(chunk, int(unit_flops / self.flops_per_row())))
+        # Query rows per attention call: all of them, or a block whose scores against every earlier
+        # key (2 dots of G x rows x end x D multiply-adds) stay within unit_flops.
+        block = T if unit_flops is None else max(64, int(unit_flops / (4 * G * D * end)))
+        pause = between or (lambda: None)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
             if quantized and start:
                 _dequantize_prefix(cache.layer(i), staging, start, chunk)
-            for s in range(0, T, chunk):
-                e = min(s + chunk, T)
+            for s in range(0, T, rows):
+                e = min(s + rows, T)
                 positions = torch.arange(start + s, start + e, device=x.device).expand(B, e - s)
                 cos, sin = self.rope.cos_sin(positions, seq_len)  # [B, c, D]
                 q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)  # [B, c, H, D]
                 q_all[:, :, s:e] = q.transpose(1, 2)
                 k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
                 v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
-            end = start + T
+                pause()
             for h in range(cfg.num_kv_heads):
-                group = q_all[:, h * G : (h + 1) * G]  # [B, G, T, D]
-                keys, values = k_cache[:, h : h + 1, :end], v_cache[:, h : h + 1, :end]  # [B, 1, end, D]
-                group.copy_(causal_attention(group, keys, values, attn.scale, backend))
+                for s in range(0, T, block):  # queries s..e-1 see keys 0..start+e-1, causally
+                    e = min(s + block, T)
+                    group = q_all[:, h * G : (h + 1) * G, s:e]  # [B, G, e - s, D]
+                    keys = k_cache[:, h : h + 1, : start + e]  # [B, 1, start + e, D]
+                    values = v_cache[:, h : h + 1, : start + e]
+                    group.copy_(causal_attention(group, keys, values, attn.scale, backend))
+                    pause()
             if quantized:
                 _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
-            for s in range(0, T, chunk):
-                e = min(s + chunk, T)
+            for s in range(0, T, rows):
+                e = min(s + rows, T)
                 out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
                 x[:, s:e] += attn.o_proj(out)
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
                 if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
                     on_progress(i * T + e, cfg.num_layers * T)
+                pause()
         return self.model.norm(x[:, -1] if last_only else x)
+
+    def flops_per_row(self) -> float:
+        """Multiply-adds x 2 of one prompt row through one layer's projections and MLP (what a
+        prefill chunk's size is weighed by; attention is weighed by its own blocks)."""
+        cfg = self.config
+        qkv_o = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        return 2.0 * (qkv_o + 3 * cfg.hidden_size * cfg.intermediate_size)
 
     def decode(
         self,

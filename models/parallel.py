@@ -158,14 +158,15 @@ class ParallelTransformer(Transformer):
     ) -> torch.Tensor:
         """As Transformer.decode; with cp > 1, the new K/V go to the rank whose range holds the
         position (the scratch row elsewhere) and attention runs over each rank's range. Under cp a
-        sequence owns its cache row (no `starts`: batches in regions of one row are not split)."""
+        sequence owns the whole row (the engine runs one sequence at a time under cp, in a cache of
+        exactly its positions), so `starts` (all 0) is not read."""
         if self.parallel.cp == 1:
             return super().decode(tokens, positions, cache, pdl, starts, active)
-        if starts is not None:
-            raise ValueError("context-parallel decode keeps each sequence in its own cache row (no starts)")
         span = cache.max_len - 1
         local = positions - self.parallel.cp_rank * span  # [B]
         held = (local >= 0) & (local < span)
+        if active is not None:  # an idle row (a graph's warm-up) writes only the scratch row
+            held = held & (active > 0)
         write_at = torch.where(held, local, span)  # [B] int64: the scratch row when not ours
         lengths = local.add(1).clamp(0, span).to(torch.int32)  # [B] our valid positions
         if active is not None:
@@ -181,10 +182,14 @@ class ParallelTransformer(Transformer):
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
         start: int = 0,
+        between: Callable[[], None] | None = None,
+        unit_flops: float | None = None,
     ) -> torch.Tensor:
         """As Transformer.prefill; with cp > 1, every rank prefills the prompt positions of its
         range (a fresh prompt: start must be 0, prefix reuse is off under cp), and every rank
-        returns the final-normed hidden of the last position (or of every position)."""
+        returns the final-normed hidden of the last position (or of every position). Ranks run one
+        request at a time, in step, so nothing runs `between` units (every rank must make the same
+        calls)."""
         if self.parallel.cp == 1:
             return super().prefill(tokens, cache, chunk, backend, last_only, on_progress, start)
         if start:

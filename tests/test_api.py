@@ -71,7 +71,7 @@ def test_chat_ids_match_transformers_template(llama, hf, messages):
     tok = hf.tokenizer(llama)
     ref = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     llm = load(llama)
-    ids = llm.encode_prompt(messages=messages)
+    ids = llm.encode(minidecode.Request(messages=messages).check())
     assert ids == list(ref)
     bos = tok.convert_tokens_to_ids("<|begin_of_text|>")
     assert ids[0] == bos and ids.count(bos) == 1  # the template writes BOS; no second one
@@ -85,7 +85,7 @@ def test_chat_ids_match_transformers_template(llama, hf, messages):
 def test_plain_prompt_gets_exactly_one_bos(llama, hf):
     tok = hf.tokenizer(llama)
     llm = load(llama)
-    ids = llm.encode_prompt(prompt=UNICODE_PROMPT)
+    ids = llm.encode(minidecode.Request(prompt=UNICODE_PROMPT).check())
     assert ids == tok(UNICODE_PROMPT).input_ids
     assert ids.count(tok.convert_tokens_to_ids("<|begin_of_text|>")) == 1
 
@@ -344,22 +344,26 @@ def test_rescoring_long_chunked_prompt(checkpoint_factory, hf, prompt_ids):
     torch.testing.assert_close(got, ours, rtol=0, atol=1e-4)
 
 
-def test_interleaved_streams_are_refused(llama, hf, prompt_ids):
-    """A second stream while one is running is refused (they would share the KV cache), and the
-    running stream is left intact."""
+def test_interleaved_streams_of_one_thread_both_run(llama, hf, prompt_ids):
+    """Two streams read in turn by one thread share the engine loop (one batch): each gets exactly
+    its own tokens."""
     a_ids, b_ids = prompt_ids(60, seed=30), prompt_ids(40, seed=31)
-    a_ref = hf.greedy(llama, a_ids, 20)
+    a_ref, b_ref = hf.greedy(llama, a_ids, 20), hf.greedy(llama, b_ids, 20)
     llm = load(llama)
     a = llm.stream(token_ids=a_ids, max_new_tokens=20, temperature=0, ignore_eos=True)
-    a_iter = iter(a)
+    a_events = a.events()
     for _ in range(3):
-        next(a_iter)
-    with pytest.raises(minidecode.UserError, match="generating"):
-        for _ in llm.stream(token_ids=b_ids, max_new_tokens=20, temperature=0, ignore_eos=True):
-            pass
-    for _ in a_iter:
+        next(a_events)
+    b = llm.stream(token_ids=b_ids, max_new_tokens=20, temperature=0, ignore_eos=True)
+    b_events = b.events()
+    for _ in zip(a_events, b_events, strict=False):
+        pass
+    for _ in a_events:
+        pass
+    for _ in b_events:
         pass
     assert a.result.token_ids == a_ref
+    assert b.result.token_ids == b_ref
 
 
 # ---- the one-call function -------------------------------------------------------------------

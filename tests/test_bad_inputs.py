@@ -333,8 +333,9 @@ def test_nonsensical_sampling_values(llm, model_dir, name, value, match):
 
 def test_kv_cache_that_does_not_fit(llm, model_dir):
     match = (
-        r"KV cache for 1,000,000,000,000 tokens needs [\d,.]+ GiB plus [\d,.]+ GiB of activations, "
-        r"but only [\d,.]+ GiB is free on cpu"
+        r"a context of 1,000,000,000,000 tokens needs [\d,.]+ GiB of KV cache plus [\d,.]+ GiB of "
+        r"activations, but only [\d,.]+ GiB is free on cpu beside the weights \([\d.]+ GiB\); about "
+        r"[1-9][\d,]{6,} tokens fit"  # millions fit in GiBs of host memory (not "0": planner's fit)
     )
     api_error(lambda: llm.generate("hi", max_context=10**12, allow_extrapolation=True), match)
     cli_error(gen_args(model_dir, "-p", "hi", "--max-context", 10**12, "--allow-extrapolation"), match)
@@ -348,7 +349,7 @@ def test_other_bad_requests(llm, model_dir):
     api_error(lambda: llm.generate("hi", stop=["ok", ""]), r"stop strings must be non-empty")
     api_error(lambda: llm.generate(token_ids=[5, 384]), r"token ids out of range \[0, 384\): \[384\]")
     api_error(lambda: llm.generate(token_ids=[-1]), r"token ids out of range")
-    api_error(lambda: llm.generate(messages=[{"text": "hi"}]), r"messages must be a list of")
+    api_error(lambda: llm.generate(messages=[{"text": "hi"}]), r"messages\[0\]\.role must be a string")
     api_error(lambda: llm.generate("hi", messages=[{"role": "user", "content": "hi"}]), r"exactly one of")
     api_error(lambda: LLM(model_dir, device="cpu", dtype="int8"), r"unknown dtype 'int8'")
     api_error(lambda: LLM(model_dir, device="tpu"), r"unknown device|unsupported device")
@@ -412,6 +413,84 @@ def test_api_values_of_the_wrong_type(llm):
     api_error(lambda: llm.generate("hi", stop=[3]), r"stop must be a string or a list of strings")
 
 
+# Each field takes exactly its type: a string "false" is not a boolean, a dict is not a stop list.
+WRONG_TYPES = [
+    ("allow_extrapolation", "false", r"allow_extrapolation must be true or false, got 'false'"),
+    ("ignore_eos", "false", r"ignore_eos must be true or false, got 'false'"),
+    ("logprobs", "no", r"logprobs must be true or false, got 'no'"),
+    ("reuse_prefix", "no", r"reuse_prefix must be true or false, got 'no'"),
+    ("logprobs", 1, r"logprobs must be true or false, got 1"),
+    ("stop", {"y": 1}, r"stop must be a string or a list of strings"),
+    ("stop", 5, r"stop must be a string or a list of strings, got 5"),
+    ("stop", True, r"stop must be a string or a list of strings, got True"),
+    ("max_context", "600", r"max_context must be an integer"),
+    ("seed", 1.5, r"seed must be an integer"),
+    ("top_p", "0.9", r"top_p must be a number"),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"), WRONG_TYPES, ids=[f"{f}={v!r}" for f, v, _ in WRONG_TYPES]
+)
+def test_a_field_of_the_wrong_type_is_one_error(llm, model_dir, tmp_path, field, value, match):
+    """In the API a UserError; in a batch line that line's {"error"} while the others run."""
+    api_error(lambda: llm.generate("hi", max_new_tokens=2, **{field: value}), match)
+    lines = [{"prompt": "hi", field: value}, {"prompt": "x = 1", "max_new_tokens": 2}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = CliRunner().invoke(app, ["batch", str(model_dir), str(path), "--device", "cpu", "--no-progress"])
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.exit_code == 1, result.stderr
+    bad, good = sorted(records, key=lambda r: r["line"])
+    assert re.search(match, bad["error"]) and "error" not in good and good["finish_reason"] == "length"
+
+
+def test_batch_under_torchrun_is_refused_in_one_line(model_dir, tmp_path):
+    """`minidecode batch` is one process: started by torchrun (WORLD_SIZE > 1) it refuses rather than
+    run every rank in full and write the same output file from each."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    result = CliRunner().invoke(app, ["batch", str(model_dir), str(path), "-o", str(out)], env=env)
+    assert result.exit_code == 2 and not out.exists()
+    assert result.stderr.strip().splitlines() == [
+        "error: batch runs in one process: start it without torchrun (--tp / --cp are for generate)"
+    ]
+
+
+def test_an_unwritable_save_path_is_refused_before_prefill(model_dir, tmp_path, monkeypatch):
+    """--save-cache into a folder that refuses files fails before the model loads, not after."""
+    import tempfile
+
+    from minidecode import llm as llm_module
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = tempfile.TemporaryFile
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == locked:
+            raise OSError(30, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(llm_module, "LLM", None)  # loading the model would fail the test
+    result = CliRunner().invoke(
+        app,
+        ["generate", str(model_dir), "--device", "cpu", "-p", "x", "--save-cache", str(locked / "c.cache")],
+    )
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: cannot write {locked / 'c.cache'}: Read-only file system"
+    dir_result = CliRunner().invoke(
+        app, ["generate", str(model_dir), "--device", "cpu", "-p", "x", "--load-cache", str(tmp_path)]
+    )
+    assert dir_result.exit_code == 2
+    assert dir_result.stderr.strip() == (
+        f"error: cache file {tmp_path} is a directory; give a file saved by --save-cache"
+    )
+
+
 def test_max_context_wording(llm, model_dir):
     match = r"a context of 600 positions \(max_context, else prompt \+ max_new_tokens\) exceeds the 512"
     api_error(lambda: llm.generate("hi", max_new_tokens=4, max_context=600), match)
@@ -419,7 +498,10 @@ def test_max_context_wording(llm, model_dir):
 
 
 def test_huge_prompt_tokens_is_refused_by_the_memory_plan(model_dir):
-    match = r"a 99,999,999,999-token prompt needs [\d,.]+ GiB .* but only [\d,.]+ GiB is free on cpu"
+    match = (
+        r"a context of 100,000,000,255 tokens needs [\d,.]+ GiB of KV cache .* but only [\d,.]+ GiB is "
+        r"free on cpu"
+    )
     cli_error(gen_args(model_dir, "--prompt-tokens", 99999999999), match)
 
 

@@ -1,16 +1,16 @@
 """Batched generation on the CPU against transformers (fp32): a ragged batch yields, per request,
 exactly the tokens the request yields alone; the order and company of a batch do not matter;
-continuous batching refills rows and regions; refused requests do not stop the others."""
+continuous batching refills rows and regions; refused requests do not stop the others; the cache
+is sized within the memory it may take."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minidecode import LLM, PromptRequest
-from minidecode import batching as batching_module
-from minidecode.batching import Regions
-from minidecode.engine import Request, activation_bytes
+from minidecode import LLM, Request
+from minidecode import engine as engine_module
+from minidecode.cache import Regions
 from minidecode.kernels.quant import V_BLOCK
 from minidecode.models.llama import Attention
 
@@ -37,7 +37,7 @@ def test_ragged_batch_equals_transformers_alone(llama, hf, ragged):
     """Each request of a ragged batch (lengths 5-120, max_new_tokens 1-20, eos honoured) gets
     transformers' greedy tokens for it alone."""
     llm = load(llama)
-    items = [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in ragged]
+    items = [Request(token_ids=ids, max_new_tokens=m) for ids, m in ragged]
     results = llm.generate(items, temperature=0)
     for (ids, m), result in zip(ragged, results, strict=True):
         assert result.token_ids == hf.greedy(llama, ids, m, eos=True)
@@ -54,8 +54,8 @@ def test_order_and_batch_size_do_not_matter(llama, ragged, max_batch):
         llm.generate(token_ids=ids, max_new_tokens=m, temperature=0, ignore_eos=True).token_ids
         for ids, m in ragged
     ]
-    items = [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in ragged][::-1]
-    results = llm.generate(items, temperature=0, ignore_eos=True, max_batch=max_batch)
+    items = [Request(token_ids=ids, max_new_tokens=m) for ids, m in ragged][::-1]
+    results = load(llama, max_batch=max_batch).generate(items, temperature=0, ignore_eos=True)
     assert [r.token_ids for r in results][::-1] == alone
 
 
@@ -66,12 +66,10 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llama, ragged):
     ids = ragged[0][0]
     kw = dict(temperature=1.0, top_k=50, top_p=0.9, max_new_tokens=16, ignore_eos=True)
     alone = llm.generate(token_ids=ids, seed=7, **kw).token_ids
-    target = PromptRequest(token_ids=ids, seed=7)
-    others = [PromptRequest(token_ids=o, seed=i) for i, (o, _) in enumerate(ragged[1:])]
+    target = Request(token_ids=ids, seed=7)
+    others = [Request(token_ids=o, seed=i) for i, (o, _) in enumerate(ragged[1:])]
     first = llm.generate([target, *others], **kw)[0].token_ids
-    last = llm.generate([*others[:2], PromptRequest(token_ids=ids, temperature=0), target], **kw)[
-        -1
-    ].token_ids
+    last = llm.generate([*others[:2], Request(token_ids=ids, temperature=0), target], **kw)[-1].token_ids
     assert alone == first == last
     assert llm.generate(token_ids=ids, seed=8, **kw).token_ids != alone  # another seed, other tokens
 
@@ -84,9 +82,9 @@ def test_per_request_settings_stop_strings_and_streaming(llama):
     stop = text[6:9]
     assert stop and stop not in text[:6]
     items = [
-        PromptRequest(prompt="Hello", stop=[stop], max_new_tokens=24),
-        PromptRequest(prompt="Hello", max_new_tokens=5),
-        PromptRequest(prompt="Hello", temperature=1.0, seed=3, max_new_tokens=8),
+        Request(prompt="Hello", stop=[stop], max_new_tokens=24),
+        Request(prompt="Hello", max_new_tokens=5),
+        Request(prompt="Hello", temperature=1.0, seed=3, max_new_tokens=8),
     ]
     pieces: dict[int, str] = {}
     finished = []
@@ -110,25 +108,20 @@ def test_refused_requests_get_error_results_and_the_others_run(llama, ragged, mo
     ids, m = ragged[0]
     alone = llm.generate(token_ids=ids, max_new_tokens=m, temperature=0, ignore_eos=True).token_ids
     engine = llm.engine
-    reserved = activation_bytes(
-        llm.config, len(ids), engine.prefill_chunk, llm.dtype, llm.device, llm.kv_dtype
-    )
-    reserved += batching_module.DEFAULT_MAX_BATCH * llm.config.vocab_size * 32
-    real_free = batching_module.free_memory
+    reserved = engine.planner.activations(len(ids))
+    llm.release_cache()
     # Memory for 300 positions beside the activations: a 400-token request cannot fit.
-    monkeypatch.setattr(
-        batching_module, "free_memory", lambda device: reserved + 300 * engine.kv_bytes_per_token
-    )
+    budget = reserved + 300 * engine.planner.kv_bytes_per_token
+    monkeypatch.setattr(engine_module, "free_memory", lambda device: budget - engine.cache_bytes)
     items = [
-        PromptRequest(token_ids=ids, max_new_tokens=m),
-        PromptRequest(prompt=""),
-        PromptRequest(prompt="x", temperature=-1.0),
-        PromptRequest(prompt="x", max_new_tokens=MAX_POS + 10),
-        PromptRequest(token_ids=ids, max_new_tokens=400 - len(ids)),
+        Request(token_ids=ids, max_new_tokens=m),
+        Request(prompt=""),
+        Request(prompt="x", temperature=-1.0),
+        Request(prompt="x", max_new_tokens=MAX_POS + 10),
+        Request(token_ids=ids, max_new_tokens=400 - len(ids)),
         {"prompt": "x", "colour": "red"},
     ]
     results = llm.generate(items, temperature=0, ignore_eos=True)
-    monkeypatch.setattr(batching_module, "free_memory", real_free)
     assert results[0].token_ids == alone and results[0].error is None
     errors = [r.error for r in results[1:]]
     assert all(r.finish_reason == "error" for r in results[1:])
@@ -143,7 +136,7 @@ def test_fp8_cache_batch_equals_fp8_alone(llama, ragged):
         for ids, m in ragged
     ]
     results = llm.generate(
-        [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in ragged], temperature=0, ignore_eos=True
+        [Request(token_ids=ids, max_new_tokens=m) for ids, m in ragged], temperature=0, ignore_eos=True
     )
     assert [r.token_ids for r in results] == alone
     assert all(r.stats.kv_cache_dtype == "fp8_e4m3" for r in results)
@@ -153,7 +146,6 @@ def test_fp8_batch_regions_start_on_v_blocks(llama, ragged, monkeypatch):
     """With an FP8 cache every region is sized up to whole V blocks, so each sequence's start (what
     the decode kernel finds its V blocks from) is a multiple of V_BLOCK, also when finished
     regions are reused (max_batch 2)."""
-    llm = load(llama, kv_cache_dtype="fp8")
     seen, attend = [], Attention.attend
 
     def recording_attend(q, k_cache, v_cache, lengths, scale, **kwargs):
@@ -161,42 +153,44 @@ def test_fp8_batch_regions_start_on_v_blocks(llama, ragged, monkeypatch):
         return attend(q, k_cache, v_cache, lengths, scale, **kwargs)
 
     monkeypatch.setattr(Attention, "attend", staticmethod(recording_attend))
-    items = [PromptRequest(token_ids=ids, max_new_tokens=m) for ids, m in ragged]
-    results = llm.generate(items, temperature=0, ignore_eos=True, max_batch=2)
+    items = [Request(token_ids=ids, max_new_tokens=m) for ids, m in ragged]
+    results = load(llama, kv_cache_dtype="fp8", max_batch=2).generate(items, temperature=0, ignore_eos=True)
     assert all(r.error is None for r in results)
     starts = torch.cat(seen)
     assert len(set(starts.tolist())) >= 3 and bool((starts % V_BLOCK == 0).all()), starts.unique()
 
 
-def test_fp8_batch_cache_rounds_to_v_blocks_within_its_memory(llama, monkeypatch):
-    """Memory for 300 positions: the FP8 batch cache holds regions up to 256 positions (whole V
-    blocks) plus the idle slots' spare position on a block of its own, and its bytes, V's padding
-    included, stay within that memory; a request needing more than 256 is refused."""
+def test_fp8_cache_rounds_to_v_blocks_within_its_memory(llama, monkeypatch):
+    """Memory for 300 positions: a request needing more (263 positions -> 320 in whole V blocks)
+    is refused, the other runs in a cache of whole V blocks (its 128 positions, then the idle
+    rows' spare block) whose bytes, V's padding included, stay within that memory."""
     llm = load(llama, kv_cache_dtype="fp8")
-    engine, cfg = llm.engine, llm.config
-    requests = [Request([1, 2, 3], max_new_tokens=120), Request([1, 2, 3], max_new_tokens=260)]
-    budget = 300 * engine.kv_bytes_per_token
-    reserved = activation_bytes(cfg, 3, engine.prefill_chunk, llm.dtype, llm.device, llm.kv_dtype)
-    reserved += 2 * cfg.vocab_size * 32
-    monkeypatch.setattr(batching_module, "free_memory", lambda device: reserved + budget)
-    batch = batching_module.Batch(engine, requests, max_batch=2)
-    assert list(batch._refusals()) == []
-    (refused,) = list(batch._allocate())
-    assert refused.index == 1 and "only 256 tokens" in refused.error
-    assert batch.spare == 256 and batch._cache.max_len == 257
-    assert batch._cache.v.shape[3] == 5 and batch._cache.nbytes <= budget
-    assert batch._state.starts.eq(256).all()  # idle slots write the spare position, a block start
+    engine = llm.engine
+    planner = engine.planner
+    budget = 300 * planner.kv_bytes_per_token
+    reserved = planner.activations(3)
+    monkeypatch.setattr(engine_module, "free_memory", lambda device: reserved + budget - engine.cache_bytes)
+    requests = [
+        Request(token_ids=[1, 2, 3], max_new_tokens=120),
+        Request(token_ids=[1, 2, 3], max_new_tokens=260),
+    ]
+    results = llm.generate(requests, temperature=0, ignore_eos=True)
+    assert results[0].error is None and len(results[0].token_ids) == 120
+    assert "263 tokens" in results[1].error and "KV cache" in results[1].error
+    assert engine.capacity == 128 and engine.cache.max_len == 192  # the spare granule after the regions
+    assert engine.cache.v.shape[3] == 3 and engine.cache.nbytes <= budget
+    assert engine.state.starts.eq(128).all()  # idle rows write the spare granule, a block start
 
 
-def test_single_requests_work_after_a_batch(llama, prompt_ids):
-    """The batch frees its cache; the next single request allocates its own (and prefix reuse
-    starts afresh)."""
+def test_single_requests_reuse_what_a_batch_left(llama, prompt_ids):
+    """A batch's finished sequences stay in the cache as prefixes: a single request that starts
+    like one of them reuses it and gets the tokens of a fresh run."""
     llm = load(llama)
     ids = prompt_ids(30, seed=3)
-    before = llm.generate(token_ids=ids, max_new_tokens=6, temperature=0, ignore_eos=True).token_ids
+    fresh = load(llama).generate(token_ids=ids, max_new_tokens=6, temperature=0, ignore_eos=True).token_ids
     llm.generate([ids, prompt_ids(10, seed=4)], max_new_tokens=4)
     after = llm.generate(token_ids=ids, max_new_tokens=6, temperature=0, ignore_eos=True)
-    assert after.token_ids == before and after.stats.reused_tokens == 0
+    assert after.token_ids == fresh and after.stats.reused_tokens == len(ids) - 1
 
 
 def test_regions_first_fit_and_merge():
@@ -219,7 +213,7 @@ def test_batch_api_rejects_bad_calls(llama):
     llm = load(llama)
     with pytest.raises(UserError, match="non-empty list"):
         llm.generate([])
-    with pytest.raises(UserError, match="unknown batch settings"):
+    with pytest.raises(UserError, match="unknown batch settings colour"):
         llm.generate(["a"], colour="red")
     with pytest.raises(UserError, match="temperature"):
         llm.generate(["a"], temperature=-2)

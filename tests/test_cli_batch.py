@@ -110,7 +110,7 @@ def test_bad_lines_get_errors_the_others_their_answers(model_dir, references, tm
     assert set(results[3]) == {"id", "line", "error"} and results[3]["id"] == 3
     assert errors[3].startswith("not valid JSON")
     assert errors[6] == "the prompt is empty"
-    assert "unknown request fields temprature" in errors[7]
+    assert "unknown request field 'temprature'" in errors[7]
     assert "100,000 positions" in errors[8] and "exceeds the 512" in errors[8]
     assert errors[9].startswith("not a JSON object")
     assert "1,000,00" in errors[10] and "exceeds the 512" in errors[10]

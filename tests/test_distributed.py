@@ -18,6 +18,7 @@ from conftest import random_ids
 from helpers import max_rel_err
 
 from minidecode import LLM, UserError
+from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
 from minidecode.distributed import merge_partials, shard_plan
 from minidecode.kernels import ops
@@ -68,7 +69,9 @@ def decode_logits(llm: LLM, prompt: list[int], steps: int) -> torch.Tensor:
     step's, through the model's own prefill and decode (the engine's step without sampling)."""
     model, engine = llm.model, llm.engine
     with torch.inference_mode():
-        cache = engine._new_cache(len(prompt) + steps)
+        cfg, positions = model.config, model.cache_len(len(prompt) + steps)
+        layout = (cfg.num_layers, 1, cfg.num_kv_heads, positions, cfg.head_dim)
+        cache = KVCache(*layout, engine.kv_dtype, llm.device)
         hidden = model.prefill(torch.tensor([prompt]), cache, engine.prefill_chunk)
         logits = [model.logits(hidden)]
         position = torch.tensor([len(prompt)])
@@ -358,7 +361,7 @@ def test_info_plans_each_gpu():
     projections, the whole embedding, a quarter of the lm_head's 128,256 rows, rounded up) and
     KV cache (2 of the 8 KV heads), counted here from the published shape; `--cp 4` holds a
     quarter of the positions (plus one scratch row)."""
-    from minidecode.llm import describe
+    from minidecode.info import describe
 
     h, inter, layers, vocab, d = 8192, 28672, 80, 128256, 128
     per_layer = h * d * (16 + 2 + 2 + 16) + 3 * h * inter // 4 + 2 * h  # q, k, v, o; MLP; norms

@@ -347,7 +347,7 @@ def cli(*args: str):
 def test_memory_plan_stats_and_json_name_the_cache_dtype(tiny_llama):
     llm = LLM(tiny_llama, device="cpu", kv_cache_dtype="fp8")
     cfg = llm.config
-    plan = llm.engine.plan(1000, 10)
+    plan = llm.engine.planner.plan(1000, 10)
     assert plan.kv_cache_dtype == "fp8_e4m3"
     per_head_layer = 1000 * 2 * (cfg.head_dim + 2) + (1024 - 1000) * cfg.head_dim  # V padded to 16 blocks
     assert plan.kv_cache_bytes == cfg.num_layers * cfg.num_kv_heads * per_head_layer

@@ -19,8 +19,9 @@ from helpers import max_rel_err
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from minidecode import LLM, UserError
+from minidecode import LLM, Request, UserError
 from minidecode import cache_file as cache_file_module
+from minidecode.cache import KVCache
 from minidecode.cache_file import read_cache_file
 from minidecode.kernels.quant import V_BLOCK, read_v_rows, v_blocks
 from minidecode_cli.cli import app
@@ -43,6 +44,12 @@ def load(model_dir, **kw) -> LLM:
 
 def greedy(llm: LLM, ids: list[int], **kw):
     return llm.generate(token_ids=ids, max_new_tokens=NEW, temperature=0, ignore_eos=True, **kw)
+
+
+def cached(llm: LLM) -> tuple[list[int], KVCache]:
+    """The last finished request's cached ids and its region of the cache."""
+    prefix = llm.loop.scheduler.latest()
+    return (prefix.ids, llm.engine.region(prefix.start, prefix.size)) if prefix else ([], None)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -79,7 +86,7 @@ def test_suffix_prefill_logits_equal_a_full_pass(model_dir, hf):
     prompt, c = DOC + QUESTION_B, len(DOC)
     with torch.inference_mode():
         suffix = torch.tensor([prompt[c:]])
-        hidden = llm.model.prefill(suffix, llm.engine.cache, 7, last_only=False, start=c)  # 7: odd chunks
+        hidden = llm.model.prefill(suffix, cached(llm)[1], 7, last_only=False, start=c)  # 7: odd chunks
         logits = llm.model.logits(hidden[0])
     assert max_rel_err(logits, hf.logits(model_dir, prompt)[c:]) <= 1e-4
 
@@ -90,11 +97,11 @@ def test_three_turn_chat_through_reuse_equals_fresh_runs(model_dir, hf):
     previous_prompt: list[int] = []
     for question in ["Hello there!", "And 長文脈?", "One more 🙂"]:
         messages.append({"role": "user", "content": question})
-        ids = llm.encode_prompt(messages=messages)
-        cached = list(llm.engine.cached_ids)
+        ids = llm.encode(Request(messages=messages).check())
+        before = list(cached(llm)[0])
         out = llm.generate(messages=messages, max_new_tokens=NEW, temperature=0, max_context=400)
         assert out.token_ids == hf.greedy(model_dir, ids, NEW, eos=True)
-        assert out.stats.reused_tokens == min(common_prefix(cached, ids), len(ids) - 1)
+        assert out.stats.reused_tokens == min(common_prefix(before, ids), len(ids) - 1)
         assert out.stats.reused_tokens >= len(previous_prompt)  # the earlier turns cost nothing
         previous_prompt = ids
         messages.append({"role": "assistant", "content": out.text})
@@ -109,18 +116,19 @@ def test_prompt_diverging_mid_cache_reuses_exactly_the_common_part(model_dir, hf
     assert out.token_ids == hf.greedy(model_dir, prompt, NEW)
 
 
-def test_generated_tokens_are_reused_but_not_the_last(model_dir, hf):
-    """The answer's tokens fed back to decode steps are cached; the last one never was."""
+def test_generated_tokens_are_reused(model_dir, hf):
+    """The answer's tokens fed back to decode steps are cached (the last one too: a step ran with
+    it while it was handed out)."""
     llm = load(model_dir)
     first = greedy(llm, DOC, max_context=400)
-    assert llm.engine.cached_ids == DOC + first.token_ids[:-1]
+    assert cached(llm)[0] == DOC + first.token_ids
     prompt = DOC + first.token_ids + QUESTION_A
     out = greedy(llm, prompt, max_context=400)
-    assert out.stats.reused_tokens == len(DOC) + NEW - 1
+    assert out.stats.reused_tokens == len(DOC) + NEW
     assert out.token_ids == hf.greedy(model_dir, prompt, NEW)
 
 
-def test_off_switches_and_a_cache_too_small(model_dir):
+def test_off_switches_and_a_region_too_small(model_dir, hf):
     prompt = DOC + QUESTION_B
     off = load(model_dir, prefix_reuse=False)
     greedy(off, DOC + QUESTION_A, max_context=400)
@@ -129,8 +137,9 @@ def test_off_switches_and_a_cache_too_small(model_dir):
     greedy(llm, DOC + QUESTION_A, max_context=400)
     assert greedy(llm, prompt, max_context=400, reuse_prefix=False).stats.reused_tokens == 0
     llm = load(model_dir)
-    greedy(llm, DOC + QUESTION_A)  # a cache of exactly prompt + new positions
-    assert greedy(llm, prompt).stats.reused_tokens == 0  # needs more: reallocated, prefilled in full
+    greedy(llm, DOC + QUESTION_A)  # a region of exactly prompt + new positions
+    out = greedy(llm, prompt)  # needs more: the prefix is copied into a larger region
+    assert out.stats.reused_tokens == len(DOC) and out.token_ids == hf.greedy(model_dir, prompt, NEW)
 
 
 @pytest.mark.parametrize("rope", ["dynamic", "longrope"])
@@ -165,11 +174,8 @@ def saved(model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("cache") / "doc.safetensors"
     size = llm.save_cache(path)
     assert size == path.stat().st_size
-    return (
-        path,
-        list(llm.engine.cached_ids),
-        llm.engine.cache.k[:, :, :, : len(llm.engine.cached_ids)].clone(),
-    )
+    ids, region = cached(llm)
+    return path, list(ids), region.k[:, :, :, : len(ids)].clone()
 
 
 def test_cache_file_is_safetensors_of_the_valid_positions(saved):
@@ -271,18 +277,44 @@ def test_bad_cache_files_are_refused_in_one_line(saved, tmp_path, checkpoint_fac
         assert path.read_bytes() == before and keep.read_bytes() == b"an earlier cache", name
 
 
-def test_cache_dtype_and_context_mismatches(saved, model_dir):
+def test_load_into_a_warm_model_then_save_and_ask_again(model_dir, saved, hf, tmp_path):
+    """load_cache into a model that already holds a cache: the next request reads the file, a save
+    after it writes that request's cache, and the request after reads no stale file data."""
+    path, ids, _ = saved
+    llm = load(model_dir)
+    greedy(llm, QUESTION_A + DOC[:50], max_context=400)  # warm: a cache of another prompt
+    assert llm.load_cache(path) == len(ids)
+    prompt = DOC + QUESTION_B
+    out = greedy(llm, prompt)
+    assert out.stats.reused_tokens == len(DOC) and out.token_ids == hf.greedy(model_dir, prompt, NEW)
+    again = tmp_path / "again.cache"
+    llm.save_cache(again)
+    with safe_open(again, "pt") as f:
+        assert f.get_tensor("token_ids").tolist() == prompt + out.token_ids
+    longer = prompt + out.token_ids + QUESTION_A
+    last = greedy(llm, longer)
+    assert last.stats.reused_tokens == len(prompt) + NEW and last.token_ids == hf.greedy(
+        model_dir, longer, NEW
+    )
+
+
+def test_an_unrelated_prompt_after_a_load_just_runs(saved, model_dir):
+    """A loaded cache longer than the next request's context does not refuse it: nothing of it is
+    reused, the request runs."""
+    path, ids, _ = saved
+    result = invoke(
+        "generate", model_dir, "--device", "cpu", "-p", "x = 1", "-n", 2, "--load-cache", path, "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["stats"]["reused_tokens"] == 0
+
+
+def test_cache_dtype_mismatch_and_reuse_off(saved, model_dir):
     path, ids, _ = saved
     with pytest.raises(UserError, match=r"holds a float32 cache, but this model's cache is bfloat16"):
         LLM(model_dir, device="cpu", dtype="bfloat16").load_cache(path)
     with pytest.raises(UserError, match=r"prefix reuse is off"):
         load(model_dir, prefix_reuse=False).load_cache(path)
-    result = invoke("generate", model_dir, "--device", "cpu", "-p", "x = 1", "-n", 2, "--load-cache", path)
-    assert result.exit_code == 2
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith(
-        f"error: the loaded cache holds {len(ids)} tokens, more than this request's context"
-    )
 
 
 def test_a_failed_write_leaves_no_file(model_dir, tmp_path, monkeypatch):
@@ -307,7 +339,7 @@ def test_a_failed_write_leaves_no_file(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(cache_file_module, "_write_tensor", original)
     llm.save_cache(target)
     with safe_open(target, "pt") as f:
-        assert f.get_tensor("token_ids").tolist() == llm.engine.cached_ids
+        assert f.get_tensor("token_ids").tolist() == cached(llm)[0]
 
 
 def readme_commands(prefix: str) -> list[str]:
@@ -373,12 +405,13 @@ def test_fp8_cache_file_holds_v_blocks_and_loads_them_exactly(model_dir, tmp_pat
     bytes), and reading it back, whole or a prefix that ends inside a block, restores every valid
     position's K, V and scales."""
     llm = load(model_dir, kv_cache_dtype="fp8")
-    greedy(llm, DOC + QUESTION_A, max_context=400)
+    greedy(llm, DOC + QUESTION_A[:5], max_context=400)  # 313 positions: 4 blocks and 57
     path = tmp_path / "doc.cache"
     llm.save_cache(path)
-    cache, n = llm.engine.cache, len(llm.engine.cached_ids)
+    ids, cache = cached(llm)
+    n = len(ids)
     blocks = v_blocks(n)
-    assert n % V_BLOCK and cache.v.shape[3] > blocks  # a partial last block, more blocks in the cache
+    assert n % V_BLOCK and cache.v.shape[3] > blocks  # a partial last block, more blocks in the region
     with safe_open(path, "pt") as f:
         assert f.metadata()["cache_dtype"] == "float8_e4m3fn"
         v = f.get_tensor("v")
@@ -386,9 +419,11 @@ def test_fp8_cache_file_holds_v_blocks_and_loads_them_exactly(model_dir, tmp_pat
         assert torch.equal(v.view(torch.uint8), cache.v[:, :, :, :blocks].view(torch.uint8))
     fresh = load(model_dir, kv_cache_dtype="fp8")
     assert fresh.load_cache(path) == n
+    (loaded,) = fresh.loop.scheduler.prefixes
+    cfg = fresh.config
     for count in (n, 100):
-        target = fresh.engine._new_cache(400)
-        read_cache_file(fresh.engine.loaded, target.region(0, count).tensors())
+        target = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, 400, cfg.head_dim, fresh.kv_dtype, "cpu")
+        read_cache_file(loaded.file, target.region(0, count).tensors())
         for name in ("k", "kv_scale"):
             got, want = (getattr(c, name)[:, :, :, :count] for c in (target, cache))
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
@@ -402,14 +437,15 @@ def test_older_fp8_cache_files_are_refused_other_dtypes_load(model_dir, saved, t
     file of another dtype has today's layout and loads."""
     llm = load(model_dir, kv_cache_dtype="fp8")
     greedy(llm, DOC, max_context=400)
-    cache, n = llm.engine.cache, len(llm.engine.cached_ids)
+    ids, cache = cached(llm)
+    n = len(ids)
     written = tmp_path / "fp8.cache"
     llm.save_cache(written)
     with safe_open(written, "pt") as f:
         meta = f.metadata()
     by_position = dict(cache.region(0, n).tensors(), v=read_v_rows(cache.v, 0, n))  # format 1's V
     old = tmp_path / "fp8-v1.cache"
-    cache_file_module.write_cache_file(old, by_position, llm.engine.cached_ids, meta)
+    cache_file_module.write_cache_file(old, by_position, ids, meta)
     rewrite_header(old, old, lambda h: h["__metadata__"].update(format_version="1"))
     with pytest.raises(UserError) as refused:
         load(model_dir, kv_cache_dtype="fp8").load_cache(old)

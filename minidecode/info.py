@@ -1,0 +1,141 @@
+"""What runs where: the device, dtypes and synthetic shapes a model is loaded with, and what
+`minidecode info` prints (architecture, size and the memory plan, without loading weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .cache import FP8, kv_dtype_name
+from .config import ModelConfig
+from .errors import UserError
+from .loading import DEFAULT_MODEL, resolve_model_dir
+from .memory import Planner, default_prefill_chunk, gib
+from .validate import check_kv_cache_dtype_name
+
+SYNTHETIC = "synthetic:"
+DTYPES = {  # name -> dtype, with short aliases
+    **dict.fromkeys(("float32", "fp32"), torch.float32),
+    **dict.fromkeys(("float16", "fp16"), torch.float16),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device 'cuda' was asked for but no CUDA GPU is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {device!r} (use cpu, cuda or cuda:N)")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:  # bf16 where it is fast, float32 on the CPU (where bf16 matmuls are slow)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise UserError(f"unsupported dtype {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """`auto` -> the model's dtype; `fp8` -> float8_e4m3fn, which a CUDA GPU must be able to
+    convert (compute capability 8.9+: Ada, Hopper and later)."""
+    if check_kv_cache_dtype_name(kv_cache_dtype) == "auto":
+        return dtype
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise UserError(
+                f"an FP8 KV cache needs a GPU with FP8 conversion (compute capability 8.9 or newer); "
+                f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use --kv-cache-dtype auto"
+            )
+    return FP8
+
+
+def synthetic_config(name: str) -> ModelConfig:
+    from minidecode.models.presets import PRESETS, preset_config
+
+    preset = name.removeprefix(SYNTHETIC)
+    if preset not in PRESETS:
+        raise UserError(f"unknown synthetic model {preset!r}; known: {', '.join(PRESETS)}")
+    return preset_config(preset)
+
+
+def describe(
+    model: str | Path | None,
+    context: int | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    prefill_chunk: int | None = None,
+    kv_cache_dtype: str = "auto",
+    tp: int = 1,
+    cp: int = 1,
+) -> str:
+    """What `minidecode info` prints: architecture, size, context and a memory plan (no weights
+    loaded); with tp x cp > 1, the plan of each GPU (rank 0's: every rank holds as much)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    kv_dt = resolve_kv_cache_dtype(kv_cache_dtype, dev, dt)
+    if model is not None and str(model).startswith(SYNTHETIC):
+        cfg, source = synthetic_config(str(model)), "random weights (synthetic)"
+    else:
+        model_dir = resolve_model_dir(DEFAULT_MODEL if model is None else model)
+        cfg, source = ModelConfig.from_file(model_dir / "config.json"), str(model_dir)
+    context = cfg.max_position_embeddings if context is None else context
+    if context < 1:
+        raise UserError(f"context must be >= 1, got {context}")
+    weights = cfg.num_parameters() * dt.itemsize
+    rank_cfg, positions, parallel, plan_weights = cfg, context, None, weights
+    if (tp, cp) != (1, 1):
+        from minidecode.models.parallel import rank_weight_bytes
+
+        from .distributed import rank_config, rank_positions, shard_plan
+
+        shard = shard_plan(cfg, tp, 0)
+        rank_cfg, plan_weights = rank_config(cfg, shard), rank_weight_bytes(cfg, shard, tp, dt.itemsize)
+        positions = rank_positions(context, cp)
+        parallel = (
+            f"parallel     tp {tp} x cp {cp} = {tp * cp} GPUs (torchrun); each GPU holds "
+            f"{rank_cfg.num_heads} q / {rank_cfg.num_kv_heads} kv heads, MLP {rank_cfg.intermediate_size}, "
+            f"{'the whole vocabulary' if tp == 1 else f'{shard.vocab_rows:,} vocabulary rows'} "
+            f"and {positions:,} cache positions"
+        )
+    planner = Planner(rank_cfg, dt, kv_dt, dev, prefill_chunk or default_prefill_chunk(dev), plan_weights)
+    plan = planner.plan(positions, context)
+    kv, act, free = plan.kv_cache_bytes, plan.activation_bytes, plan.free_bytes
+    kv_per_token = planner.kv_bytes_per_token
+    rope = cfg.rope.rope_type + (f" x{cfg.rope.factor:g}" if cfg.rope.factor else "")
+    lines = [
+        f"model        {model or 'stdlib-tiny (shipped)'}  [{source}]",
+        f"architecture {cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"MLP {cfg.intermediate_size}, heads {cfg.num_heads} q / {cfg.num_kv_heads} kv x {cfg.head_dim}",
+        f"parameters   {cfg.num_parameters() / 1e9:.3f} B ({gib(weights)} in {str(dt)[6:]})",
+        f"vocabulary   {cfg.vocab_size:,}; tied embeddings: {cfg.tie_word_embeddings}",
+        f"context      {cfg.max_position_embeddings:,} positions; RoPE {rope}, theta {cfg.rope.theta:g}"
+        + (f"; sliding window {cfg.sliding_window:,}" if cfg.sliding_window else ""),
+        *([parallel] if parallel else []),
+        f"memory plan  at {context:,} tokens on {dev}{' (per GPU)' if parallel else ''}: "
+        f"weights {gib(plan_weights)} + KV cache {gib(kv)} "
+        f"in {kv_dtype_name(kv_dt)} ({kv_per_token / 1024:g} KiB/token) + activations {gib(act)} "
+        f"= {gib(plan_weights + kv + act)}; free now {gib(free)} -> "
+        + ("fits" if plan_weights + kv + act <= free else "DOES NOT FIT"),
+    ]
+    if context > cfg.max_position_embeddings:
+        lines.append(
+            f"note         {context:,} tokens exceed the {cfg.max_position_embeddings:,} positions the model "
+            "was trained for: generating that far extrapolates (--allow-extrapolation)"
+        )
+    return "\n".join(lines)
