@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from checkpoints import make_checkpoint
 from conftest import random_ids
 from helpers import max_rel_err
+from ranks import run_ranks
 
 from minidecode import LLM, UserError
 from minidecode.config import ModelConfig
@@ -59,7 +59,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
 def spawn(world: int, job: dict, tmp_path: Path) -> list[dict]:
     """Run `job` on `world` ranks; -> each rank's result."""
     args = (world, _free_port(), str(tmp_path), job)
-    mp.start_processes(_rank_main, args, nprocs=world, start_method="spawn")
+    run_ranks(_rank_main, args, world)  # killed and failed after a deadline rather than left to hang
     return [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
 
 
