@@ -26,6 +26,7 @@ from minidecode.cache_file import (
     open_cache_file,
     read_cache_file,
     run_words,
+    weights_fingerprint,
     write_cache_file,
 )
 from minidecode_cli.cli import app
@@ -204,6 +205,27 @@ def test_reading_a_prefix_checks_the_chunks_it_reads_and_only_those(tmp_path):
             assert torch.equal(target, k[:, :, :, :1500])
 
 
+@pytest.mark.gpu
+def test_a_gpu_cache_file_round_trips_and_is_checked_through_the_pinned_buffer(tmp_path):
+    """Saved from the GPU (sums on the GPU), read back on the GPU whole and as a prefix that ends
+    inside a chunk (the rest of it summed on the host, from the pinned buffer), and on the CPU
+    (the same sums there); a flipped byte in the part read but not copied is refused on the GPU."""
+    k = torch.randn(*RUNS, 5000, ENTRY, device="cuda")
+    path = tmp_path / "gpu.cache"
+    write_cache_file(path, {"k": k}, list(range(5000)), IDENTITY)
+    file = open_cache_file(path, IDENTITY, layout)
+    for count, device in ((5000, "cuda"), (1500, "cuda"), (1500, "cpu")):
+        target = torch.zeros(*RUNS, count, ENTRY, device=device)
+        read_cache_file(file, {"k": target})
+        assert torch.equal(target.cpu(), k[:, :, :, :count].cpu()), (count, device)
+    begin, _ = data_range(path, "k")
+    bad = flip_byte(path, tmp_path / "bad.cache", begin + 3 * 5000 * ENTRY * 4 + 1600 * ENTRY * 4 + 5)
+    with pytest.raises(UserError, match="its k data does not match"):
+        read_cache_file(
+            open_cache_file(bad, IDENTITY, layout), {"k": torch.zeros(*RUNS, 1500, ENTRY, device="cuda")}
+        )
+
+
 def reference_sums(words: list[int], first: int, chunk: int, width: int) -> list[int]:
     """The weighted chunk sums in Python integers (exact), from the documented weights."""
     sums: dict[int, int] = {}
@@ -261,6 +283,12 @@ def test_weights_differing_outside_any_sample_are_another_model(tmp_path):
     with pytest.raises(UserError, match="was made with other weights"):
         LLM(other, device="cpu").load_cache(path)
     assert LLM(SHIPPED, device="cpu").load_cache(path) == 43  # the same weights from their folder
+
+
+@pytest.mark.gpu
+def test_weights_fingerprint_is_the_same_on_the_gpu(model_dir):
+    cpu, gpu = load(model_dir), LLM(model_dir, device="cuda", dtype="float32")
+    assert weights_fingerprint(cpu.model) == weights_fingerprint(gpu.model)
 
 
 def test_a_folder_is_not_a_cache_file(model_dir, tmp_path):

@@ -16,7 +16,7 @@ from minidecode.kernels.reference import decode_attention_reference
 @pytest.mark.parametrize("triton", [False, True], ids=["twin", "lean"])
 def test_merge_of_peaked_ranges_matches_float64(triton):
     """3 ranges of a 240-position context (the second sequence's last range empty), each range's
-    (o, lse) from decode_attention in float32, lse 100-400: the merge subtracts the largest lse
+    (o, lse) from decode_attention in float32, lse 120-300: the merge subtracts the largest lse
     before exp, or it gives inf / NaN."""
     gen = torch.Generator().manual_seed(0)
     B, Hq, Hkv, S, D = 2, 4, 2, 240, 64
