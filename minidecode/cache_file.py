@@ -404,7 +404,8 @@ def read_cache_file(file: CacheFile, tensors: dict[str, torch.Tensor]) -> None:
         plans[name] = (offset, shape[3] * entry_bytes, entry_bytes, want, span, chunk)
     longest = max(span * entry_bytes for _, _, entry_bytes, _, span, _ in plans.values())
     staging = _host_buffer(list(tensors.values()), longest)
-    spare = torch.empty(longest, dtype=torch.uint8) if staging is None else None
+    most_extra = max((span - want) * entry_bytes for _, _, entry_bytes, want, span, _ in plans.values())
+    spare = torch.empty(most_extra, dtype=torch.uint8)  # CPU: the rest of a run's last chunk read
     with open(file.path, "rb", buffering=0) as f:
         for name, t in tensors.items():
             offset, run_bytes, entry_bytes, want, span, chunk = plans[name]
@@ -413,17 +414,15 @@ def read_cache_file(file: CacheFile, tensors: dict[str, torch.Tensor]) -> None:
             rest = torch.zeros(runs, count, dtype=torch.int64)  # of the entries only read (host)
             for i, piece in enumerate(_pieces(t)):
                 f.seek(offset + i * run_bytes)
-                if staging is None:
+                if staging is None:  # straight into the cache, then the rest of the last chunk
                     _read_exactly(f, _as_bytes(piece), file.path)
                     extra = spare[: (span - want) * entry_bytes]
-                else:
-                    host = staging[: span * entry_bytes]
-                    copied = host[: want * entry_bytes]
-                    extra = host[want * entry_bytes :]
-                    _read_exactly(f, host.numpy(), file.path)
-                    piece.copy_(copied.view(piece.dtype).view(piece.shape))  # pinned host -> device
-                if staging is None and extra.numel():
                     _read_exactly(f, extra.numpy(), file.path)
+                else:  # the run's chunks into the pinned buffer, the wanted entries on to the device
+                    host = staging[: span * entry_bytes]
+                    _read_exactly(f, host.numpy(), file.path)
+                    copied, extra = host[: want * entry_bytes], host[want * entry_bytes :]
+                    piece.copy_(copied.view(piece.dtype).view(piece.shape))  # synchronous
                 head = chunk_sums(run_words(piece), 0, chunk)
                 sums[i, : head.numel()] = head
                 if extra.numel():
