@@ -228,7 +228,9 @@ def check_generate_args(
     if check_parallel(tp, cp, world_size()) > 1 and (load_cache is not None or save_cache is not None):
         raise UserError("--load-cache / --save-cache are not supported with --tp / --cp")
     if load_cache is not None and load_cache.is_dir():
-        raise UserError(f"cache file {load_cache} is a directory; give a file saved by --save-cache")
+        raise UserError(
+            f"cache file {load_cache} is a directory; give the path of a file that --save-cache wrote"
+        )
     if load_cache is not None and not load_cache.is_file():
         raise UserError(f"cache file {load_cache} does not exist")
     if save_cache is not None:
@@ -991,33 +993,13 @@ def write_bench_results(llm, settings, results, ceilings, command, json_output, 
 
 def bench_metadata(llm, command: str) -> dict:
     import datetime
-    import os
-    import subprocess
 
     import torch
 
+    from minidecode.bench import provenance
     from minidecode.cache import kv_dtype_name
 
-    commit = os.environ.get("MINIDECODE_COMMIT")  # the commit of a tree copied without its history
-    try:
-        commit = (
-            commit
-            or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=True
-            ).stdout.strip()
-        )
-        dirty = (
-            "MINIDECODE_COMMIT" not in os.environ
-            and subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-        )
-        commit += "+changes" if dirty else ""
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    about = provenance()  # minidecode's own commit, whatever the current folder
     return {
         "model": llm.name,
         "device": torch_device_name(llm.device),
@@ -1025,7 +1007,8 @@ def bench_metadata(llm, command: str) -> dict:
         "kv_cache_dtype": kv_dtype_name(llm.engine.kv_dtype),
         "prefill_backend": getattr(llm.engine, "prefill_backend", None),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit,
+        "commit": about["commit"] or "none",
+        "minidecode_version": about["version"],
         "torch": torch.__version__,
         "command": command,
     }

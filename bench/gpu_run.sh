@@ -3,7 +3,7 @@
 # process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
-#   STAGES       which of: tests attention fp8 profile bench demo prefix suffix batch
+#   STAGES       which of: tests attention fp8 profile bench demo prefix suffix batch integ
 #                (default "tests profile bench")
 #   LOG_DIR      logs (default bench/logs)
 #   RESULTS_DIR  where bench writes e2e.{json,md,png} (default $LOG_DIR; bench/results republishes)
@@ -92,6 +92,19 @@ if [[ $STAGES == *batch* ]]; then
     --batch 256k,4k,8k,16k,32k,4k,8k,16k --new-tokens 32 --repeats 3 --out "$RESULTS_DIR/batch" \
     2>&1 | tee "$LOG_DIR/batch.log" | tail -8
   summary+=("batch exit ${PIPESTATUS[0]}")
+fi
+if [[ $STAGES == *integ* ]]; then
+  # Cache-file checksums and the weights fingerprint (bench/cache_checksum.py): a 128k cache
+  # (Llama-3-8B shapes, 16 GiB) saved and loaded from disk with the checksums and without them (the
+  # same streaming, as the peer), the checksums alone on the GPU, and the full-weights fingerprint
+  # of the 8B against a read of the same bytes; first the cache-file GPU tests. About 2 min on an
+  # H100; needs 17 GiB free in INTEG_DIR (default /tmp), where one file at a time is written and
+  # deleted.
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_cache_file.py >"$LOG_DIR/integ-tests.log" 2>&1
+  summary+=("integ gpu tests: $(tail -1 "$LOG_DIR/integ-tests.log")")
+  timeout 300 python3 bench/cache_checksum.py --dir "${INTEG_DIR:-/tmp}" --out "$RESULTS_DIR/cache-checksum" \
+    2>&1 | tee "$LOG_DIR/integ.log" | tail -9
+  summary+=("integ exit ${PIPESTATUS[0]}")
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

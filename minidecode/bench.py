@@ -18,14 +18,18 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
+from . import __version__
 from .config import ModelConfig
 from .errors import UserError
 from .llm import LLM
@@ -257,11 +261,20 @@ def timed_generation(
     return stream.result.stats, times
 
 
+def check_fits(llm: LLM, settings: BenchSettings) -> None:
+    """Refuse prompt lengths whose cache and activations do not fit with the memory plan's one-line
+    error, before any prompt is drawn (drawing 10^10 ids fails in the allocator first): the
+    longest prompt on the bench's one cache."""
+    longest = max(settings.prompt_lengths)
+    llm.check_fits(longest + 1 + settings.repeats * settings.window, longest)
+
+
 def run_bench(
     llm: LLM, settings: BenchSettings, log: Callable[[str], None] = print
 ) -> tuple[list[LengthResult], Ceilings]:
     """Benchmark `llm` (and the peers) at each prompt length; returns the results and the ceilings."""
     settings.validate()
+    check_fits(llm, settings)
     transformers = _import_transformers() if settings.peers else None
     ceilings = measure_ceilings(llm.device, settings.ceiling_gib if llm.device.type == "cuda" else 0.25)
     log(
@@ -333,6 +346,43 @@ def run_bench(
                 del ids
                 _free(llm.device)
     return results, ceilings
+
+
+# ---- provenance ------------------------------------------------------------------------------------
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def provenance(package_dir: Path = PACKAGE_DIR) -> dict[str, str | None]:
+    """minidecode's own version and git commit, whatever the current folder: the commit of the
+    checkout whose minidecode/ folder is `package_dir` (this package's folder: an editable install)
+    and whose pyproject.toml names the project minidecode, with "+changes" when tracked files
+    differ from it; MINIDECODE_COMMIT where a tree was copied without its history; else None (an
+    installed wheel has no commit, even inside a checkout)."""
+    commit = os.environ.get("MINIDECODE_COMMIT")
+    if not commit:
+        commit = _checkout_commit(package_dir)
+    return {"version": __version__, "commit": commit}
+
+
+def _checkout_commit(folder: Path) -> str | None:
+    def git(*args: str) -> str:
+        run = subprocess.run(
+            ["git", *args], cwd=folder, capture_output=True, text=True, timeout=10, check=True
+        )
+        return run.stdout.strip()
+
+    try:
+        root = Path(git("rev-parse", "--show-toplevel"))
+        pyproject = root / "pyproject.toml"
+        if root / "minidecode" != folder.resolve() or not pyproject.is_file():
+            return None  # a wheel installed into a folder of some checkout
+        if not re.search(r'(?m)^name\s*=\s*"minidecode"\s*$', pyproject.read_text()):
+            return None  # another project's checkout holds this folder
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
+        return None  # no git, or not a checkout
+    return commit + ("+changes" if changed else "")
 
 
 # ---- transformers -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ reallocated to the demand."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,12 +139,14 @@ class Scheduler:
         seq.start, seq.size = start, size
         if prefix is not None and shared and (prefix.file is not None or prefix in self.prefixes):
             if prefix.file is not None:  # read from the file instead of prefilled
-                import time
-
                 t0 = time.perf_counter()
-                read_cache_file(prefix.file, engine.region(start, shared).tensors())
+                self.drop(prefix)  # read once: then it is this sequence's (a corrupted file: gone)
+                try:
+                    read_cache_file(prefix.file, engine.region(start, shared).tensors())
+                except UserError:
+                    self.free(seq)
+                    raise
                 seq.stats.cache_load_seconds = time.perf_counter() - t0
-                self.drop(prefix)
             else:
                 engine.copy_positions(prefix.start, start, shared)
                 prefix.used = self._tick()

@@ -49,7 +49,7 @@ def check_parallel(tp: Any, cp: Any, world_size: int | None) -> int:
     if world_size is None and needed > 1:
         raise UserError(
             f"--tp {tp} --cp {cp} runs {needed} processes (one per GPU): launch it with "
-            f"`torchrun --nproc-per-node {needed} -m minidecode_cli.cli ...` (or the Python API inside a "
+            f"`torchrun --nproc-per-node {needed} -m minidecode ...` (or the Python API inside a "
             "torchrun script); WORLD_SIZE is not set"
         )
     if world_size is not None and world_size != needed:

@@ -487,7 +487,7 @@ def test_an_unwritable_save_path_is_refused_before_prefill(model_dir, tmp_path, 
     )
     assert dir_result.exit_code == 2
     assert dir_result.stderr.strip() == (
-        f"error: cache file {tmp_path} is a directory; give a file saved by --save-cache"
+        f"error: cache file {tmp_path} is a directory; give the path of a file that --save-cache wrote"
     )
 
 

@@ -36,9 +36,7 @@ def test_graph_batch_equals_eager_batch_and_each_alone(model_dir, prompt_ids):
     kw = dict(temperature=0, ignore_eos=True)
     a = [r.token_ids for r in graph.generate(items, **kw)]
     b = [r.token_ids for r in eager.generate(items, **kw)]
-    alone = [
-        graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items
-    ]
+    alone = [graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items]
     assert a == b == alone
     sampled = dict(kw, temperature=1.0, top_p=0.9, seed=3)
     c, d = (llm.generate(items, **sampled) for llm in (graph, eager))
@@ -58,9 +56,7 @@ def test_a_batch_of_more_than_16_equals_each_alone(model_dir, prompt_ids):
     eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graph=False)
     a = [r.token_ids for r in graph.generate(items, **kw)]
     b = [r.token_ids for r in eager.generate(items, **kw)]
-    alone = [
-        graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items
-    ]
+    alone = [graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items]
     assert a == b == alone
     assert [r.token_ids for r in graph.generate(items, **kw)] == a
 
@@ -81,9 +77,7 @@ def test_fp8_graph_batch_equals_eager_batch_and_each_alone(model_dir, prompt_ids
     eager = LLM(model_dir, device="cuda", dtype="float32", kv_cache_dtype="fp8", cuda_graph=False)
     a = [r.token_ids for r in graph.generate(items, **kw)]
     b = [r.token_ids for r in eager.generate(items, **kw)]
-    alone = [
-        graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items
-    ]
+    alone = [graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items]
     assert a == b == alone
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+import minidecode
 from minidecode import LLM
 from minidecode.bench import (
     BenchSettings,
@@ -19,6 +23,7 @@ from minidecode.bench import (
     finite_or_none,
     pad_id_for,
     peer_generation,
+    provenance,
     special_token_ids,
     step_bytes,
     timed_generation,
@@ -200,3 +205,46 @@ def test_peer_limits():
     )
     assert settings.peer_runs("eager", 4096) and not settings.peer_runs("eager", 8192)
     assert settings.peer_runs("compiled", 1024) and not settings.peer_runs("compiled", 4096)
+
+
+def test_a_prompt_too_large_for_the_memory_is_refused_before_it_is_drawn(tiny_llama):
+    """The memory plan's one-line error, before the 10^10 prompt ids (80 GB) are drawn: the
+    context is the longest prompt + 1 + repeats x window new tokens (the bench's one cache)."""
+    result = invoke("bench", tiny_llama, "--prompt-tokens", 10**10, "--device", "cpu")
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: a context of 10,000,000,193 tokens needs"), line
+
+
+def git(folder, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=folder, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_provenance_is_minidecodes_own_commit_not_the_current_folders(tmp_path, monkeypatch):
+    """Run from another git checkout, the bench records minidecode's version and the commit of
+    the checkout minidecode runs from (or none), never the current folder's; a checkout counts
+    only if its minidecode/ folder is the package and its pyproject.toml names minidecode."""
+    other = tmp_path / "other"
+    (other / "minidecode").mkdir(parents=True)
+    (other / "pyproject.toml").write_text('[project]\nname = "something-else"\n')
+    git(other, "init", "-q")
+    git(other, "add", "pyproject.toml")
+    git(other, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "other")
+    head = git(other, "rev-parse", "--short", "HEAD")
+    code = "import json; from minidecode.bench import provenance; print(json.dumps(provenance()))"
+    monkeypatch.delenv("MINIDECODE_COMMIT", raising=False)  # set where a tree is copied without history
+    (other / "docs").mkdir()  # not the checkout's root: its minidecode/ folder would shadow the package
+    run = subprocess.run([sys.executable, "-c", code], cwd=other / "docs", capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    recorded = json.loads(run.stdout)
+    assert recorded["version"] == minidecode.__version__
+    assert recorded["commit"] is None or not recorded["commit"].startswith(head)
+    repo = Path(minidecode.__file__).resolve().parents[1]
+    if (repo / ".git").exists():  # an editable install in a checkout: its commit
+        assert recorded["commit"].removesuffix("+changes") == git(repo, "rev-parse", "--short", "HEAD")
+    assert provenance(other / "minidecode")["commit"] is None  # another project's
+    (other / "pyproject.toml").write_text('[project]\nname = "minidecode"\n')
+    assert provenance(other / "minidecode")["commit"] == f"{head}+changes"
+    assert provenance(other)["commit"] is None  # not a minidecode/ package folder

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from checkpoints import make_checkpoint
 from conftest import random_ids
 from helpers import max_rel_err
+from ranks import run_ranks
 
 from minidecode import LLM, UserError
 from minidecode.cache import KVCache
@@ -60,7 +60,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
 def spawn(world: int, job: dict, tmp_path: Path) -> list[dict]:
     """Run `job` on `world` ranks; -> each rank's result."""
     args = (world, _free_port(), str(tmp_path), job)
-    mp.start_processes(_rank_main, args, nprocs=world, start_method="spawn")
+    run_ranks(_rank_main, args, world)  # killed and failed after a deadline rather than left to hang
     return [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
 
 
@@ -334,7 +334,7 @@ def test_readme_torchrun_command(tmp_path):
     (command,) = [line for line in block.splitlines() if line.startswith("torchrun --nproc-per-node 2")]
     proc = run_cli(["bash", "-c", command], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    one = command.removeprefix("torchrun --nproc-per-node 2 -m minidecode_cli.cli").replace(" --tp 2", "")
+    one = command.removeprefix("torchrun --nproc-per-node 2 -m minidecode").replace(" --tp 2", "")
     single = run_cli(["bash", "-c", "minidecode" + one], cwd=tmp_path)
     assert single.returncode == 0, single.stderr
     assert proc.stdout == single.stdout and len(proc.stdout.strip()) > 10

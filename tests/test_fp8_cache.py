@@ -241,7 +241,13 @@ def test_fp8_decode_equals_the_float32_path_over_dequantized_rows(llm, heldout_i
     assert max_rel_err(fp8_logits, torch.stack(logits)) < 1e-5
 
 
-def test_fp8_perplexity_through_decode_within_one_percent(llm, heldout_ids):
+# Held-out perplexity through decode, FP8 cache against float32, as measured on the CPU (float32
+# model): 19.9897 against 20.0672. The test holds it near that: a change twice as large, or none
+# (an FP8 path that does not quantize), fails.
+FP8_PERPLEXITY_CHANGE = -0.00386
+
+
+def test_fp8_perplexity_through_decode_changes_as_measured(llm, heldout_ids):
     """Teacher-forced decode over 300 held-out tokens after a 32-token prefix: every scored token
     attends over a cache the decode step wrote in FP8 (and the prompt's, quantized by prefill)."""
     prefix, steps = 32, 300
@@ -255,7 +261,7 @@ def test_fp8_perplexity_through_decode_within_one_percent(llm, heldout_ids):
     print(f"held-out perplexity through decode: float32 cache {ppl['float32']:.4f}, fp8 {ppl['fp8']:.4f} "
           f"({100 * change:+.3f}%)")  # fmt: skip
     assert ppl["float32"] < 50
-    assert abs(change) < 0.01
+    assert abs(change - FP8_PERPLEXITY_CHANGE) < 0.002, change
 
 
 # A top-2 logit gap this small may flip under FP8 rounding: teacher-forced on this model, the FP8

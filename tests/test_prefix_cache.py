@@ -182,7 +182,8 @@ def test_cache_file_is_safetensors_of_the_valid_positions(saved):
     path, ids, k = saved
     with safe_open(path, "pt") as f:
         meta = f.metadata()
-        assert meta["format_version"] == "3" and meta["cache_dtype"] == "float32"
+        assert meta["format_version"] == str(cache_file_module.FORMAT_VERSION)
+        assert meta["cache_dtype"] == "float32"
         assert int(meta["length"]) == len(ids) and len(meta["config_sha256"]) == 64
         assert f.get_tensor("token_ids").tolist() == ids
         assert torch.equal(f.get_tensor("k"), k)
@@ -328,7 +329,7 @@ def test_a_failed_write_leaves_no_file(model_dir, tmp_path, monkeypatch):
         writes.append(tensor)
         if len(writes) == 2:  # the K tensor is on disk, V fails midway
             raise OSError(28, "No space left on device")
-        original(f, tensor, staging)
+        return original(f, tensor, staging)
 
     original = cache_file_module._write_tensor
     monkeypatch.setattr(cache_file_module, "_write_tensor", failing_write)
@@ -431,33 +432,22 @@ def test_fp8_cache_file_holds_v_blocks_and_loads_them_exactly(model_dir, tmp_pat
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_older_fp8_cache_files_are_refused_other_dtypes_load(model_dir, saved, tmp_path):
+def test_older_cache_files_are_refused(model_dir, saved, tmp_path):
     """Format 1 stored an FP8 cache's V by position, format 2 its scales as float32 k_scale and
-    v_scale: such a file is refused in one line (a cache is made again by a prefill); a format-1
-    file of another dtype has today's layout and loads."""
+    v_scale, and no format before 4 has checksums: a file of an older format, of any cache dtype,
+    is refused in one line (a cache is made again by a prefill)."""
     llm = load(model_dir, kv_cache_dtype="fp8")
     greedy(llm, DOC, max_context=400)
-    ids, cache = cached(llm)
-    n = len(ids)
     written = tmp_path / "fp8.cache"
     llm.save_cache(written)
-    with safe_open(written, "pt") as f:
-        meta = f.metadata()
-    by_position = dict(cache.region(0, n).tensors(), v=read_v_rows(cache.v, 0, n))  # format 1's V
-    old = tmp_path / "fp8-v1.cache"
-    cache_file_module.write_cache_file(old, by_position, ids, meta)
-    rewrite_header(old, old, lambda h: h["__metadata__"].update(format_version="1"))
-    with pytest.raises(UserError) as refused:
-        load(model_dir, kv_cache_dtype="fp8").load_cache(old)
-    assert str(refused.value) == (
-        f"cache file {old} holds an FP8 cache in format 1, whose layout this minidecode no longer "
-        "reads: prefill the prompt again and save a new cache file"
-    )
-    format_2 = tmp_path / "fp8-v2.cache"
-    rewrite_header(written, format_2, lambda h: h["__metadata__"].update(format_version="2"))
-    with pytest.raises(UserError, match="holds an FP8 cache in format 2, whose layout this minidecode no"):
-        load(model_dir, kv_cache_dtype="fp8").load_cache(format_2)
-    assert load(model_dir, kv_cache_dtype="fp8").load_cache(written) == n  # today's format loads
-    plain_old = tmp_path / "float32-v1.cache"
-    rewrite_header(saved[0], plain_old, lambda h: h["__metadata__"].update(format_version="1"))
-    assert load(model_dir).load_cache(plain_old) == len(saved[1])
+    for version, path in (("1", saved[0]), ("2", written), ("3", written), ("3", saved[0])):
+        old = tmp_path / f"v{version}.cache"
+        rewrite_header(path, old, lambda h, v=version: h["__metadata__"].update(format_version=v))
+        fp8 = path == written
+        with pytest.raises(UserError) as refused:
+            load(model_dir, kv_cache_dtype="fp8" if fp8 else "auto").load_cache(old)
+        assert str(refused.value) == (
+            f"cache file {old} was written by an older minidecode (format {version}, without the "
+            "checksums of format 4): prefill the prompt again and save a new cache file"
+        )
+    assert load(model_dir, kv_cache_dtype="fp8").load_cache(written) == len(DOC) + NEW  # today's format

@@ -1,0 +1,44 @@
+"""The context-parallel merge of partial attention results (minidecode.distributed.merge_partials)
+where exp overflows float32: peaked scores, so every range's log-sum-exp is in the hundreds
+(exp(89) is already past float32's range), against float64 attention over the whole context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import max_rel_err
+
+from minidecode.distributed import merge_partials
+from minidecode.kernels import ops
+from minidecode.kernels.reference import decode_attention_reference
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["twin", "lean"])
+def test_merge_of_peaked_ranges_matches_float64(triton):
+    """3 ranges of a 240-position context (the second sequence's last range empty), each range's
+    (o, lse) from decode_attention in float32, lse 120-300: the merge subtracts the largest lse
+    before exp, or it gives inf / NaN."""
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, S, D = 2, 4, 2, 240, 64
+    q = torch.randn(B, Hq, D, generator=gen) * 80  # scores q.k / 8 with a spread of ~80
+    k, v = torch.randn(B, Hkv, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen)
+    lengths, scale = torch.tensor([240, 150]), D**-0.5
+    exact, exact_lse = decode_attention_reference(
+        q.double(), k.double(), v.double(), lengths, scale, torch.float64, return_lse=True
+    )
+    outs, lses = [], []
+    for lo, hi in ((0, 90), (90, 160), (160, 240)):
+        held = (lengths - lo).clamp(0, hi - lo).to(torch.int32)
+        k_r, v_r = k[:, :, lo:hi].contiguous(), v[:, :, lo:hi].contiguous()
+        o, lse = ops.decode_attention(q, k_r, v_r, held, scale, triton=triton, return_lse=True)
+        valid = held > 0
+        o = torch.where(valid[:, None, None], o, float("nan"))  # a sequence with nothing here
+        outs.append(o)
+        lses.append(torch.where(valid[:, None], lse, float("-inf")))
+    lse = torch.stack(lses)
+    assert (
+        lse[lse.isfinite()].min() > 100 and lse.max() < 1000
+    )  # exp overflows float32 (and float64 past 709)
+    merged, merged_lse = merge_partials(torch.stack(outs), lse)
+    assert max_rel_err(merged, exact) < 1e-5
+    assert ((merged_lse - exact_lse) / exact_lse).abs().max() < 1e-6
