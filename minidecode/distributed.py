@@ -266,7 +266,7 @@ class OneShot:
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, group)
+        symm_mem.rendezvous(self.buffer, self.group_name)
         self.staging: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> [size, *shape] zeros but ours
 
     @staticmethod

@@ -87,10 +87,15 @@ class ContextParallelAttention:
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
         o, lse = ops.decode_attention(q, k_cache, v_cache, lengths, scale, return_lse=True, **kwargs)
-        lse = torch.where(lengths[:, None] > 0, lse, float("-inf"))  # [B, Hq]: none written where empty
+        return self.merge(o, lse, lengths).to(q.dtype)
+
+    def merge(self, o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """This rank's attention over its range, o [B, Hq, D] and lse [B, Hq], merged with every
+        other rank's: [B, Hq, D] float32. lengths [B]: this range's valid positions."""
+        lse = torch.where(lengths[:, None] > 0, lse, float("-inf"))  # the kernel wrote none where empty
         packed = torch.cat([o, lse[..., None]], dim=-1)  # [B, Hq, D + 1] float32 (cat promotes o)
         parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
-        return merge_partials(parts[..., :-1], parts[..., -1]).to(q.dtype)
+        return merge_partials(parts[..., :-1], parts[..., -1])
 
 
 class ParallelTransformer(Transformer):
