@@ -395,15 +395,13 @@ def _rank_device(device: str | torch.device | None) -> torch.device:
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Exact softmax attention over the union of disjoint key ranges from each range's result:
-    o [n, ..., D] (each range's normalised output) and lse [n, ...] (its log-sum-exp of the scaled
-    scores, natural log; -inf for an empty range) -> o [..., D] in float32 or wider (zeros where
-    every range is empty).
+    o [n, ..., D] (each range's normalised output; finite, zeros for an empty range) and lse
+    [n, ...] (its log-sum-exp of the scaled scores, natural log; -inf for an empty range, and at
+    least one range not empty) -> o [..., D] in float32 or wider.
 
     softmax over all keys = sum_i exp(lse_i - lse) softmax_i, lse = log sum_i exp(lse_i): the rule
     the lean kernel applies inside (in log2 units) to its CTAs' partials. The weights are a softmax
-    of the lse over the ranges (one launch: the decode step merges once per layer)."""
+    of the lse over the ranges: three launches, once per layer in a context-parallel decode step."""
     dtype = torch.promote_types(lse.dtype, torch.float32)
     weight = torch.softmax(lse.to(dtype), dim=0).unsqueeze(-1)  # [n, ..., 1]; 0 for an empty range
-    # an empty range's o is whatever its kernel left there: weigh it by nothing, even NaN (and where
-    # every range is empty the softmax is NaN: nothing either)
-    return torch.where(weight > 0, o * weight, 0.0).sum(dim=0)
+    return (o * weight).sum(dim=0)

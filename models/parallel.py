@@ -84,6 +84,7 @@ class ContextParallelAttention:
 
     def __init__(self, parallel: Parallel):
         self.parallel = parallel
+        self.nothing: torch.Tensor | None = None  # [D + 1]: what an empty range contributes (o 0, lse -inf)
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
         o, lse = ops.decode_attention(q, k_cache, v_cache, lengths, scale, return_lse=True, **kwargs)
@@ -91,9 +92,13 @@ class ContextParallelAttention:
 
     def merge(self, o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """This rank's attention over its range, o [B, Hq, D] and lse [B, Hq], merged with every
-        other rank's: [B, Hq, D] float32. lengths [B]: this range's valid positions."""
-        lse = torch.where(lengths[:, None] > 0, lse, float("-inf"))  # the kernel wrote none where empty
+        other rank's: [B, Hq, D] float32. lengths [B]: this range's valid positions; where it has
+        none the kernel wrote neither o nor lse, and the range goes out as o 0, lse -inf."""
         packed = torch.cat([o, lse[..., None]], dim=-1)  # [B, Hq, D + 1] float32 (cat promotes o)
+        if self.nothing is None or self.nothing.shape[0] != packed.shape[-1]:
+            self.nothing = torch.zeros(packed.shape[-1], device=packed.device)
+            self.nothing[-1] = float("-inf")
+        packed = torch.where(lengths[:, None, None] > 0, packed, self.nothing)
         parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
         return merge_partials(parts[..., :-1], parts[..., -1])
 

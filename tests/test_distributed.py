@@ -324,25 +324,39 @@ def test_tensor_and_context_parallel_combined_fp8_cache(checkpoints, tmp_path):
 # ---- the context-parallel merge, against float64 ------------------------------------------------
 
 
+class KeepsPacked:
+    """Stands in for a Parallel in ContextParallelAttention.merge: keeps the rank's packed part."""
+
+    def all_gather_cp(self, x: torch.Tensor) -> torch.Tensor:
+        self.packed = x
+        return x[None]
+
+
 @pytest.mark.parametrize("triton", [False, True], ids=["twin", "lean"])
 def test_context_parallel_merge_matches_float64(triton):
-    """Attention over 4 disjoint ranges of a 300-position context (one still empty, its output
-    left as NaN like an unwritten kernel output), each range's (o, lse) from decode_attention,
-    merged by log-sum-exp: the float64 attention over the whole context. The lean kernel's lse
-    (segments split over several CTAs, so its merge store writes it too) is checked on the way."""
+    """Attention over 4 disjoint ranges of a 300-position context (one range empty, and one
+    sequence with no position in another: their outputs left as NaN like unwritten kernel
+    outputs), each range's (o, lse) from decode_attention, packed by ContextParallelAttention
+    (which sends an empty range as o 0, lse -inf) and merged by log-sum-exp: the float64
+    attention over the whole context. The lean kernel's lse (segments split over several CTAs, so
+    its merge store writes it too) is checked on the way."""
+    from minidecode.models.parallel import ContextParallelAttention
+
     torch.manual_seed(0)
     B, Hq, Hkv, S, D = 2, 8, 2, 300, 64
     q, k, v = torch.randn(B, Hq, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     lengths = torch.tensor([300, 157])
     scale = D**-0.5
     exact = decode_attention_reference(q.double(), k.double(), v.double(), lengths, scale, torch.float64)
-    bounds = [0, 120, 120, 250, 300]  # rank 1's range is empty
-    outs, lses = [], []
+    bounds = [0, 120, 120, 250, 300]  # rank 1's range is empty; sequence 1 has nothing in rank 3's
+    gathered = KeepsPacked()
+    attend = ContextParallelAttention(gathered)
+    parts = []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         held = (lengths - lo).clamp(0, hi - lo).to(torch.int32)
         k_r, v_r = k[:, :, lo:hi].contiguous(), v[:, :, lo:hi].contiguous()
-        if hi == lo:  # no positions at all: what ContextParallelAttention masks
-            o, lse = torch.full_like(q, float("nan")), torch.full((B, Hq), float("-inf"))
+        if hi == lo:  # no positions at all
+            o, lse = torch.full_like(q, float("nan")), torch.full((B, Hq), float("nan"))
         else:
             o, lse = ops.decode_attention(q, k_r, v_r, held, scale, triton=triton, return_lse=True)
             ref_o, ref_lse = decode_attention_reference(
@@ -350,14 +364,13 @@ def test_context_parallel_merge_matches_float64(triton):
             )
             valid = held > 0
             assert (lse[valid] - ref_lse[valid]).abs().max() < 1e-5
-            o = torch.where(valid[:, None, None], o, float("nan"))  # a sequence with nothing here
-            lse = torch.where(valid[:, None], lse, float("-inf"))
-        outs.append(o)
-        lses.append(lse)
-    merged = merge_partials(torch.stack(outs), torch.stack(lses))
+            o = torch.where(valid[:, None, None], o, float("nan"))  # what the kernel leaves unwritten
+            lse = torch.where(valid[:, None], lse, float("nan"))
+        attend.merge(o, lse, held)
+        parts.append(gathered.packed)
+    parts = torch.stack(parts)  # [4, B, Hq, D + 1]
+    merged = merge_partials(parts[..., :-1], parts[..., -1])
     assert merged.dtype == torch.float32 and max_rel_err(merged, exact) < 2e-6
-    nowhere = merge_partials(torch.full((2, B, Hq, D), float("nan")), torch.full((2, B, Hq), float("-inf")))
-    assert torch.equal(nowhere, torch.zeros(B, Hq, D))  # no keys at all: zeros, not NaN
 
 
 # ---- errors ------------------------------------------------------------------------------------------
@@ -506,9 +519,10 @@ def gpu_checkpoint(tmp_path_factory):
 def test_two_gpus_match_one(tmp_path, gpu_checkpoint, split):
     """The lean kernel and the CUDA-graph decode step with its collectives captured, through the
     one-shot symmetric-memory kernels (which must be set up on 2 GPUs of one host) or NCCL: 2 GPUs
-    give one GPU's greedy tokens and logits (fp32)."""
+    give one GPU's greedy tokens and logits (fp32). cp: 20 + 24 positions, 22 a rank, so the first
+    decode steps merge rank 1's empty range (the kernel leaves its output unwritten there)."""
     job = dict(
-        model=gpu_checkpoint, device="cuda", prompt=random_ids(40, seed=6), new=24, sample=True, **split
+        model=gpu_checkpoint, device="cuda", prompt=random_ids(20, seed=6), new=24, sample=True, **split
     )
     results = spawn(2, job, tmp_path, timeout=150)
     for result in results:
