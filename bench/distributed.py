@@ -78,7 +78,7 @@ class Part:
 def parts_for(gpus: int, gib_per_gpu: float) -> list[Part]:
     """What fits this machine: the 70B only on 4 GPUs of 80 GB or more (35 GB of weights a rank)."""
     parts = [
-        Part("one", 1, EIGHT_B, {"auto": [K, 128 * K, 512 * K], "fp8": [128 * K, 512 * K, M]}),
+        Part("one", 1, EIGHT_B, {"auto": [K, 128 * K, 512 * K], "fp8": [128 * K, 512 * K, M]}, timeout=180),
         Part("tp", gpus, EIGHT_B, {"auto": [K, 128 * K, 512 * K]}),
         Part("cp", gpus, EIGHT_B, {"fp8": [128 * K, 512 * K, M] + ([2 * M] if gpus >= 4 else [])}),
     ]
@@ -145,7 +145,8 @@ def run_part(part: Part, timeout: float) -> tuple[dict | None, str | None]:
         if part.mode == "one":
             command = [sys.executable, *args]
         else:
-            command = ["torchrun", "--standalone", "--nproc-per-node", str(part.processes), *args]
+            torchrun = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, whatever the PATH
+            command = [*torchrun, "--standalone", "--nproc-per-node", str(part.processes), *args]
         print("$", " ".join(command), flush=True)
         # a session of its own: on timeout the launcher, its ranks and their children all end
         process = subprocess.Popen(command, start_new_session=True)

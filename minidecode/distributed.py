@@ -134,7 +134,8 @@ class Parallel:
     cp_group: Any = None  # ProcessGroup of this rank's context-parallel peers (None when cp == 1)
     # Symmetric-memory one-shot collectives over each group (GPUs whose ranks all map each other's
     # memory; None: NCCL only), and whether small collectives use them (False: NCCL for all, the
-    # peer that bench/distributed.py times them against). one_shot_problem: why they are off.
+    # peer that bench/distributed.py times them against; a captured decode graph keeps what it was
+    # captured with: release it after a change). one_shot_problem: why they are off.
     tp_one_shot: OneShot | None = None
     cp_one_shot: OneShot | None = None
     use_one_shot: bool = True
