@@ -3,8 +3,9 @@
 # process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
-#   STAGES       which of: tests attention fp8 profile bench demo prefix suffix batch integ
-#                (default "tests profile bench")
+#   STAGES       which of: tests attention fp8 profile bench demo prefix suffix batch integ multi
+#                (default "tests profile bench"; multi needs 2 or 4 GPUs)
+#   MULTI_PARTS  what multi runs: tests and/or bench (default "tests bench")
 #   LOG_DIR      logs (default bench/logs)
 #   RESULTS_DIR  where bench writes e2e.{json,md,png} (default $LOG_DIR; bench/results republishes)
 #   LENGTHS      prompt lengths (default "1024 4096 32768 131072 524288")
@@ -106,7 +107,25 @@ if [[ $STAGES == *integ* ]]; then
     2>&1 | tee "$LOG_DIR/integ.log" | tail -9
   summary+=("integ exit ${PIPESTATUS[0]}")
 fi
+if [[ $STAGES == *multi* ]]; then
+  # Several GPUs (~8 min on 2 x H100): the 2-GPU tests (one-shot and NCCL collectives against one
+  # GPU, the CLI under torchrun; ~2 min), then bench/distributed.py (one GPU, tp N, cp N, each part
+  # under its own limit; ~5 min) -> distributed-{N}gpu.{md,json}. NVLink multicast stays off.
+  export NCCL_NVLS_ENABLE=0
+  nvidia-smi topo -m >"$LOG_DIR/multi-topology.txt" 2>&1
+  if [[ ${MULTI_PARTS:-tests bench} == *tests* ]]; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_distributed.py \
+      >"$LOG_DIR/multi-tests.log" 2>&1
+    summary+=("multi tests (exit $?): $(tail -1 "$LOG_DIR/multi-tests.log")")
+  fi
+  if [[ ${MULTI_PARTS:-tests bench} == *bench* ]]; then
+    timeout 450 python3 bench/distributed.py --out "$RESULTS_DIR/distributed" >"$LOG_DIR/multi-bench.log" 2>&1
+    summary+=("multi bench exit $?: $(grep -c '^!!' "$LOG_DIR/multi-bench.log") failed parts")
+    sed -n '/^# Several GPUs/,$p' "$LOG_DIR/multi-bench.log" | head -60
+  fi
+fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
 if [ -f "$LOG_DIR/decode-profile.log" ]; then tail -4 "$LOG_DIR/decode-profile.log"; fi
 if [ -f "$LOG_DIR/e2e.log" ]; then grep -A40 "^| prompt" "$LOG_DIR/e2e.log" | head -30; fi
+if [ -f "$LOG_DIR/multi-tests.log" ]; then grep -E "^(FAILED|ERROR)|passed|failed" "$LOG_DIR/multi-tests.log" | tail -8; fi

@@ -6,7 +6,8 @@
   intermediate rows and the vocabulary (ShardPlan); context parallel (cp) splits the cache's
   positions into contiguous ranges, one per rank;
 - the collectives the model calls, and the exact log-sum-exp merge of attention computed over
-  disjoint ranges of the context (merge_partials);
+  disjoint ranges of the context (merge_partials); on GPUs, the small ones of the decode step run
+  as one-shot kernels over symmetric memory (OneShot), the rest through NCCL;
 - agreement between ranks: one rank's error becomes every rank's, so all exit together.
 
 Ranks are laid out tp-major: global rank = cp_rank * tp + tp_rank. A tensor-parallel group is the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,8 +33,24 @@ from .errors import UserError
 from .validate import check_parallel
 
 # NVLink multicast (NVLS) stays off on the machines this runs on: forced in every process before the
-# process group starts (a value inherited from the launcher's environment is overridden).
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# process group starts (a value inherited from the launcher's environment is overridden). Symmetric
+# memory uses PyTorch's CUDA backend: peer-to-peer mappings of each rank's buffer, no NVSHMEM.
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "TORCH_SYMMMEM": "CUDA",
+}
+# The largest collective (bytes of the summed or gathered tensor) that runs as a one-shot kernel over
+# symmetric memory; larger ones (prefill's activations) go through NCCL, whose ring and tree
+# algorithms move large messages at link bandwidth. The decode step's are far below: a [1, hidden]
+# all-reduce is 8 KiB (8B model) or 16 KiB (70B), the context-parallel merge gathers 16.5 KiB a rank
+# (32 heads x 129 floats), the logits 251 KiB in all (128,256 bfloat16).
+ONE_SHOT_MAX_BYTES = 512 * 1024
+# Gather shapes that get a one-shot staging buffer (each at most ONE_SHOT_MAX_BYTES, kept while the
+# process lives because a captured graph may read it): the decode step has one or two; a shape past
+# the limit (a scored prompt of yet another length) goes through NCCL.
+ONE_SHOT_GATHER_SHAPES = 16
 
 T = TypeVar("T")
 
@@ -114,6 +132,14 @@ class Parallel:
     device: torch.device
     tp_group: Any = None  # ProcessGroup of this rank's tensor-parallel peers (None when tp == 1)
     cp_group: Any = None  # ProcessGroup of this rank's context-parallel peers (None when cp == 1)
+    # Symmetric-memory one-shot collectives over each group (GPUs whose ranks all map each other's
+    # memory; None: NCCL only), and whether small collectives use them (False: NCCL for all, the
+    # peer that bench/distributed.py times them against; a captured decode graph keeps what it was
+    # captured with: release it after a change). one_shot_problem: why they are off.
+    tp_one_shot: OneShot | None = None
+    cp_one_shot: OneShot | None = None
+    use_one_shot: bool = True
+    one_shot_problem: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -131,18 +157,34 @@ class Parallel:
         """The global rank holding cp range `cp_rank` with this rank's heads."""
         return cp_rank * self.tp + self.tp_rank
 
-    # ---- collectives over model tensors (ordered on the current stream: graph-capturable on NCCL)
+    # ---- collectives over model tensors (ordered on the current stream: graph-capturable) ------
+    def one_shot_tp(self, x: torch.Tensor, parts: int = 1) -> OneShot | None:
+        """The tensor-parallel group's one-shot collectives if they take x (parts: how many x-sized
+        parts the result holds), else None: NCCL."""
+        return self._one_shot(self.tp_one_shot, x, parts)
+
     def all_reduce_tp(self, x: torch.Tensor) -> None:
         """x += every tensor-parallel peer's x, in place (the row-split projections' sum)."""
-        dist.all_reduce(x, group=self.tp_group)
+        if (one_shot := self.one_shot_tp(x)) is not None:
+            one_shot.sum(x, out=x)
+        else:
+            dist.all_reduce(x, group=self.tp_group)
 
     def all_gather_tp(self, x: torch.Tensor) -> torch.Tensor:
         """[tp, *x.shape]: every tensor-parallel rank's x, in tp-rank order."""
+        if (one_shot := self.one_shot_tp(x, self.tp)) is not None and one_shot.can_gather(x):
+            return one_shot.gather(x)
         return _all_gather(x, self.tp, self.tp_group)
 
     def all_gather_cp(self, x: torch.Tensor) -> torch.Tensor:
         """[cp, *x.shape]: every context-parallel rank's x, in cp-rank order."""
+        one_shot = self._one_shot(self.cp_one_shot, x, self.cp)
+        if one_shot is not None and one_shot.can_gather(x):
+            return one_shot.gather(x)
         return _all_gather(x, self.cp, self.cp_group)
+
+    def _one_shot(self, one_shot: OneShot | None, x: torch.Tensor, parts: int) -> OneShot | None:
+        return one_shot if self.use_one_shot and one_shot is not None and one_shot.fits(x, parts) else None
 
     def broadcast_cp(self, x: torch.Tensor, cp_rank: int) -> None:
         """x (contiguous) := the x of context-parallel rank cp_rank, in place on every peer."""
@@ -209,9 +251,63 @@ def _all_gather(x: torch.Tensor, n: int, group: Any) -> torch.Tensor:
     return out.view(n, *x.shape)
 
 
-def init_parallel(tp: int, cp: int, device: str | torch.device | None) -> Parallel:
+class OneShot:
+    """Small collectives over one process group as single kernels on symmetric memory (PyTorch's
+    symm_mem ops, peer-to-peer over NVLink; no multicast).
+
+    Every rank of the group allocates a buffer that every peer maps (a collective rendezvous, once).
+    A sum is one kernel, `one_shot_all_reduce_copy_out`: each rank copies its tensor into its own
+    buffer, all meet at a barrier of flags in each other's memory, then each reads every peer's copy
+    and sums them in rank order (the same sum on every rank, bit for bit), and a last barrier keeps
+    the buffer until every peer has read it. NCCL spends ~15 us on an 8 KiB all-reduce in a CUDA
+    graph on 2 H100s (a quarter of a tensor-parallel 8B step at 1k); this needs one launch and two
+    flag round trips. A gather is that sum over a [ranks, *shape] staging tensor holding zeros
+    except this rank's part (x + 0 is exact, so each part arrives unchanged)."""
+
+    def __init__(self, group: Any, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name, self.size, self.rank = group.group_name, group.size(), group.rank()
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older PyTorch, deprecated later
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        self.staging: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> [size, *shape] zeros but ours
+
+    @staticmethod
+    def fits(x: torch.Tensor, parts: int = 1) -> bool:
+        """The kernel sums bfloat16 and float32 in 16-byte vectors, up to the buffer's size."""
+        nbytes = x.numel() * x.element_size() * parts
+        return (
+            x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous()
+            and 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes % 16 == 0
+        )  # fmt: skip
+
+    def sum(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out := the sum of every rank's x (out may be x: each element is copied into the buffer
+        before the thread that copied it writes its sum)."""
+        mine = self.buffer.view(x.dtype)[: x.numel()].view_as(x)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(mine, x, "sum", self.group_name, out)
+
+    def can_gather(self, x: torch.Tensor) -> bool:
+        return (tuple(x.shape), x.dtype) in self.staging or len(self.staging) < ONE_SHOT_GATHER_SHAPES
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x, in group-rank order."""
+        key = (tuple(x.shape), x.dtype)
+        if key not in self.staging:  # the other ranks' rows stay zero for good
+            self.staging[key] = torch.zeros(self.size, *x.shape, dtype=x.dtype, device=x.device)
+        staging = self.staging[key]
+        staging[self.rank].copy_(x)
+        return self.sum(staging, torch.empty_like(staging))
+
+
+def init_parallel(tp: int, cp: int, device: str | torch.device | None, one_shot: bool = True) -> Parallel:
     """The process group from torchrun's environment (started here unless the script did), and
-    this rank's groups and device: cuda:LOCAL_RANK with NCCL, or the CPU with gloo."""
+    this rank's groups and device: cuda:LOCAL_RANK with NCCL, or the CPU with gloo. one_shot: set up
+    the symmetric-memory collectives where the GPUs allow (False: NCCL only)."""
     world = world_size_from_environment()
     check_parallel(tp, cp, world)
     dev = _rank_device(device)
@@ -237,8 +333,46 @@ def init_parallel(tp: int, cp: int, device: str | torch.device | None) -> Parall
         group = dist.new_group([c * tp + t for c in range(cp)]) if cp > 1 else None
         if t == parallel.tp_rank:
             parallel.cp_group = group
-    parallel.check_same(tp=tp, cp=cp, device=dev.type)
+    parallel.check_same(tp=tp, cp=cp, device=dev.type, one_shot=one_shot)
+    if one_shot:
+        _set_up_one_shot(parallel)
     return parallel
+
+
+def _set_up_one_shot(parallel: Parallel) -> None:
+    """The symmetric-memory buffers of this rank's groups, where every rank can have them; else
+    (any rank's problem, agreed by all, so that no rank waits in a collective the others skip)
+    NCCL only, the reason kept in parallel.one_shot_problem."""
+    problem = _one_shot_problem(parallel)
+    if (problem := parallel.first_error(problem)) is None:
+        try:  # tp groups first on every rank, then cp groups: each rendezvous is collective
+            if parallel.tp > 1:
+                parallel.tp_one_shot = OneShot(parallel.tp_group, parallel.device)
+            if parallel.cp > 1:
+                parallel.cp_one_shot = OneShot(parallel.cp_group, parallel.device)
+        except Exception as e:  # an older PyTorch, a driver without peer mappings: NCCL still works
+            reason = str(e).strip()
+            problem = f"symmetric memory: {reason.splitlines()[0] if reason else type(e).__name__}"
+        problem = parallel.first_error(problem)
+    if problem is not None:
+        parallel.tp_one_shot = parallel.cp_one_shot = None
+    parallel.one_shot_problem = problem
+
+
+def _one_shot_problem(parallel: Parallel) -> str | None:
+    """Why this rank cannot take part in the one-shot collectives (None: it can)."""
+    if parallel.device.type != "cuda":
+        return "CPU ranks (gloo)"
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
+        return f"PyTorch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy_out"
+    world = parallel.world_size
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        return "ranks on several hosts (symmetric memory maps GPUs of one host)"
+    mine = parallel.device.index
+    peers = [d for d in range(min(world, torch.cuda.device_count())) if d != mine]
+    if any(not torch.cuda.can_device_access_peer(mine, d) for d in peers):
+        return f"GPU {mine} cannot map the memory of every peer GPU"
+    return None
 
 
 def _end_process_group() -> None:
@@ -266,19 +400,15 @@ def _rank_device(device: str | torch.device | None) -> torch.device:
     return torch.device("cuda", local)
 
 
-def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Exact softmax attention over the union of disjoint key ranges from each range's result:
-    o [n, ..., D] (each range's normalised output) and lse [n, ...] (its log-sum-exp of the scaled
-    scores, natural log; -inf for an empty range) -> (o [..., D], lse [...]) in float32 or wider.
+    o [n, ..., D] (each range's normalised output; finite, zeros for an empty range) and lse
+    [n, ...] (its log-sum-exp of the scaled scores, natural log; -inf for an empty range, and at
+    least one range not empty) -> o [..., D] in float32 or wider.
 
     softmax over all keys = sum_i exp(lse_i - lse) softmax_i, lse = log sum_i exp(lse_i): the rule
-    the lean kernel applies inside (in log2 units) to its CTAs' partials."""
+    the lean kernel applies inside (in log2 units) to its CTAs' partials. The weights are a softmax
+    of the lse over the ranges: three launches, once per layer in a context-parallel decode step."""
     dtype = torch.promote_types(lse.dtype, torch.float32)
-    lse = lse.to(dtype)
-    top = lse.max(dim=0).values
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # every range empty
-    weight = torch.exp(lse - top).unsqueeze(-1)  # [n, ..., 1]; 0 for an empty range
-    total = weight.sum(dim=0)
-    # an empty range's o is whatever its kernel left there: weigh it by nothing, even NaN
-    merged = torch.where(weight > 0, o.to(dtype) * weight, 0.0).sum(dim=0) / total
-    return merged, top + torch.log(total.squeeze(-1))
+    weight = torch.softmax(lse.to(dtype), dim=0).unsqueeze(-1)  # [n, ..., 1]; 0 for an empty range
+    return (o * weight).sum(dim=0)

@@ -3,6 +3,7 @@ safetensors, loaded tensor by tensor straight to the target device and dtype."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -246,17 +247,68 @@ def build_model(
     return model
 
 
+# Values drawn per generator when making random weights: a block of whole rows of one tensor.
+RANDOM_BLOCK = 1 << 24
+
+
 def init_random_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-    """Materialise a meta-device model with random weights (std 0.02, norms at 1), one tensor at a
-    time on the device: a 70B shape never touches host memory."""
+    """Materialise a meta-device model with random weights (std 0.02, norms at 1), the same model
+    at any tensor-parallel split: each checkpoint tensor is drawn in blocks of whole rows, each
+    block by its own generator seeded by (seed, tensor name, block), so a rank draws the blocks that
+    hold its rows (and, for a tensor split by columns, whole blocks of which it keeps its columns).
+    One block (at most RANDOM_BLOCK values) beside the weights at a time, on the device: a 70B
+    shape never touches host memory nor holds a whole tensor twice.
+
+    A tensor-parallel rank's model (models/parallel.py) names its part of each tensor with
+    `shard(name)` -> (dim, start, stop) or None (rows past the tensor's end are zeros: the
+    lm_head's padding), and the whole tensor's shape with `checkpoint_shape(name)`."""
     import torch
 
-    generator = torch.Generator(device=device).manual_seed(seed)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.data = torch.ones(p.shape, dtype=dtype, device=device)
-            else:
-                p.data = torch.empty(p.shape, dtype=dtype, device=device)
-                p.data.normal_(0, 0.02, generator=generator)
+    shard = getattr(model, "shard", None)
+    weights = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(p.shape, dtype=dtype, device=device)
+            continue
+        part = None if shard is None else shard(name)
+        whole = p.shape if part is None else model.checkpoint_shape(name)
+        weights[name] = _random_part(name, whole, part, seed, device, dtype)
+    model.load_state_dict(weights, strict=True, assign=True)
+
+
+def _random_part(
+    name: str,
+    shape: torch.Size,
+    part: tuple[int, int, int] | None,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Part (dim, start, stop) of tensor `name` of the whole `shape` (None: all of it), drawn
+    block of rows by block of rows: normal(0, 0.02), zeros for rows past the end."""
+    import torch
+
+    rows, row_numel = shape[0], math.prod(shape[1:])
+    per_block = max(1, RANDOM_BLOCK // row_numel)  # rows a block, fixed by the whole shape alone
+    dim, start, stop = part or (0, 0, rows)
+    first, last = (start, stop) if dim == 0 else (0, rows)  # the rows this part holds
+    local = list(shape)
+    local[dim] = stop - start
+    out = torch.zeros(local, dtype=dtype, device=device)
+    for block in range(first // per_block, -(-min(last, rows) // per_block)):
+        lo, hi = block * per_block, min((block + 1) * per_block, rows)
+        generator = torch.Generator(device=device).manual_seed(_block_seed(seed, name, block))
+        values = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device)
+        values.normal_(0, 0.02, generator=generator)
+        if dim == 0:  # the rows both hold
+            a, b = max(lo, first), min(hi, last)
+            out[a - first : b - first] = values[a - lo : b - lo]
+        else:  # a 2-D weight split by input columns
+            out[lo:hi] = values[:, start:stop]
+    return out
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    """A generator seed for one block of one tensor (a stable hash: Python's own is per process)."""
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -4,7 +4,9 @@ Tensor parallel (tp): each rank builds the modules of its share (rank_config: it
 heads, its MLP rows) and loads only those rows or columns of each checkpoint tensor (`shard`).
 q/k/v and gate/up are split by output rows (column parallel: no communication), o_proj and
 down_proj by input columns (row parallel): each rank's product is a partial sum, all-reduced once
-per projection, with the bias added once after the sum. The lm_head is split by vocabulary rows
+per projection, with the bias added once after the sum (in the decode step on GPUs, a one-shot
+kernel over symmetric memory; at tp 2 rank 0 folds the residual into its part, so the sum lands in
+the residual stream: minidecode/distributed.py's OneShot). The lm_head is split by vocabulary rows
 and the logits all-gathered ([B, V] per step, 0.5 MB at V = 128k): replicating it would add the
 whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's per-step reads, about 6% of a
 70B rank's weights at tp 4. The embedding stays whole (a step reads one row of it).
@@ -57,8 +59,21 @@ class RowParallelProjection(Projection):
         return y if self.bias is None else y + self.bias
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
+        par = self.parallel
+        if par.tp == 2 and par.one_shot_tp(residual) is not None:
+            # The residual stream (the same on every rank) folded into rank 0's partial sum, bias
+            # included, so the one-shot sum is the new residual, written in place: two launches
+            # a projection instead of three. It rounds the residual twice (x + y0, then + y1) where
+            # the unfolded sum rounds it once; at tp > 2 each further rank would add one more.
+            if par.tp_rank == 0:
+                ops.linear_residual(x, self.weight, self.bias, residual, pdl=pdl)
+                partial = residual
+            else:
+                partial = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]
+            par.one_shot_tp(residual).sum(partial, out=residual)
+            return
         y = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]: this rank's partial sum
-        self.parallel.all_reduce_tp(y)
+        par.all_reduce_tp(y)
         residual += y if self.bias is None else y + self.bias
 
 
@@ -69,14 +84,23 @@ class ContextParallelAttention:
 
     def __init__(self, parallel: Parallel):
         self.parallel = parallel
+        self.nothing: torch.Tensor | None = None  # [D + 1]: what an empty range contributes (o 0, lse -inf)
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
         o, lse = ops.decode_attention(q, k_cache, v_cache, lengths, scale, return_lse=True, **kwargs)
-        empty = (lengths == 0)[:, None]  # [B, 1]: the kernel wrote neither o nor lse there
-        lse = torch.where(empty, float("-inf"), lse)
-        packed = torch.cat([o.float(), lse[..., None]], dim=-1)  # [B, Hq, D + 1]
+        return self.merge(o, lse, lengths).to(q.dtype)
+
+    def merge(self, o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """This rank's attention over its range, o [B, Hq, D] and lse [B, Hq], merged with every
+        other rank's: [B, Hq, D] float32. lengths [B]: this range's valid positions; where it has
+        none the kernel wrote neither o nor lse, and the range goes out as o 0, lse -inf."""
+        packed = torch.cat([o, lse[..., None]], dim=-1)  # [B, Hq, D + 1] float32 (cat promotes o)
+        if self.nothing is None or self.nothing.shape[0] != packed.shape[-1]:
+            self.nothing = torch.zeros(packed.shape[-1], device=packed.device)
+            self.nothing[-1] = float("-inf")
+        packed = torch.where(lengths[:, None, None] > 0, packed, self.nothing)
         parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
-        return merge_partials(parts[..., :-1], parts[..., -1])[0].to(q.dtype)
+        return merge_partials(parts[..., :-1], parts[..., -1])
 
 
 class ParallelTransformer(Transformer):
@@ -87,6 +111,7 @@ class ParallelTransformer(Transformer):
         plan = shard_plan(cfg, parallel.tp, parallel.tp_rank)
         super().__init__(rank_config(cfg, plan))
         self.full_config, self.parallel, self.plan = cfg, parallel, plan
+        self._checkpoint_shapes: dict[str, torch.Size] | None = None  # built on first use
         if parallel.tp > 1:
             for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
@@ -124,6 +149,14 @@ class ParallelTransformer(Transformer):
         if name == "lm_head.weight":
             return 0, plan.vocab_lo, plan.vocab_lo + plan.vocab_rows
         return None
+
+    def checkpoint_shape(self, name: str) -> torch.Size:
+        """The whole checkpoint tensor `name`'s shape (this rank holds the part `shard` names)."""
+        if self._checkpoint_shapes is None:
+            with torch.device("meta"):
+                whole = Transformer(self.full_config)
+            self._checkpoint_shapes = {n: p.shape for n, p in whole.named_parameters()}
+        return self._checkpoint_shapes[name]
 
     # ---- logits ---------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -298,7 +331,7 @@ def _ranged_causal_attention(
         parts += [attend(qb, k_c, v_c, False, scale=scale) for k_c, v_c in earlier]
         o = torch.stack([p[0] for p in parts])  # [parts, B, G, e - s, D]
         lse = torch.stack([p[1][..., 0] for p in parts])  # [parts, B, G, e - s]
-        out[:, :, s:e] = merge_partials(o, lse)[0]
+        out[:, :, s:e] = merge_partials(o, lse)
     return out
 
 
