@@ -450,6 +450,7 @@ class LLM:
         prefix_reuse: bool = True,
         tp: int = 1,
         cp: int = 1,
+        quantization: str | None = None,
     ):
         # tp x cp > 1: one rank of a torchrun launch (minidecode/distributed.py); each rank loads
         # its share of the weights and every rank runs every request in step with the others.
@@ -477,7 +478,9 @@ class LLM:
             self.tokenizer = Tokenizer(self.model_dir)
             check_vocab(self.tokenizer.vocab_size, self.config.vocab_size)
             self.generation_defaults, self.eos_ids = self._generation_config()
-        self.model = build_model(self.config, self.model_dir, self.device, self.dtype, self.parallel)
+        self.model = build_model(
+            self.config, self.model_dir, self.device, self.dtype, self.parallel, quantization=quantization
+        )
         self.engine = Engine(
             self.model,
             self.device,
