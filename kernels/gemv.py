@@ -207,9 +207,10 @@ def _tile_dot(
     FP8: tl.constexpr,
 ):  # fmt: skip
     """acc + one K chunk's products: x [M_PAD, BLOCK_K] . w^T -> [M_PAD, BLOCK_N], or with W_ON_M
-    w . x^T -> [BLOCK_N, M_PAD] (acc None: the first chunk). FP8: w and x are uint8 e4m3 bits,
-    multiplied on e4m3 tensor cores (W_ON_M), the chunk's sum times `scale` [BLOCK_N, M_PAD] if
-    given (_chunk_scales), then added to acc in float32."""
+    w . x^T -> [BLOCK_N, M_PAD] (acc None: the first chunk). FP8: w and x are e4m3 (or their
+    bits: the bitcast is a no-op on e4m3 tensors), multiplied on e4m3 tensor cores (W_ON_M), the
+    chunk's sum times `scale` [BLOCK_N, M_PAD] if given (_chunk_scales), then added to acc in
+    float32."""
     if W_ON_M:
         mask = row_ok[None, :] & (k < K)[:, None]
         xt = tl.load(X + offs_m[None, :] * stride_xb + k[:, None], mask=mask, other=0.0)  # [BLOCK_K, M_PAD]
@@ -320,8 +321,8 @@ def _merge_parts(
 
 @triton.jit
 def _gemv_kernel(
-    X,  # [B, K] (FP8: uint8 e4m3 bits)
-    W,  # [N, K], rows contiguous (FP8: uint8 e4m3 bits)
+    X,  # [B, K] (FP8: e4m3, or its bits as uint8 under the interpreter)
+    W,  # [N, K], rows contiguous (FP8: e4m3, or its bits)
     Bias,  # [N] or a dummy
     Out,  # [B, N] ([B, N / 2] when GATED); with HAS_RESIDUAL the residual stream, updated in place
     Part,  # SPLIT_K > 1: [n_blocks, SPLIT_K, M_PAD, BLOCK_N] fp32 partials (else a dummy)
@@ -468,7 +469,8 @@ def gemv(
         block_k = min([config.block_k] + [n & -n for n in varying])  # largest power of two dividing each
         x_scale, w_scale = x.scale, weight.scale
         scale_args = (x_scale.stride(0), w_scale.stride(0), weight.block_n, min(weight.block_k, K), x.group)
-        xv, wv = xv.view(torch.uint8), wv.view(torch.uint8)  # the interpreter has no float8 tensors
+        if not xv.is_cuda:  # the interpreter has no float8 tensors: their bits (the kernel bitcasts them)
+            xv, wv = xv.view(torch.uint8), wv.view(torch.uint8)
     else:
         config = config or default_config(B, out_features, gated, max_ctas)
         block_k = config.block_k // 2 if xv.dtype == torch.float32 else config.block_k  # fp32: 2x the bytes

@@ -110,13 +110,13 @@ def _fp8_gemv_fits(x: torch.Tensor | QuantizedRows, triton: bool | None) -> bool
 def _fp8_matmul(rows: QuantizedRows, weight: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """Rounded rows [R, K] (many: prefill) times an FP8 weight -> [R, N] in the rows' dtype on a
     GPU: torch._scaled_mm (e4m3 tensor cores, float32 sums) where it takes the scales (Hopper,
-    per-channel weights, per-token rows, half-precision results), else both dequantized to the
-    model dtype and multiplied (block checkpoints). The bias is added after the rounding."""
+    per-channel weights, per-token rows, bf16 results), else both dequantized to the model dtype
+    and multiplied (block checkpoints). The bias is added after the rounding."""
     (N, K), dtype = weight.shape, rows.dtype
     scaled_mm = (
         weight.per_channel
         and rows.group == K
-        and dtype in (torch.bfloat16, torch.float16)
+        and dtype == torch.bfloat16  # row-wise scales: bf16 results only
         and K % 16 == 0
         and N % 16 == 0
         and _capability(rows.values.device) >= 9
