@@ -93,7 +93,7 @@ def fuse_fp8(parts: list[FP8Weight]) -> FP8Weight:
     scheme = (K, first.act_group, first.input_scale is None)
     if any((p.shape[1], p.act_group, p.input_scale is None) != scheme for p in parts):
         raise ValueError("fuse_fp8: the parts must share K and their activation scheme")
-    values = torch.cat([p.values for p in parts])
+    values = torch.cat([p.values.view(torch.uint8) for p in parts]).view(FP8_DTYPE)  # as bytes: torch < 2.6
     input_scale = None if first.input_scale is None else torch.stack([p.input_scale for p in parts]).amax(0)
     if all(p.per_channel for p in parts):
         return FP8Weight(values, torch.cat([p.scale for p in parts]), 1, K, first.act_group, input_scale)

@@ -93,6 +93,8 @@ def quantized_modules(fmt: dict, names: list[str]) -> list[str]:
     linear = [n.removesuffix(".weight") for n in names if n.endswith("_proj.weight")]
     if fmt.get("ignore") and "re:model\\.layers\\.1\\.mlp\\..*" in fmt["ignore"]:
         linear = [n for n in linear if not n.startswith("model.layers.1.mlp.")]
+    if fmt.get("ignore") == [] and "lm_head.weight" in names:  # lm_head quantized too
+        linear.append("lm_head")
     return linear
 
 
@@ -699,6 +701,24 @@ def test_unsupported_method_checkpoint_is_one_error_line(tiny, tmp_path):
     assert result.exit_code != 0 and len(lines) == 1 and "quant_method 'awq'" in lines[0]
     with pytest.raises(UserError, match="unknown quantization 'int8'"):
         LLM(tiny, device="cpu", quantization="int8")
+
+
+def test_quantized_lm_head_is_dequantized(tiny, tmp_path, prompt_ids):
+    """A checkpoint that quantizes lm_head too (ignore []): its weights load dequantized to the
+    model dtype (the logits stay a model-dtype GEMM: lm_head's input is not rounded)."""
+    FORMATS["ct-with-lm-head"] = dict(FORMATS["ct-tensor-static"], acts="token", ignore=[])
+    try:
+        fp8_dir, deq_dir, inputs = build_fp8_checkpoint(tiny, tmp_path, "ct-with-lm-head")
+    finally:
+        del FORMATS["ct-with-lm-head"]
+    assert "lm_head.weight_scale" in load_file(fp8_dir / "model.safetensors")
+    llm = LLM(fp8_dir, device="cpu", dtype="float32")
+    assert type(llm.model.lm_head) is torch.nn.Linear and llm.model.lm_head.weight.dtype == torch.float32
+    del inputs["lm_head"]
+    ids = prompt_ids(40, seed=8)
+    with torch.no_grad():
+        ref = hf_w8a8(deq_dir, inputs)(torch.tensor([ids])).logits[0]
+    assert rel_err(llm.logits(ids), ref) < 2e-3
 
 
 def test_fused_layers_quantized_differently_are_refused(tiny, tmp_path):
