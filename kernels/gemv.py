@@ -229,12 +229,15 @@ def _tile_dot(
 
 @triton.jit
 def _chunk_scales(
-    XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, stride_xs, stride_ws, scale_rows, scale_cols,
+    XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows, scale_cols,
     x_group, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """FP8 scales that vary along K: [BLOCK_N, M_PAD], the tile's weight rows' scales times x's
-    rows' scales for the chunk that starts at column k0 (inside one block of each)."""
+    rows' scales for the chunk that starts at column k0 (inside one block of each). A chunk past K
+    (a split's last part may run past it) reads the last column's scales, which exist, for its
+    products of zeros."""
     rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
+    k0 = tl.minimum(k0, K - 1)
     sw = tl.load(WScale + (rows // scale_rows) * stride_ws + k0 // scale_cols, mask=ok, other=0.0)
     sx = tl.load(XScale + offs_m * stride_xs + k0 // x_group, mask=row_ok, other=0.0)
     return sw[:, None] * sx[None, :]
@@ -383,14 +386,14 @@ def _gemv_kernel(
     scale = None
     if K_SCALED:
         scale = _chunk_scales(
-            XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, stride_xs, stride_ws, scale_rows,
+            XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
             scale_cols, x_group, GATED, BLOCK_N,
         )  # fmt: skip
     acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, scale, PRECISION, W_ON_M, FP8)
     if EARLY_TILES == 2:
         if K_SCALED:
             scale = _chunk_scales(
-                XScale, WScale, block, offs_j, offs_m, row_ok, k0 + BLOCK_K, N, stride_xs, stride_ws,
+                XScale, WScale, block, offs_j, offs_m, row_ok, k0 + BLOCK_K, N, K, stride_xs, stride_ws,
                 scale_rows, scale_cols, x_group, GATED, BLOCK_N,
             )  # fmt: skip
         acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)
@@ -410,7 +413,7 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
         if K_SCALED:
             scale = _chunk_scales(
-                XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, stride_xs, stride_ws, scale_rows,
+                XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
                 scale_cols, x_group, GATED, BLOCK_N,
             )  # fmt: skip
         acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)

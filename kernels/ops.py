@@ -142,7 +142,7 @@ def _fp8_linear(
     silu(gate) * up, [..., N / 2]; residual: added into it in place, None returned)."""
     values = x.values if isinstance(x, QuantizedRows) else x
     lead = values.shape[:-1]
-    if _fp8_gemv_fits(x, triton):
+    if _fp8_gemv_fits(x, triton) and (residual is None or residual.stride(-1) == 1):
         from .gemv import gemv
 
         rows = quantize_input(x, weight, triton, pdl)

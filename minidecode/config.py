@@ -302,6 +302,8 @@ def parse_quantization(qc: Any) -> Quantization | None:
     if not isinstance(qc, dict):
         raise UserError(f"quantization_config must be a JSON object, not {type(qc).__name__}")
     method = qc.get("quant_method")
+    if method is None and set(qc) <= {"kv_cache_scheme"}:  # an FP8 KV cache's scales only
+        return None
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "fp8":

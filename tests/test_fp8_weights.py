@@ -495,18 +495,28 @@ SPLIT3_CONFIG = GemvConfig(64, 64, 4, 3, w_on_m=True, split_k=3)
 )
 @pytest.mark.parametrize("layout", ["channel", "block"])
 def test_fp8_gemv_configs_and_split_k_repeat(config, layout):
-    """K whole or split over CTAs (parts ending mid-block of scales), several items a CTA, each
-    result bitwise repeatable, and the tickets zero again after each launch."""
+    """K whole or split over CTAs (parts ending mid-block of scales, the last part running past
+    K), several items a CTA, each result bitwise repeatable, and the tickets zero again after
+    each launch. The scales are views into NaN-padded storage: a scale read past K would show."""
     from minidecode.kernels.gemv import _WORKSPACES
 
     wl, group = LAYOUTS[layout]
-    w = random_fp8_weight(200, 1100, wl, act_group=group, seed=3)
-    rows = quantize_rows(torch.randn(20, 1100, device=DEVICE), w)
+    K = 1056  # 11 blocks of 96 columns, 33 chunks of 32: a split's last chunk starts at K
+    w = random_fp8_weight(200, K, wl, act_group=group, seed=3)
+    rows = quantize_rows(torch.randn(20, K, device=DEVICE), w)
+    w.scale, rows = _nan_padded(w.scale), rows._replace(scale=_nan_padded(rows.scale))
     residual = torch.randn(20, 200, device=DEVICE)
     outs = [gemv(rows, w, residual=residual.clone(), config=config, max_ctas=3) for _ in range(2)]
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], exact(rows, w) + residual.double()) < 2e-6
     assert all(int(c.abs().sum()) == 0 for key, (_, c) in _WORKSPACES.items() if key[0] == rows.values.device)
+
+
+def _nan_padded(scale: torch.Tensor) -> torch.Tensor:
+    """The same values, a view into storage with NaN columns after each row's."""
+    padded = torch.full((scale.shape[0] + 1, scale.shape[1] + 4), float("nan"), device=scale.device)
+    padded[: scale.shape[0], : scale.shape[1]] = scale
+    return padded[: scale.shape[0], : scale.shape[1]]
 
 
 def test_fp8_gemv_default_config():
