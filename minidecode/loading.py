@@ -278,8 +278,8 @@ def build_model(
     from .memory import free_memory, gib
 
     quant = _weight_quantization(cfg, quantization, device, parallel)
+    weights, _ = _planned(cfg, quant, parallel, dtype)  # this rank's
     model = _meta_model(cfg, quant, parallel)
-    weights = _stored_bytes(model, dtype)  # this rank's
     free = free_memory(device)
     problem = None
     if weights > free:
@@ -307,14 +307,15 @@ def build_model(
     return model
 
 
-def weight_plan_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
-    """The bytes the model's weights will take (as build_model counts them for its fit check, with
-    no weights loaded): FP8 layers (a checkpoint's, or quantize-on-load's) 1 byte a weight plus
-    their float32 scales, the rest in `dtype`."""
+def weight_plan(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> tuple[int, str]:
+    """What the model's weights will be, with no weights loaded (for memory plans and `info`):
+    their bytes (weight_bytes of the built model: FP8 layers, a checkpoint's or quantize-on-load's,
+    1 byte a weight plus their float32 scales; the rest in `dtype`), and weights_description's
+    words for them."""
     import torch
 
     quant = _weight_quantization(cfg, quantization, torch.device("cpu"), None)
-    return _stored_bytes(_meta_model(cfg, quant, None), dtype)
+    return _planned(cfg, quant, None, dtype)
 
 
 def _meta_model(cfg: ModelConfig, quant: Quantization | None, parallel: Parallel | None) -> Transformer:
@@ -335,14 +336,24 @@ def _meta_model(cfg: ModelConfig, quant: Quantization | None, parallel: Parallel
     return model
 
 
-def _stored_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the parameters once loaded: FP8 layers' weights and scales as declared, the rest
-    in `dtype`."""
-    kinds = _param_kinds(model)
-    return sum(
-        p.numel() * (p.element_size() if kinds.get(name, "model") != "model" else dtype.itemsize)
-        for name, p in model.named_parameters()
-    )
+def _planned(
+    cfg: ModelConfig, quant: Quantization | None, parallel: Parallel | None, dtype: torch.dtype
+) -> tuple[int, str]:
+    """(bytes, description) of the weights as built, counted on the meta-device model (no meta
+    ops: the first one costs a second of imports). FP8 layers as FP8Linear.packed_bytes counts
+    them, a quantized lm_head dequantized to `dtype`, the rest in `dtype`: weight_bytes of the
+    built model, but where fused q/k/v or gate/up end mid-block of their block scales (then held
+    a row each: a few KiB a layer more)."""
+    from minidecode.models.llama import FP8Linear, weights_description
+
+    model = _meta_model(cfg, quant, parallel)
+    fp8 = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    inside = {id(p) for m in fp8.values() for p in m.parameters()}
+    size = sum(p.numel() for p in model.parameters() if id(p) not in inside) * dtype.itemsize
+    for name, m in fp8.items():
+        lm_head = name == "lm_head"  # dequantized on load
+        size += m.out_features * m.in_features * dtype.itemsize if lm_head else m.packed_bytes(dtype)
+    return size, weights_description(model, dtype)
 
 
 def _weight_quantization(

@@ -13,6 +13,7 @@ an FP8Weight (kernels/fp8_weights.py) wherever they take a weight.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -88,6 +89,14 @@ class FP8Linear(nn.Module):
             input_scale = getattr(self, self.scheme.input_scale_name).data.float().reshape(1)
         block_n, block_k = self.scheme.block or (1, K)
         self.fp8 = FP8Weight(self.weight.data, scale, block_n, block_k, self.scheme.act_group, input_scale)
+
+    def packed_bytes(self, dtype: torch.dtype) -> int:
+        """This layer's bytes once packed, known on the meta device: 1 a weight, the float32 scales
+        (a per-tensor one held per channel), a static input scale, the bias in `dtype`."""
+        N, K = self.out_features, self.in_features
+        scales = N if self.scheme.weights == "tensor" else math.prod(self.scheme.scale_shape(N, K))
+        scales += self.scheme.activations == "static"
+        return N * K + 4 * scales + (0 if self.bias is None else N * dtype.itemsize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] (W8A8: x rounded to e4m3 first)."""
@@ -431,9 +440,10 @@ def step_weight_bytes(model: Transformer) -> int:
     return weight_bytes(model) - (table.shape[0] - 1) * table.shape[1] * table.element_size()
 
 
-def weights_description(model: nn.Module) -> str:
+def weights_description(model: nn.Module, dtype: torch.dtype | None = None) -> str:
     """Which weights a model runs: its dtype ("bfloat16"), or its FP8 schemes, e.g.
-    "fp8_e4m3 per-channel W8A8-dynamic per token (embeddings, lm_head bfloat16)"."""
-    dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    "fp8_e4m3 per-channel W8A8-dynamic per token (embeddings, lm_head bfloat16)". `dtype`: the
+    model dtype, for a model on the meta device (default: the embedding's)."""
+    dtype = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     schemes = sorted({m.scheme.describe() for m in model.modules() if isinstance(m, FP8Linear)})
     return f"{' + '.join(schemes)} (embeddings, lm_head {dtype})" if schemes else dtype

@@ -30,7 +30,7 @@ from minidecode.kernels.fp8_weights import (
     quantize_weight,
 )
 from minidecode.kernels.gemv import FP8_CONFIG, FP8_SPLIT_K_CONFIG, GemvConfig, default_fp8_config, gemv
-from minidecode.loading import build_model
+from minidecode.loading import build_model, weight_plan
 from minidecode.models.llama import FP8Linear, step_weight_bytes, weight_bytes, weights_description
 from minidecode_cli.cli import app
 
@@ -307,6 +307,12 @@ def test_checkpoint_layers_hold_e4m3_and_count_their_bytes(fp8_checkpoint):
         model.get_submodule(n).bias.numel() * 4 for n in fp8_layers if model.get_submodule(n).bias is not None
     )
     assert weight_bytes(model) == fp8_bytes + scales + rest
+    # the plan made before loading names the same weights and counts the same bytes, but for the
+    # block scales of q/k/v that fuse mid-block (48-row blocks of 64 + 32 + 32 rows: each row its own)
+    planned, description = weight_plan(llm.config, torch.float32)
+    assert description == weights_description(model)
+    extra = weight_bytes(model) - planned
+    assert extra == 0 if name != "ct-block-tied" else 0 < extra < 0.02 * planned
     if fmt["weights"] != "block":  # one scale a row for every quantized layer
         assert scales == 4 * sum(model.get_submodule(n).out_features for n in fp8_layers) + (
             4 * len(fp8_layers) if fmt["acts"] == "static" else 0
@@ -328,6 +334,8 @@ def test_quantize_on_load_matches_transformers_with_per_channel_weights(tiny, tm
         == "fp8_e4m3 per-channel W8A8-dynamic per token (embeddings, lm_head float32)"
     )
     assert llm.model.lm_head.weight.dtype == torch.float32
+    plan = weight_plan(llm.config, torch.float32, quantization="fp8")
+    assert plan == (weight_bytes(llm.model), weights_description(llm.model))
     fmt = dict(weights="channel", scale_dtype=torch.float32)
     tensors = load_file(tiny / "model.safetensors")
     inputs = {}
@@ -729,6 +737,7 @@ def test_quantized_lm_head_is_dequantized(tiny, tmp_path, prompt_ids):
     with torch.no_grad():
         ref = hf_w8a8(deq_dir, inputs)(torch.tensor([ids])).logits[0]
     assert rel_err(llm.logits(ids), ref) < 2e-3
+    assert weight_plan(llm.config, torch.float32)[0] == weight_bytes(llm.model)
 
 
 def test_fused_layers_quantized_differently_are_refused(tiny, tmp_path):
