@@ -11,9 +11,10 @@ the step's distribution (mean, max) and top-1 agreement.
 Decode speed with --fill (CLEARLY NOT A GENERATION: no prefill runs): the cache is filled with
 random finite values up to --context positions, then 3 windows of --steps decode steps (CUDA
 graph replays, as in generation) are timed from that context: median (min-max) tok/s. Tokens are
-meaningless; only the speed is real:
+meaningless; only the speed is real (--quantization fp8: with FP8 weights):
 
     python bench/fp8_accuracy.py --fill --context 1048576 --kv-cache-dtype fp8
+    python bench/fp8_accuracy.py --fill --context 524288 --kv-cache-dtype fp8 --quantization fp8
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from minidecode import LLM
 from minidecode.cache import FP8, KVCache, kv_dtype_name
+from minidecode.models.llama import weights_description
 from minidecode.sampling import GREEDY
 
 WINDOWS = 3  # --fill: timed windows of --steps decode steps each
@@ -99,7 +101,8 @@ def fill_speed(llm: LLM, context: int, steps: int) -> None:
     rates.sort()
     kv = context * engine.planner.kv_bytes_per_token / 2**30
     llm.release_cache()
-    print(f"\nFILLED CACHE (random values, no prefill): decode speed only, {llm.name}")
+    print(f"\nFILLED CACHE (random values, no prefill): decode speed only, {llm.name}, weights "
+          f"{weights_description(llm.model)}")  # fmt: skip
     print("| context | KV cache | KV GiB | steps | decode tok/s | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- |")
     print(
@@ -118,11 +121,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--fill", action="store_true", help="speed only: fill the cache, no prefill")
     parser.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"], help="with --fill")
+    parser.add_argument("--quantization", default=None, choices=["fp8"], help="with --fill: FP8 weights")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     if args.fill:
-        llm = LLM(args.model, device="cuda", dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype)
+        llm = LLM(
+            args.model, device="cuda", dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+        )  # fmt: skip
         fill_speed(llm, args.context, args.steps)
     else:
         accuracy(LLM(args.model, device="cuda", dtype="bfloat16"), args.context, args.steps)

@@ -3,8 +3,8 @@
 # process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
-#   STAGES       which of: tests attention fp8 profile bench demo prefix suffix batch integ multi
-#                (default "tests profile bench"; multi needs 2 or 4 GPUs)
+#   STAGES       which of: tests attention fp8 fp8w profile bench demo prefix suffix batch integ
+#                multi (default "tests profile bench"; multi needs 2 or 4 GPUs)
 #   MULTI_PARTS  what multi runs: tests and/or bench (default "tests bench")
 #   LOG_DIR      logs (default bench/logs)
 #   RESULTS_DIR  where bench writes e2e.{json,md,png} (default $LOG_DIR; bench/results republishes)
@@ -40,7 +40,7 @@ if [[ $STAGES == *attention* ]]; then
   timeout 300 python3 bench/attention.py --no-flex --out "$RESULTS_DIR/attention" 2>&1 | tee "$LOG_DIR/attention.log" | tail -25
   summary+=("attention exit ${PIPESTATUS[0]}")
 fi
-if [[ $STAGES == *fp8* ]]; then
+if [[ " $STAGES " == *" fp8 "* ]]; then  # the word: fp8w is another stage
   # FP8 cache: accuracy against bf16 at 128k (teacher-forced), decode speed on filled caches
   # (labelled as such: no prefill) at 512k for both cache dtypes and at 1M for FP8 (a bf16 1M
   # cache does not fit one H200), and the end-to-end bench with the FP8 cache.
@@ -53,6 +53,18 @@ if [[ $STAGES == *fp8* ]]; then
     --prompt-tokens 1024 --prompt-tokens 131072 --new-tokens 64 --repeats 3 --out "$RESULTS_DIR/e2e-fp8" \
     2>&1 | tee -a "$LOG_DIR/fp8.log" | tail -12
   summary+=("fp8 bench exit ${PIPESTATUS[0]}")
+fi
+if [[ $STAGES == *fp8w* ]]; then
+  # FP8 weights (about 5 minutes on an H100): the GPU tests of tests/test_fp8_weights*.py (the FP8
+  # GEMV against float64 for every shape and scale layout, graph == eager over 256 steps, a batch
+  # == each request alone), then bench/fp8_weights.py -> fp8-weights.{md,json}: the GEMV against
+  # its read roofline and the bf16 GEMV, decode at 1k and 32k and prefill at 32k with FP8 weights
+  # against bf16 weights (synthetic Llama-3-8B, same process), and FP8 logits against bf16 at 4k.
+  timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_fp8_weights.py \
+    tests/test_fp8_weights_gpu.py >"$LOG_DIR/fp8w-tests.log" 2>&1
+  summary+=("fp8w tests: $(tail -1 "$LOG_DIR/fp8w-tests.log")")
+  timeout 240 python3 bench/fp8_weights.py --out "$RESULTS_DIR" 2>&1 | tee "$LOG_DIR/fp8w-bench.log" | tail -28
+  summary+=("fp8w bench exit ${PIPESTATUS[0]}")
 fi
 if [[ $STAGES == *profile* ]]; then
   timeout 240 python3 bench/decode_profile.py synthetic:llama-3-8b 1024 2>&1 | tee "$LOG_DIR/decode-profile.log" | tail -6

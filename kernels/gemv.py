@@ -18,6 +18,15 @@ transformers rounds `h + o_proj(...)`: the projection to the model dtype first, 
 writes silu(gate) * up from the epilogue, so the activation costs no launch of its own.
 `split_k` (GemvConfig) splits K over CTAs, for o_proj and down at 17-32 rows, where a CTA's x tiles
 would be as many bytes as its weight tiles.
+FP8 weights (kernels/fp8_weights.py: e4m3 values, float32 scales per output channel or per block)
+take e4m3 x rows (the layer's input rounded by kernels/fp8_activations.py): the tiles enter e4m3
+tensor-core dots as stored, one byte a weight, and the scales multiply the float32 sums, in the
+epilogue (per channel and per token) or per K chunk (block scales, or x scaled per group of
+columns: a chunk then lies inside one scale block). Hopper's e4m3 dots accumulate with less than
+float32 precision (about 14 bits kept), so each chunk's dot starts from zero and is added to the
+float32 accumulator (Triton does not fold that add into the dot for e4m3 operands on sm_90):
+128 products per chunk, as DeepSeek-V3 promotes FP8 GEMM sums. e4m3 dots need Hopper's
+warpgroup MMA, i.e. weight rows on the dot's M axis (64 a block).
 The RMSNorm in front of qkv and gate/up stays a separate launch: folding it into the loop (x
 scaled by the norm weight, x^2 summed alongside) made those GEMVs 3-6x slower, because elementwise
 work on x in the loop stops its loads from being pipelined; with the rms computed first, x tiles
@@ -34,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .device import INTERPRETER_CTAS, sm_count
+from .fp8_weights import FP8Weight, QuantizedRows
 
 # x's rows, padded to 16 or (from 17 rows) 32, are the dot's M or N axis; larger batches go to
 # cuBLAS. At 32 rows this beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80
@@ -86,6 +96,23 @@ GATED_BATCH_CONFIG = GemvConfig(block_n=128, block_k=128, num_stages=4, w_on_m=T
 # o_proj / down of 17-32 rows: blocks of 64 weight rows on M, K split in two (as many CTAs as
 # blocks of 32, half the x tiles per weight byte).
 SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=4, w_on_m=True, split_k=2)
+
+
+# FP8 weights: 64 weight rows on M (warpgroup MMA), 128-column chunks (the e4m3 dot's sums go to
+# float32 every 128 products), 8 KiB weight tiles; 13 stages keep 12 tiles and their x tiles in
+# shared memory, 120 KiB at 16 rows: one CTA an SM, as DEFAULT_CONFIG (a CTA launched early
+# under PDL must not share an SM with another).
+FP8_CONFIG = GemvConfig(block_n=64, block_k=128, num_stages=13, w_on_m=True)
+# FP8 o_proj / down (4096 outputs of an 8B model: 64 blocks of 64 rows): K split in two, so that
+# as many CTAs as blocks of 32 stream them.
+FP8_SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=128, num_stages=13, w_on_m=True, split_k=2)
+
+
+def default_fp8_config(out_features: int, gated: bool, ctas: int) -> GemvConfig:
+    """FP8 weights: K split in two where that still deals at most one item a CTA (a weight of
+    few 64-row blocks, o_proj and down), else one item per block."""
+    blocks = triton.cdiv(out_features, FP8_CONFIG.block_n // 2 if gated else FP8_CONFIG.block_n)
+    return FP8_SPLIT_K_CONFIG if FP8_SPLIT_K_CONFIG.split_k * blocks <= ctas else FP8_CONFIG
 
 
 def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> GemvConfig:
@@ -175,18 +202,60 @@ def _store_block(
 
 
 @triton.jit
-def _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, PRECISION: tl.constexpr, W_ON_M: tl.constexpr):
+def _tile_dot(
+    X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION: tl.constexpr, W_ON_M: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
     """acc + one K chunk's products: x [M_PAD, BLOCK_K] . w^T -> [M_PAD, BLOCK_N], or with W_ON_M
-    w . x^T -> [BLOCK_N, M_PAD] (acc None: the first chunk)."""
+    w . x^T -> [BLOCK_N, M_PAD] (acc None: the first chunk). FP8: w and x are e4m3 (or their
+    bits: the bitcast is a no-op on e4m3 tensors), multiplied on e4m3 tensor cores (W_ON_M), the
+    chunk's sum times `scale` [BLOCK_N, M_PAD] if given (_chunk_scales), then added to acc in
+    float32."""
     if W_ON_M:
         mask = row_ok[None, :] & (k < K)[:, None]
         xt = tl.load(X + offs_m[None, :] * stride_xb + k[:, None], mask=mask, other=0.0)  # [BLOCK_K, M_PAD]
-        part = tl.dot(w, xt, input_precision=PRECISION)
+        if FP8:
+            part = tl.dot(w.to(tl.float8e4nv, bitcast=True), xt.to(tl.float8e4nv, bitcast=True))
+            if scale is not None:
+                part = part * scale
+        else:
+            part = tl.dot(w, xt, input_precision=PRECISION)
     else:
         mask = row_ok[:, None] & (k < K)[None, :]
         x = tl.load(X + offs_m[:, None] * stride_xb + k[None, :], mask=mask, other=0.0)
         part = tl.dot(x, tl.trans(w), input_precision=PRECISION)
     return part if acc is None else acc + part
+
+
+@triton.jit
+def _chunk_scales(
+    XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows, scale_cols,
+    x_group, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """FP8 scales that vary along K: [BLOCK_N, M_PAD], the tile's weight rows' scales times x's
+    rows' scales for the chunk that starts at column k0 (inside one block of each). A chunk past K
+    (a split's last part may run past it) reads the last column's scales, which exist, for its
+    products of zeros."""
+    rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
+    k0 = tl.minimum(k0, K - 1)
+    sw = tl.load(WScale + (rows // scale_rows) * stride_ws + k0 // scale_cols, mask=ok, other=0.0)
+    sx = tl.load(XScale + offs_m * stride_xs + k0 // x_group, mask=row_ok, other=0.0)
+    return sw[:, None] * sx[None, :]
+
+
+@triton.jit
+def _epilogue_scales(
+    acc, XScale, WScale, block, offs_j, offs_m, row_ok, N, stride_xs, stride_ws, scale_rows,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """acc [M_PAD, BLOCK_N] times x's row scales and the weight rows' (per-channel) scales where
+    SCALED (FP8 with scales constant along K); as it is otherwise."""
+    if SCALED:
+        rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
+        sw = tl.load(WScale + (rows // scale_rows) * stride_ws, mask=ok, other=0.0)
+        sx = tl.load(XScale + offs_m * stride_xs, mask=row_ok, other=0.0)
+        acc = acc * sx[:, None] * sw[None, :]
+    return acc
 
 
 @triton.jit
@@ -202,14 +271,18 @@ COUNTER_STRIDE: tl.constexpr = tl.constexpr(32)  # int32s: each block's ticket o
 
 @triton.jit
 def _finish_item(
-    Out, Bias, Part, acc, offs_m, item, offs_j, row_ok, N, stride_ob,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, M_PAD: tl.constexpr,
+    Out, Bias, Part, XScale, WScale, acc, offs_m, item, offs_j, row_ok, N, stride_ob, stride_xs, stride_ws,
+    scale_rows, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, M_PAD: tl.constexpr, EPILOGUE_SCALES: tl.constexpr,
 ):  # fmt: skip
     """acc [M_PAD, BLOCK_N] fp32 is work item `item`'s sum: the block's outputs, or with SPLIT_K
     its partial over one part of K, stored for _merge_parts (a plain store: the software
     pipeline runs on across it)."""
     if SPLIT_K == 1:
+        acc = _epilogue_scales(
+            acc, XScale, WScale, item, offs_j, offs_m, row_ok, N, stride_xs, stride_ws, scale_rows,
+            GATED, BLOCK_N, EPILOGUE_SCALES,
+        )  # fmt: skip
         _store_block(
             Out, Bias, acc, offs_m, item, offs_j, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N
         )  # fmt: skip
@@ -220,9 +293,9 @@ def _finish_item(
 
 @triton.jit
 def _merge_parts(
-    Out, Bias, Part, Counters, cta, n_ctas, n_items, offs_m, offs_j, row_ok, N, stride_ob,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, M_PAD: tl.constexpr,
+    Out, Bias, Part, Counters, XScale, WScale, cta, n_ctas, n_items, offs_m, offs_j, row_ok, N, stride_ob,
+    stride_xs, stride_ws, scale_rows, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, M_PAD: tl.constexpr, EPILOGUE_SCALES: tl.constexpr,
 ):  # fmt: skip
     """After the loop, for each of our items: draw its block's ticket; the part that draws the
     last one sums the block's partials in part order (bitwise repeatable whoever comes last),
@@ -238,6 +311,10 @@ def _merge_parts(
             total = tl.load(parts, mask=row_ok[:, None], other=0.0)
             for s in tl.static_range(1, SPLIT_K):
                 total += tl.load(parts + s * (M_PAD * BLOCK_N), mask=row_ok[:, None], other=0.0)
+            total = _epilogue_scales(
+                total, XScale, WScale, block, offs_j, offs_m, row_ok, N, stride_xs, stride_ws, scale_rows,
+                GATED, BLOCK_N, EPILOGUE_SCALES,
+            )  # fmt: skip
             _store_block(
                 Out, Bias, total, offs_m, block, offs_j, row_ok, N, stride_ob,
                 HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
@@ -247,12 +324,14 @@ def _merge_parts(
 
 @triton.jit
 def _gemv_kernel(
-    X,  # [B, K]
-    W,  # [N, K], rows contiguous
+    X,  # [B, K] (FP8: e4m3, or its bits as uint8 under the interpreter)
+    W,  # [N, K], rows contiguous (FP8: e4m3, or its bits)
     Bias,  # [N] or a dummy
     Out,  # [B, N] ([B, N / 2] when GATED); with HAS_RESIDUAL the residual stream, updated in place
     Part,  # SPLIT_K > 1: [n_blocks, SPLIT_K, M_PAD, BLOCK_N] fp32 partials (else a dummy)
     Counters,  # SPLIT_K > 1: [n_blocks * COUNTER_STRIDE] int32 tickets, zero between launches
+    XScale,  # FP8: [B, ceil(K / x_group)] float32 scales of x's rows (else a dummy)
+    WScale,  # FP8: [ceil(N / scale_rows), ceil(K / scale_cols)] float32 weight scales (else a dummy)
     B,
     N,
     K,
@@ -260,6 +339,11 @@ def _gemv_kernel(
     stride_xb,
     stride_wn,
     stride_ob,
+    stride_xs,
+    stride_ws,
+    scale_rows,  # FP8: weight rows per scale (1: per channel)
+    scale_cols,  # FP8: weight columns per scale (K: one scale along K)
+    x_group,  # FP8: x's columns per scale (K: per row)
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     GATED: tl.constexpr,
@@ -271,6 +355,9 @@ def _gemv_kernel(
     EARLY_TILES: tl.constexpr,  # 1 or 2
     W_ON_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    FP8: tl.constexpr,
+    K_SCALED: tl.constexpr,  # FP8 scales that vary along K: applied per chunk
+    EPILOGUE_SCALES: tl.constexpr,  # FP8 scales constant along K: applied to the sums
 ):
     # CTA c owns the work items c, c + grid, c + 2 grid, ... (item = block * SPLIT_K + part of K);
     # its (item, K chunk) pairs run as one flat loop, so the software pipeline streams on across an
@@ -285,8 +372,10 @@ def _gemv_kernel(
     # The first EARLY_TILES weight tiles (K chunks of our first item; the host keeps EARLY_TILES
     # within its chunks) are loaded before waiting for the previous kernel: they overlap that
     # kernel's tail (weights are never written by the step, so there is nothing to wait for).
-    w_rows, n_ok = _weight_rows(W, cta // SPLIT_K, offs_j, stride_wn, N, GATED, BLOCK_N)  # [BLOCK_N, 1] each
-    k_first = (cta % SPLIT_K) * k_iters * BLOCK_K + offs_k
+    block = cta // SPLIT_K
+    w_rows, n_ok = _weight_rows(W, block, offs_j, stride_wn, N, GATED, BLOCK_N)  # [BLOCK_N, 1] each
+    k0 = (cta % SPLIT_K) * k_iters * BLOCK_K
+    k_first = k0 + offs_k
     k1 = BLOCK_K + k_first  # the second chunk
     w0 = tl.load(w_rows + k_first[None, :], mask=n_ok & (k_first < K)[None, :], other=0.0)
     if EARLY_TILES == 2:
@@ -294,61 +383,102 @@ def _gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernels' results
         tl.extra.cuda.gdc_launch_dependents()
-    acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, PRECISION, W_ON_M)
+    scale = None
+    if K_SCALED:
+        scale = _chunk_scales(
+            XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
+            scale_cols, x_group, GATED, BLOCK_N,
+        )  # fmt: skip
+    acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, scale, PRECISION, W_ON_M, FP8)
     if EARLY_TILES == 2:
-        acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, PRECISION, W_ON_M)
+        if K_SCALED:
+            scale = _chunk_scales(
+                XScale, WScale, block, offs_j, offs_m, row_ok, k0 + BLOCK_K, N, K, stride_xs, stride_ws,
+                scale_rows, scale_cols, x_group, GATED, BLOCK_N,
+            )  # fmt: skip
+        acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)
     for i in range(EARLY_TILES, n_iters):  # software-pipelined: num_stages tiles in flight
         item, chunk = cta + (i // k_iters) * n_ctas, i % k_iters
         if chunk == 0:  # a new item begins: the previous one is complete
             _finish_item(
-                Out, Bias, Part, _rows_first(acc, W_ON_M), offs_m, item - n_ctas, offs_j, row_ok, N,
-                stride_ob, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
+                Out, Bias, Part, XScale, WScale, _rows_first(acc, W_ON_M), offs_m, item - n_ctas, offs_j,
+                row_ok, N, stride_ob, stride_xs, stride_ws, scale_rows, HAS_BIAS, HAS_RESIDUAL, GATED,
+                BLOCK_N, SPLIT_K, M_PAD, EPILOGUE_SCALES,
             )  # fmt: skip
             acc = tl.zeros_like(acc)
-        k = ((item % SPLIT_K) * k_iters + chunk) * BLOCK_K + offs_k
-        w_rows, n_ok = _weight_rows(W, item // SPLIT_K, offs_j, stride_wn, N, GATED, BLOCK_N)
+        block = item // SPLIT_K
+        k0 = ((item % SPLIT_K) * k_iters + chunk) * BLOCK_K
+        k = k0 + offs_k
+        w_rows, n_ok = _weight_rows(W, block, offs_j, stride_wn, N, GATED, BLOCK_N)
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k < K)[None, :], other=0.0)
-        acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, PRECISION, W_ON_M)
+        if K_SCALED:
+            scale = _chunk_scales(
+                XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
+                scale_cols, x_group, GATED, BLOCK_N,
+            )  # fmt: skip
+        acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)
     last = cta + ((n_iters - 1) // k_iters) * n_ctas
     _finish_item(
-        Out, Bias, Part, _rows_first(acc, W_ON_M), offs_m, last, offs_j, row_ok, N, stride_ob,
-        HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
+        Out, Bias, Part, XScale, WScale, _rows_first(acc, W_ON_M), offs_m, last, offs_j, row_ok, N,
+        stride_ob, stride_xs, stride_ws, scale_rows, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
+        EPILOGUE_SCALES,
     )  # fmt: skip
     if SPLIT_K > 1:
         _merge_parts(
-            Out, Bias, Part, Counters, cta, n_ctas, n_blocks * SPLIT_K, offs_m, offs_j, row_ok, N, stride_ob,
-            HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
+            Out, Bias, Part, Counters, XScale, WScale, cta, n_ctas, n_blocks * SPLIT_K, offs_m, offs_j,
+            row_ok, N, stride_ob, stride_xs, stride_ws, scale_rows, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
+            SPLIT_K, M_PAD, EPILOGUE_SCALES,
         )  # fmt: skip
 
 
 def gemv(
-    x: torch.Tensor,  # [B, K], B <= MAX_ROWS
-    weight: torch.Tensor,  # [N, K]
+    x: torch.Tensor | QuantizedRows,  # [B, K], B <= MAX_ROWS; FP8 weights: the rows rounded to e4m3
+    weight: torch.Tensor | FP8Weight,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     *,
     residual: torch.Tensor | None = None,  # [B, N]: residual += result, in place, and returned
     gated: bool = False,  # weight is [gate; up] (N = 2 I): the result is silu(gate) * up [B, I]
     use_pdl: bool = False,
-    config: GemvConfig | None = None,  # default: default_config(...)
+    config: GemvConfig | None = None,  # default: default_config(...) (FP8: default_fp8_config)
     max_ctas: int | None = None,  # default: the SM count (the interpreter: INTERPRETER_CTAS)
-) -> torch.Tensor:  # [B, N] (gated: [B, N / 2]) in x.dtype
+) -> torch.Tensor:  # [B, N] (gated: [B, N / 2]) in x's dtype (FP8: the dtype the rows were)
     """x @ weight^T + bias (added into residual in place, if given; gated: silu(gate) * up of the
-    fused gate/up projection) in one Triton launch. A split-K config uses a workspace cached per
-    device and shape: calls that share one must be ordered on one stream (as the decode step's are)."""
-    B, K = x.shape
-    N = weight.shape[0]
-    fits = weight.shape[1] == K and B <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
+    fused gate/up projection) in one Triton launch. FP8 weights (an FP8Weight) take x as
+    QuantizedRows (kernels/fp8_activations.py) and compute W8A8 (kernels/fp8_weights.py). A
+    split-K config uses a workspace cached per device and shape: calls that share one must be
+    ordered on one stream (as the decode step's are)."""
+    fp8 = isinstance(weight, FP8Weight)
+    if fp8 != isinstance(x, QuantizedRows):
+        raise ValueError("gemv: FP8 weights take e4m3 rows (QuantizedRows), and only they do")
+    xv, wv = (x.values, weight.values) if fp8 else (x, weight)
+    B, K = xv.shape
+    N = wv.shape[0]
+    fits = wv.shape[1] == K and B <= MAX_ROWS and xv.stride(-1) == 1 and wv.stride(-1) == 1
     if not fits or (gated and (N % 2 or residual is not None)):
         raise ValueError(
-            f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit (contiguous K"
+            f"gemv: x {tuple(xv.shape)} and weight {tuple(wv.shape)} do not fit (contiguous K"
             + (", an even number of gate/up rows, no residual)" if gated else ")")
         )
     out_features = N // 2 if gated else N
-    out = residual if residual is not None else torch.empty(B, out_features, dtype=x.dtype, device=x.device)
+    out = residual if residual is not None else torch.empty(B, out_features, dtype=x.dtype, device=xv.device)
     if max_ctas is None:
-        max_ctas = sm_count(x.device) if x.is_cuda else INTERPRETER_CTAS
-    config = config or default_config(B, out_features, gated, max_ctas)
-    block_k = config.block_k // 2 if x.dtype == torch.float32 else config.block_k  # fp32: twice the bytes
+        max_ctas = sm_count(xv.device) if xv.is_cuda else INTERPRETER_CTAS
+    if fp8:
+        config = config or default_fp8_config(out_features, gated, max_ctas)
+        if not config.w_on_m:
+            raise ValueError("gemv: FP8 weights need weight rows on the dot's M axis (w_on_m)")
+        # K chunks inside one scale block of the weight and of x wherever the scales vary along K
+        varying = [n for n in (weight.block_k, x.group) if n < K]
+        block_k = min([config.block_k] + [n & -n for n in varying])  # largest power of two dividing each
+        x_scale, w_scale = x.scale, weight.scale
+        scale_args = (x_scale.stride(0), w_scale.stride(0), weight.block_n, min(weight.block_k, K), x.group)
+        if not xv.is_cuda:  # the interpreter has no float8 tensors: their bits (the kernel bitcasts them)
+            xv, wv = xv.view(torch.uint8), wv.view(torch.uint8)
+    else:
+        config = config or default_config(B, out_features, gated, max_ctas)
+        block_k = config.block_k // 2 if xv.dtype == torch.float32 else config.block_k  # fp32: 2x the bytes
+        x_scale = w_scale = out  # unused
+        scale_args, varying = (0, 0, 1, K, K), []
     # a gated block is block_n weight rows too: block_n / 2 features' gate and up rows
     n_blocks = triton.cdiv(out_features, config.block_n // 2 if gated else config.block_n)
     items = n_blocks * config.split_k
@@ -356,23 +486,26 @@ def gemv(
     m_pad = 16 if B <= 16 else 32  # tl.dot needs M >= 16
     part_chunks = triton.cdiv(triton.cdiv(K, block_k), config.split_k)  # K chunks of a part
     if config.split_k > 1:
-        part, counters = _workspace(x.device, n_blocks, config.split_k, m_pad, config.block_n)
+        part, counters = _workspace(xv.device, n_blocks, config.split_k, m_pad, config.block_n)
     else:
         part = counters = out  # unused
     _gemv_kernel[(grid,)](
-        x,
-        weight,
-        weight if bias is None else bias,
+        xv,
+        wv,
+        wv if bias is None else bias,
         out,
         part,
         counters,
+        x_scale,
+        w_scale,
         B,
         N,
         K,
         n_blocks,
-        x.stride(0),
-        weight.stride(0),
+        xv.stride(0),
+        wv.stride(0),
         out.stride(0),
+        *scale_args,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         GATED=gated,
@@ -380,10 +513,13 @@ def gemv(
         M_PAD=m_pad,
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact products
+        PRECISION="ieee" if xv.dtype == torch.float32 else "tf32",  # fp32 models: exact products
         EARLY_TILES=2 if config.early_tiles >= 2 and B <= 16 and part_chunks > 1 else 1,
         W_ON_M=config.w_on_m,
         SPLIT_K=config.split_k,
+        FP8=fp8,
+        K_SCALED=bool(varying),
+        EPILOGUE_SCALES=fp8 and not varying,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

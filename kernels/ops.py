@@ -7,11 +7,19 @@ MAX_ROWS (32) sequences, nine above (gate/up through cuBLAS, then silu_mul):
 op                contract (B sequences, one new token each)             Triton path     PyTorch twin
 rms_norm          x [..., N], weight [N] -> [..., N]                     fused_triton    float32 math
 linear            x [B, K], weight [N, K], bias [N] -> [B, N]            gemv / cuBLAS   F.linear
+                  (also x [..., K]: prefill's projections)
 linear_residual   residual [B, N] += linear(x [B, K]), in place          gemv            F.linear, +=
 rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_triton    rotate, index_put
 decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
 gate_up_silu      x [B, K], gate/up [2 I, K] -> silu(gate) * up [B, I]   gemv / cuBLAS   F.linear, silu_mul
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
+
+FP8 weights: `weight` may be an FP8Weight (kernels/fp8_weights.py: e4m3 values and float32 scales),
+whose layer computes W8A8: its input is rounded to e4m3 first (QuantizedRows: per token, per token
+and group, or a static scale; fp8_activations, fused with rms_norm where the norm's output is that
+input: `quantize_for`), then the GEMV multiplies e4m3 tiles (gemv) up to MAX_ROWS rows, and larger
+inputs (prefill) go through torch._scaled_mm on Hopper (per-channel weights, per-token inputs) or a
+dequantized GEMM. The twin dequantizes both operands to float32 (fp8_weights.fp8_linear_reference).
 
 An FP8 (float8_e4m3fn) cache stores V blocked, [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
 (kernels/quant.py's layout; K as usual), and the K and V scales of each (token, head) side by
@@ -31,6 +39,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import fp8_weights
+from .fp8_weights import FP8Weight, QuantizedRows, fp8_linear_reference
 from .quant import FP8_DTYPE, V_BLOCK, dequantize_fp8, quantize_fp8, read_v_rows
 from .reference import decode_attention_reference
 
@@ -49,16 +59,105 @@ def _capability(device: torch.device) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool | None = None, pdl: bool = False
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    triton: bool | None = None,
+    pdl: bool = False,
+    quantize_for: torch.Tensor | FP8Weight | None = None,
+) -> torch.Tensor | QuantizedRows:
     """RMSNorm over the last dim as transformers does it: normalise in float32, round to x's
-    dtype, then scale (the model's norms and Qwen3's per-head q_norm / k_norm)."""
+    dtype, then scale (the model's norms and Qwen3's per-head q_norm / k_norm). quantize_for: the
+    weight the result feeds; an FP8Weight makes the result its e4m3 input rows (one launch)."""
+    fp8 = isinstance(quantize_for, FP8Weight)
     if _triton(x, triton):  # the Triton kernels are imported on first use: the CPU never needs triton
+        if fp8:
+            from . import fp8_activations
+
+            return fp8_activations.quantize_rows(x, quantize_for, (weight, eps), _pdl(x, pdl))
         from . import fused_triton
 
         return fused_triton.rms_norm(x, weight, eps, _pdl(x, pdl))
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return fp8_weights.quantize_rows(out, quantize_for) if fp8 else out
+
+
+def quantize_input(
+    x: torch.Tensor | QuantizedRows, weight: FP8Weight, triton: bool | None = None, pdl: bool = False
+) -> QuantizedRows:
+    """x [..., K] -> its rows [R, K] rounded to e4m3 as the FP8 `weight`'s input (as they are if
+    already rounded)."""
+    if isinstance(x, QuantizedRows):
+        return x
+    if _triton(x, triton):
+        from . import fp8_activations
+
+        return fp8_activations.quantize_rows(x, weight, use_pdl=_pdl(x, pdl))
+    return fp8_weights.quantize_rows(x, weight)
+
+
+def _fp8_gemv_fits(x: torch.Tensor | QuantizedRows, triton: bool | None) -> bool:
+    """The FP8 GEMV for a decode step's rows: x [B, K] (or its rounded rows), B <= MAX_ROWS."""
+    values = x.values if isinstance(x, QuantizedRows) else x
+    if not _triton(values, triton):
+        return False
+    from .gemv import MAX_ROWS
+
+    return values.dim() == 2 and values.shape[0] <= MAX_ROWS
+
+
+def _fp8_matmul(rows: QuantizedRows, weight: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Rounded rows [R, K] (many: prefill) times an FP8 weight -> [R, N] in the rows' dtype on a
+    GPU: torch._scaled_mm (e4m3 tensor cores, float32 sums) where it takes the scales (Hopper,
+    per-channel weights, per-token rows, bf16 results), else both dequantized to the model dtype
+    and multiplied (block checkpoints). The bias is added after the rounding."""
+    (N, K), dtype = weight.shape, rows.dtype
+    scaled_mm = (
+        weight.per_channel
+        and rows.group == K
+        and dtype == torch.bfloat16  # row-wise scales: bf16 results only
+        and K % 16 == 0
+        and N % 16 == 0
+        and _capability(rows.values.device) >= 9
+    )
+    if scaled_mm:
+        w_t, w_scale = weight.values.t(), weight.scale.view(1, N)  # [K, N] column-major, [1, N]
+        y = torch._scaled_mm(rows.values, w_t, scale_a=rows.scale, scale_b=w_scale, out_dtype=dtype)
+    else:
+        y = F.linear(rows.dequantize().to(dtype), weight.dequantize(dtype))
+    return y if bias is None else y + bias
+
+
+def _fp8_linear(
+    x: torch.Tensor | QuantizedRows,
+    weight: FP8Weight,
+    bias: torch.Tensor | None,
+    triton: bool | None,
+    pdl: bool,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor | None:
+    """linear / linear_residual / gate_up_silu with an FP8 weight: x [..., K] -> [..., N] (gated:
+    silu(gate) * up, [..., N / 2]; residual: added into it in place, None returned)."""
+    values = x.values if isinstance(x, QuantizedRows) else x
+    lead = values.shape[:-1]
+    if _fp8_gemv_fits(x, triton) and (residual is None or residual.stride(-1) == 1):
+        from .gemv import gemv
+
+        rows = quantize_input(x, weight, triton, pdl)
+        out = gemv(rows, weight, bias, residual=residual, gated=gated, use_pdl=_pdl(values, pdl))
+        return None if residual is not None else out
+    if _triton(values, triton) and values.is_cuda:
+        y = _fp8_matmul(quantize_input(x, weight, triton), weight, bias).view(*lead, -1)
+    else:  # the CPU (and the interpreter's larger inputs): float32 math, rounded once
+        y = fp8_linear_reference(x, weight, bias).view(*lead, -1)
+    if gated:
+        y = silu_mul(y, triton, pdl)
+    if residual is None:
+        return y
+    residual += y
+    return None
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None, gated: bool = False) -> bool:
@@ -74,13 +173,16 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor, triton: bool | None, gated:
 
 
 def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor | FP8Weight,
     bias: torch.Tensor | None,
     triton: bool | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """F.linear for the decode step: x [B, K], weight [N, K], bias [N] -> [B, N]."""
+    """F.linear: x [B, K] (a decode step; or [..., K]: prefill), weight [N, K], bias [N] ->
+    [..., N]. An FP8 weight takes x, or x already rounded to its input (QuantizedRows)."""
+    if isinstance(weight, FP8Weight):
+        return _fp8_linear(x, weight, bias, triton, pdl)
     if _use_gemv(x, weight, triton):
         from .gemv import gemv
 
@@ -89,8 +191,8 @@ def linear(
 
 
 def linear_residual(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor | FP8Weight,
     bias: torch.Tensor | None,
     residual: torch.Tensor,
     triton: bool | None = None,
@@ -98,7 +200,9 @@ def linear_residual(
 ) -> None:
     """residual += linear(x) in place, rounded as transformers' `h + proj(...)`: x [B, K],
     weight [N, K], bias [N], residual [B, N]."""
-    if _use_gemv(x, weight, triton) and residual.stride(-1) == 1:
+    if isinstance(weight, FP8Weight):
+        _fp8_linear(x, weight, bias, triton, pdl, residual=residual)
+    elif _use_gemv(x, weight, triton) and residual.stride(-1) == 1:
         from .gemv import gemv
 
         gemv(x, weight, bias, residual=residual, use_pdl=_pdl(x, pdl))
@@ -233,8 +337,8 @@ def decode_attention(
 
 
 def gate_up_silu(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor | FP8Weight,
     bias: torch.Tensor | None,
     triton: bool | None = None,
     pdl: bool = False,
@@ -242,6 +346,8 @@ def gate_up_silu(
     """The MLP's inner activation: x [B, K], weight [2 I, K] (gate rows, then up rows), bias [2 I]
     -> silu(gate) * up [B, I], rounded as transformers does. Up to MAX_ROWS rows it is one GEMV
     launch with silu * up in its epilogue; above, cuBLAS then silu_mul."""
+    if isinstance(weight, FP8Weight):
+        return _fp8_linear(x, weight, bias, triton, pdl, gated=True)
     if _use_gemv(x, weight, triton, gated=True):
         from .gemv import gemv
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ class ModelConfig:
     # compressed-tensors' quantization_config.kv_cache_scheme: the checkpoint ships calibrated
     # FP8 KV scales (k_scale / v_scale per layer) unless it says dynamic
     kv_cache_scheme: dict[str, Any] | None = None
+    # quantization_config's FP8 weights (None: the weights are in the model's dtype)
+    quantization: Quantization | None = None
 
     @property
     def group_size(self) -> int:
@@ -119,6 +122,7 @@ class ModelConfig:
                 eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
                 kv_cache_scheme=(cfg.get("quantization_config") or {}).get("kv_cache_scheme")
                 or cfg.get("kv_cache_scheme"),
+                quantization=parse_quantization(cfg.get("quantization_config")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"config.json is missing or has a bad value for {e}") from None
@@ -201,3 +205,231 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
 
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+# ---- FP8 weights: quantization_config ------------------------------------------------------------
+SUPPORTED_QUANTIZATION = (
+    "FP8 checkpoints: compressed-tensors 'float-quantized' (e4m3 weights per tensor, channel or "
+    "block; activations dynamic per token or group, or static) and transformers quant_method 'fp8'"
+)
+
+
+@dataclass(frozen=True)
+class FP8Scheme:
+    """How a Linear layer's FP8 (float8_e4m3fn) weights are stored and what its forward computes.
+
+    Weights: one float32 scale per tensor ([1]), per output channel ([N, 1]) or per block of
+    (rows, columns) ([ceil(N / rows), ceil(K / cols)], the last blocks partial), a multiplier:
+    weight = e4m3 value * scale. Activations (W8A8): the layer's input is rounded to e4m3 too,
+    with a scale per token (its largest |x| / 448), per token and group of `act_group` columns,
+    or the checkpoint's static per-tensor `input scale`. `scale_name` / `input_scale_name` are the
+    checkpoint's tensor names (transformers' fp8 calls the weight scale `weight_scale_inv`,
+    though it multiplies all the same)."""
+
+    weights: str  # "tensor", "channel" or "block"
+    block: tuple[int, int] | None = None  # (rows, cols) of a weight scale's block
+    activations: str = "token"  # "token", "group" (dynamic) or "static"
+    act_group: int | None = None  # columns per activation scale ("group")
+    scale_name: str = "weight_scale"
+    input_scale_name: str = "input_scale"
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        """The shape of the checkpoint's weight scale for an [out_features, in_features] weight."""
+        if self.weights == "tensor":
+            return (1,)
+        if self.weights == "channel":
+            return (out_features, 1)
+        rows, cols = self.block
+        return (-(-out_features // rows), -(-in_features // cols))
+
+    def describe(self) -> str:
+        """E.g. "fp8_e4m3 per-channel W8A8-dynamic per token"."""
+        weights = f"block {self.block[0]}x{self.block[1]}" if self.block else f"per-{self.weights}"
+        acts = {
+            "token": "W8A8-dynamic per token",
+            "group": f"W8A8-dynamic per token and {self.act_group}-group",
+            "static": "W8A8-static",
+        }[self.activations]
+        return f"fp8_e4m3 {weights} {acts}"
+
+
+# The FP8-dynamic scheme that quantize-on-load (`quantization="fp8"`) gives a bf16 / fp16 model.
+ON_LOAD_SCHEME = FP8Scheme(weights="channel")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Which Linear layers (by module name, `model.layers.0.self_attn.q_proj`, `lm_head`) hold
+    FP8 weights, and their scheme: config.json's quantization_config, or quantize-on-load."""
+
+    method: str  # "compressed-tensors", "fp8" (transformers) or "on-load"
+    groups: tuple[tuple[tuple[str, ...], FP8Scheme], ...]  # (targets, scheme), the first match wins
+    ignore: tuple[str, ...] = ()
+
+    def scheme_for(self, module: str) -> FP8Scheme | None:
+        """The scheme of the Linear layer named `module`, or None where it stays unquantized."""
+        if self.method == "on-load":  # every Linear of the decoder layers; lm_head stays
+            return self.groups[0][1] if module.startswith("model.layers.") else None
+        if self.method == "fp8":  # transformers: skip-list patterns, then every other Linear
+            skip = self.ignore
+            return None if any(_skips(pattern, module) for pattern in skip) else self.groups[0][1]
+        if any(_matches(target, module) for target in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(target == "Linear" or _matches(target, module) for target in targets):
+                return scheme
+        return None
+
+
+def _matches(target: str, module: str) -> bool:
+    """compressed-tensors' module matching: `re:` a regular expression from the name's start,
+    else the exact name."""
+    return re.match(target[3:], module) is not None if target.startswith("re:") else target == module
+
+
+def _skips(pattern: str, module: str) -> bool:
+    """transformers' modules_to_not_convert matching: a regular expression from the name's start
+    up to a module boundary, or a suffix of the name."""
+    return bool(re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module)) or module.endswith(pattern)
+
+
+def parse_quantization(qc: Any) -> Quantization | None:
+    """config.json's quantization_config -> the FP8 weights it declares (None: none, e.g. a
+    config that only declares an FP8 kv_cache_scheme). Anything else is one UserError naming what
+    was found and what is supported."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise UserError(f"quantization_config must be a JSON object, not {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method is None and set(qc) <= {"kv_cache_scheme"}:  # an FP8 KV cache's scales only
+        return None
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method == "fp8":
+        return _transformers_fp8(qc)
+    found = f"quant_method {method!r}" if method is not None else "a quantization_config with no quant_method"
+    raise UserError(f"unsupported quantization in config.json: {found}; supported: {SUPPORTED_QUANTIZATION}")
+
+
+def _unsupported(what: str) -> UserError:
+    return UserError(f"unsupported quantization in config.json: {what}; supported: {SUPPORTED_QUANTIZATION}")
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> Quantization | None:
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise _unsupported(f"compressed-tensors config_groups {groups!r}")
+    parsed = []
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            raise _unsupported(f"compressed-tensors config group {name!r} = {group!r}")
+        fmt = group.get("format") or qc.get("format")
+        if fmt != "float-quantized":
+            raise _unsupported(f"compressed-tensors format {fmt!r} (group {name!r})")
+        targets = group.get("targets")
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise _unsupported(f"compressed-tensors targets {targets!r} (group {name!r})")
+        if group.get("output_activations"):
+            raise _unsupported(f"compressed-tensors output_activations (group {name!r})")
+        weights = _ct_weights(group.get("weights"), name)
+        parsed.append((tuple(targets), _ct_activations(group.get("input_activations"), weights, name)))
+    if not parsed:
+        return None
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(t, str) for t in ignore):
+        raise _unsupported(f"compressed-tensors ignore {ignore!r}")
+    return Quantization("compressed-tensors", tuple(parsed), tuple(ignore))
+
+
+def _float8_args(args: Any, what: str, group: str) -> dict[str, Any]:
+    """A compressed-tensors QuantizationArgs that is 8-bit float (e4m3), symmetric."""
+    if not isinstance(args, dict):
+        raise _unsupported(f"compressed-tensors {what} {args!r} (group {group!r})")
+    kind, bits = args.get("type", "int"), args.get("num_bits")
+    if kind != "float" or bits != 8:
+        raise _unsupported(f"compressed-tensors {bits}-bit {kind} {what} (group {group!r})")
+    if args.get("symmetric") is False:
+        raise _unsupported(f"compressed-tensors asymmetric {what} (group {group!r})")
+    return args
+
+
+def _ct_weights(args: Any, group: str) -> FP8Scheme:
+    if args is None:
+        raise _unsupported(f"compressed-tensors group {group!r} without weights")
+    args = _float8_args(args, "weights", group)
+    strategy = args.get("strategy")
+    if args.get("dynamic"):
+        raise _unsupported(f"compressed-tensors dynamic weights (group {group!r})")
+    if strategy in ("tensor", "channel"):
+        return FP8Scheme(weights=strategy)
+    if strategy == "block":
+        return FP8Scheme(weights="block", block=_block(args.get("block_structure"), group))
+    raise _unsupported(f"compressed-tensors weight strategy {strategy!r} (group {group!r})")
+
+
+def _block(value: Any, group: str) -> tuple[int, int]:
+    """block_structure [rows, cols] (or "RxC"): cols a multiple of 32, as the GEMV's K chunks
+    must divide it."""
+    if isinstance(value, str) and re.fullmatch(r"\d+x\d+", value):
+        value = [int(v) for v in value.split("x")]
+    pair = isinstance(value, list | tuple) and len(value) == 2
+    if not pair or not all(isinstance(v, int) and v > 0 for v in value) or value[1] % 32:
+        raise _unsupported(f"weight block {value!r} (group {group!r}; columns must be a multiple of 32)")
+    return int(value[0]), int(value[1])
+
+
+def _ct_activations(args: Any, weights: FP8Scheme, group: str) -> FP8Scheme:
+    if args is None:
+        raise _unsupported(f"compressed-tensors weight-only FP8 (no input_activations, group {group!r})")
+    args = _float8_args(args, "input_activations", group)
+    strategy, dynamic = args.get("strategy"), args.get("dynamic")
+    if dynamic is True and strategy == "token":
+        return _with(weights, activations="token")
+    if dynamic is True and strategy == "group":
+        return _with(weights, activations="group", act_group=_act_group(args.get("group_size"), group))
+    if dynamic is False and strategy == "tensor":
+        return _with(weights, activations="static")
+    found = f"strategy {strategy!r} with dynamic={dynamic!r}"
+    raise _unsupported(f"compressed-tensors input_activations {found} (group {group!r})")
+
+
+def _act_group(size: Any, group: str) -> int:
+    """Columns per activation scale: a power of two from 32 (the GEMV's K chunks divide it)."""
+    if not isinstance(size, int) or size < 32 or size & (size - 1):
+        raise _unsupported(f"activation group size {size!r} (group {group!r}; a power of two from 32)")
+    return size
+
+
+def _with(scheme: FP8Scheme, **changes: Any) -> FP8Scheme:
+    return FP8Scheme(**{**scheme.__dict__, **changes})
+
+
+def _transformers_fp8(qc: dict[str, Any]) -> Quantization:
+    """transformers' FineGrainedFP8Config: weight_block_size (default [128, 128]; null: one scale
+    per tensor), weight_scale_inv tensors, activation_scheme dynamic (per token and group of the
+    block's columns; per token without blocks) or static (activation_scale tensors)."""
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise _unsupported(f"fp8 fmt {qc.get('fmt')!r}")
+    if qc.get("scale_fmt", "float") != "float":
+        raise _unsupported(f"fp8 scale_fmt {qc.get('scale_fmt')!r}")
+    if qc.get("modules_to_convert"):
+        raise _unsupported(f"fp8 modules_to_convert {qc.get('modules_to_convert')!r}")
+    block = qc.get("weight_block_size", [128, 128])
+    weights = FP8Scheme("tensor") if block is None else FP8Scheme("block", block=_block(block, "fp8"))
+    activation = str(qc.get("activation_scheme", "dynamic")).lower()
+    names = dict(scale_name="weight_scale_inv", input_scale_name="activation_scale")
+    if activation == "static":
+        scheme = _with(weights, activations="static", **names)
+    elif activation != "dynamic":
+        raise _unsupported(f"fp8 activation_scheme {activation!r}")
+    elif block is None:
+        scheme = _with(weights, activations="token", **names)
+    else:
+        scheme = _with(weights, activations="group", act_group=_act_group(block[1], "fp8"), **names)
+    skip = qc.get("modules_to_not_convert", qc.get("ignored_layers"))
+    if skip is None:
+        skip = ["lm_head"]  # transformers' default: the output embedding stays
+    if not isinstance(skip, list) or not all(isinstance(t, str) for t in skip):
+        raise _unsupported(f"fp8 modules_to_not_convert {skip!r}")
+    return Quantization("fp8", ((("Linear",), scheme),), tuple(skip))

@@ -195,6 +195,7 @@ class LLM:
         max_batch: int = DEFAULT_MAX_BATCH,
         tp: int = 1,
         cp: int = 1,
+        quantization: str | None = None,
     ):
         # tp x cp > 1: one rank of a torchrun launch (minidecode/distributed.py); each rank loads
         # its share of the weights and every rank runs every request in step with the others.
@@ -225,7 +226,9 @@ class LLM:
             self.tokenizer = Tokenizer(self.model_dir)
             check_vocab(self.tokenizer.vocab_size, self.config.vocab_size)
             self.generation_defaults, self.eos_ids = self._generation_config()
-        self.model = build_model(self.config, self.model_dir, self.device, self.dtype, self.parallel)
+        self.model = build_model(
+            self.config, self.model_dir, self.device, self.dtype, self.parallel, quantization=quantization
+        )
         cp_ranks = 1 if self.parallel is None else self.parallel.cp
         # Context-parallel ranks split one sequence's positions: one at a time, no prefix reuse.
         self.engine = Engine(

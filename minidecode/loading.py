@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # torch is imported by load_weights: resolving a folder (the 
 
     from minidecode.models.llama import Transformer
 
-    from .config import ModelConfig
+    from .config import ModelConfig, Quantization
     from .distributed import Parallel
 
 # The small model shipped inside the package (training/train_tiny_model.py made it).
@@ -88,21 +88,28 @@ def load_weights(
     device: torch.device,
     dtype: torch.dtype,
     shard: Callable[[str], tuple[int, int, int] | None] | None = None,
+    quantize: bool = False,
 ) -> list[tuple[float, float]] | None:
     """Fill `model` (built on the meta device) with the checkpoint's tensors; return the
     checkpoint's FP8 KV-cache scales, (k, v) per layer, or None where it ships none.
 
     Each tensor is read from its file straight onto `device` and cast to `dtype`, so an 8B model
     never has a full copy in host memory. Every expected tensor must be present with the right
-    shape, and no unexpected one may appear: a wrong checkpoint fails loudly, naming tensors.
-    `shard(name)` (a tensor-parallel rank's, models/parallel.py) names the part of a tensor to
-    read, (dim, start, stop), or None for all of it: only that part is read from the file.
+    shape and dtype, and no unexpected one may appear: a wrong checkpoint fails loudly, naming
+    tensors. `shard(name)` (a tensor-parallel rank's, models/parallel.py) names the part of a
+    tensor to read, (dim, start, stop), or None for all of it: only that part is read from the file.
+
+    FP8 layers (FP8Linear) keep the checkpoint's e4m3 weights (float8_e4m3fn) and float32 scales
+    (stored as bf16, fp16 or fp32; a per-tensor scale as [1] or a scalar). `quantize`
+    (quantize-on-load): a float weight of an FP8 layer is rounded to e4m3 per output channel as it
+    is read, its scale made alongside.
     """
     from safetensors import safe_open
 
     expected = {name: p.shape for name, p in model.named_parameters()}
+    kinds = _param_kinds(model)
     loaded: dict[str, torch.Tensor] = {}
-    unexpected, misshapen, misshapen_names = [], [], set()
+    unexpected, misshapen, misshapen_names, wrong_dtype = [], [], set(), []
     kv_scales: dict[tuple[int, str], float] = {}  # (layer, "k" or "v") -> scale
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for file in weight_files(model_dir):
@@ -111,7 +118,7 @@ def load_weights(
             where = "cpu" if device.type == "cpu" else str(device)
             with safe_open(str(file), framework="pt", device=where) as f:
                 for name in f.keys():
-                    if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    if name.endswith(IGNORED_SUFFIXES) or (tied and name.startswith("lm_head.")):
                         continue
                     if (match := KV_SCALE.fullmatch(name)) is not None:
                         layer, which = int(match[1]), match[2] or match[3]
@@ -122,11 +129,17 @@ def load_weights(
                         continue
                     part = None if shard is None else shard(name)
                     tensor = f.get_tensor(name) if part is None else _read_part(f.get_slice(name), *part)
+                    if tensor.dim() == 0 and expected[name] == (1,):  # a per-tensor scale as a scalar
+                        tensor = tensor.reshape(1)
                     if tensor.shape != expected[name]:
                         misshapen.append(f"{name} {tuple(tensor.shape)} (expected {tuple(expected[name])})")
                         misshapen_names.add(name)
                         continue
-                    loaded[name] = tensor.to(dtype)
+                    stored = _stored(model, name, tensor, kinds.get(name, "model"), dtype, quantize)
+                    if isinstance(stored, str):
+                        wrong_dtype.append(stored)
+                    else:
+                        loaded.update(stored)
         except UserError:
             raise
         except Exception as e:  # safetensors raises its own error type for bad headers / truncation
@@ -137,12 +150,60 @@ def load_weights(
         problems.append(f"missing tensors: {_names(missing)}")
     if misshapen:
         problems.append(f"misshapen tensors: {_names(misshapen)}")
+    if wrong_dtype:
+        problems.append(f"tensors of the wrong dtype: {_names(wrong_dtype)}")
     if unexpected:
         problems.append(f"unexpected tensors: {_names(unexpected)}")
     if problems:
         raise UserError(f"checkpoint in {model_dir} does not match its config.json: " + "; ".join(problems))
     model.load_state_dict(loaded, strict=True, assign=True)
     return _kv_scales_per_layer(kv_scales, model, model_dir)
+
+
+def _param_kinds(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> "fp8" (an FP8 layer's e4m3 weight) or "scale" (its float32 scales);
+    the other parameters ("model") take the model's dtype."""
+    from minidecode.models.llama import FP8Linear
+
+    kinds = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            for param, _ in module.named_parameters(recurse=False):
+                kind = "fp8" if param == "weight" else "model" if param == "bias" else "scale"
+                kinds[f"{module_name}.{param}" if module_name else param] = kind
+    return kinds
+
+
+def _stored(
+    model: nn.Module, name: str, tensor: torch.Tensor, kind: str, dtype: torch.dtype, quantize: bool
+) -> dict[str, torch.Tensor] | str:
+    """The parameters checkpoint tensor `name` loads as (quantize-on-load: an FP8 layer's float
+    weight gives its e4m3 values and per-channel scale), or what is wrong with its dtype."""
+    import torch
+
+    from minidecode.kernels.fp8_weights import FP8_DTYPE, quantize_weight
+
+    found = _dtype_name(tensor.dtype)
+    one_byte = tensor.dtype.is_floating_point and tensor.element_size() == 1
+    if kind == "fp8":
+        if tensor.dtype == FP8_DTYPE:
+            return {name: tensor}
+        if quantize and tensor.dtype.is_floating_point and not one_byte:
+            module = name.removesuffix(".weight")
+            values, scale = quantize_weight(tensor)
+            return {name: values, f"{module}.{model.get_submodule(module).scheme.scale_name}": scale}
+        return f"{name} {found} (expected float8_e4m3fn)"
+    if one_byte:  # e4m3 values of a layer config.json leaves unquantized: without a scale, wrong
+        return f"{name} {found} (not quantized in config.json)"
+    if kind == "scale":
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"{name} {found} (expected a float32, bf16 or fp16 scale)"
+        return {name: tensor.float()}
+    return {name: tensor.to(dtype)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _read_part(tensor_slice, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -204,25 +265,22 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     parallel: Parallel | None = None,
+    quantization: str | None = None,
 ) -> Transformer:
     """The model ready for inference on `device`: the checkpoint's weights (model_dir), or random
     ones (model_dir None: a synthetic shape, for speed runs); q/k/v and gate/up fused, RoPE tables
     built. Under tensor / context parallelism (`parallel`), this rank's part only. Refuses (every
-    rank, if any rank must) when the weights cannot fit the device's free memory."""
-    import torch
+    rank, if any rank must) when the weights cannot fit the device's free memory.
 
-    from minidecode.models.llama import Transformer
-
+    FP8 weights: a checkpoint whose config.json declares FP8 weights (quantization_config) loads
+    them as they are; `quantization="fp8"` rounds a bf16 / fp16 checkpoint's (or the random)
+    weights of the decoder layers' Linear layers to e4m3 on load, per output channel, their inputs
+    per token (the FP8-dynamic scheme); embeddings and lm_head stay in `dtype`."""
     from .memory import free_memory, gib
 
-    with torch.device("meta"):
-        if parallel is None:
-            model = Transformer(cfg)
-        else:
-            from minidecode.models.parallel import ParallelTransformer
-
-            model = ParallelTransformer(cfg, parallel)
-    weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # this rank's
+    quant = _weight_quantization(cfg, quantization, device, parallel)
+    weights, _ = _planned(cfg, quant, parallel, dtype)  # this rank's
+    model = _meta_model(cfg, quant, parallel)
     free = free_memory(device)
     problem = None
     if weights > free:
@@ -238,13 +296,141 @@ def build_model(
         init_random_weights(model, device, dtype)
     else:
         shard = None if parallel is None else model.shard  # only this rank's rows
-        kv_scales = load_weights(model, model_dir, device, dtype, shard)
+        on_load = quant is not None and quant.method == "on-load"
+        kv_scales = load_weights(model, model_dir, device, dtype, shard, quantize=on_load)
         for layer, scales in zip(model.model.layers, kv_scales or [], strict=False):
             layer.self_attn.kv_static_scales = scales  # the checkpoint's calibrated FP8 scales
+    if quant is not None:
+        _pack_fp8(model, dtype)
     model.fuse_projections()
     model.setup_rope(device)
     model.eval().requires_grad_(False)  # inference only: no autograd bookkeeping
     return model
+
+
+def weight_plan(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> tuple[int, str]:
+    """What the model's weights will be, with no weights loaded (for memory plans and `info`):
+    their bytes (weight_bytes of the built model: FP8 layers, a checkpoint's or quantize-on-load's,
+    1 byte a weight plus their float32 scales; the rest in `dtype`), and weights_description's
+    words for them."""
+    import torch
+
+    quant = _weight_quantization(cfg, quantization, torch.device("cpu"), None)
+    return _planned(cfg, quant, None, dtype)
+
+
+def _meta_model(cfg: ModelConfig, quant: Quantization | None, parallel: Parallel | None) -> Transformer:
+    """The model (this rank's part) on the meta device, its FP8 layers declared."""
+    import torch
+
+    from minidecode.models.llama import Transformer
+
+    with torch.device("meta"):
+        if parallel is None:
+            model = Transformer(cfg)
+        else:
+            from minidecode.models.parallel import ParallelTransformer
+
+            model = ParallelTransformer(cfg, parallel)
+        if quant is not None:
+            _declare_fp8(model, quant)
+    return model
+
+
+def _planned(
+    cfg: ModelConfig, quant: Quantization | None, parallel: Parallel | None, dtype: torch.dtype
+) -> tuple[int, str]:
+    """(bytes, description) of the weights as built, counted on the meta-device model (no meta
+    ops: the first one costs a second of imports). FP8 layers as FP8Linear.packed_bytes counts
+    them, a quantized lm_head dequantized to `dtype`, the rest in `dtype`: weight_bytes of the
+    built model, but where fused q/k/v or gate/up end mid-block of their block scales (then held
+    a row each: a few KiB a layer more)."""
+    from minidecode.models.llama import FP8Linear, weights_description
+
+    model = _meta_model(cfg, quant, parallel)
+    fp8 = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    inside = {id(p) for m in fp8.values() for p in m.parameters()}
+    size = sum(p.numel() for p in model.parameters() if id(p) not in inside) * dtype.itemsize
+    for name, m in fp8.items():
+        lm_head = name == "lm_head"  # dequantized on load
+        size += m.out_features * m.in_features * dtype.itemsize if lm_head else m.packed_bytes(dtype)
+    return size, weights_description(model, dtype)
+
+
+def _weight_quantization(
+    cfg: ModelConfig, quantization: str | None, device: torch.device, parallel: Parallel | None
+) -> Quantization | None:
+    """The FP8 weights to build: the checkpoint's (config.json), else quantize-on-load's if asked
+    for, else none. FP8 needs a GPU with FP8 tensor cores (compute capability 8.9+) or the CPU."""
+    import torch
+
+    from .config import ON_LOAD_SCHEME, Quantization
+
+    if quantization not in (None, "none", "fp8"):
+        raise UserError(f"unknown quantization {quantization!r}; use fp8 (or none)")
+    quant = cfg.quantization
+    if quant is None and quantization == "fp8":
+        quant = Quantization("on-load", ((("Linear",), ON_LOAD_SCHEME),))
+    if quant is None:
+        return None
+    if parallel is not None and parallel.tp > 1:
+        raise UserError("FP8 weights are not supported with tensor parallelism (tp > 1) yet; use tp 1")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UserError(
+            f"FP8 weights need a GPU with FP8 tensor cores (compute capability 8.9 or newer); "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+            + (": run without --quantization fp8" if cfg.quantization is None else "")
+        )
+    return quant
+
+
+def _declare_fp8(model: nn.Module, quant: Quantization) -> None:
+    """Each Linear layer that `quant` quantizes becomes an FP8Linear (on the meta device, before
+    loading). q/k/v and gate/up run fused, so each set must share one scheme."""
+    from torch import nn
+
+    from minidecode.models.llama import FP8Linear
+
+    for name, module in list(model.named_modules()):
+        scheme = quant.scheme_for(name) if isinstance(module, nn.Linear) else None
+        if scheme is not None:
+            parent, _, attr = name.rpartition(".")
+            fp8 = FP8Linear(module.in_features, module.out_features, module.bias is not None, scheme)
+            setattr(model.get_submodule(parent), attr, fp8)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for fused in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            if len({getattr(lin, "scheme", None) for lin in fused}) > 1:
+                names = "q_proj, k_proj and v_proj" if len(fused) == 3 else "gate_proj and up_proj"
+                raise UserError(
+                    f"config.json's quantization_config quantizes model.layers.{i}'s {names} differently; "
+                    "minidecode runs them fused and needs one FP8 scheme for them"
+                )
+
+
+def _pack_fp8(model: nn.Module, dtype: torch.dtype) -> None:
+    """After loading: each FP8 layer's FP8Weight (random weights rounded first). A checkpoint's
+    quantized lm_head is dequantized to `dtype` (the logits stay a model-dtype GEMM)."""
+    import torch
+    from torch import nn
+
+    from minidecode.kernels.fp8_weights import FP8_DTYPE
+    from minidecode.models.llama import FP8Linear
+
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            if module.weight.dtype != FP8_DTYPE:  # random weights in the model dtype
+                module.quantize()
+            module.pack()
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, FP8Linear):
+        with torch.device("meta"):
+            plain = nn.Linear(head.in_features, head.out_features, bias=False)
+        plain.weight = nn.Parameter(head.fp8.dequantize(dtype), requires_grad=False)
+        if head.bias is not None:
+            plain.bias = nn.Parameter(head.bias.data, requires_grad=False)
+        model.lm_head = plain
 
 
 # Values drawn per generator when making random weights: a block of whole rows of one tensor.

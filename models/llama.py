@@ -5,10 +5,15 @@ tensors load by name with no renaming. Two entry points, both writing K/V into t
 contiguous cache:
 - `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA;
 - `decode`: one new token per sequence, attention through the lean decode kernel.
+
+FP8 weights (a checkpoint's, or quantized on load: minidecode/loading.py) live in FP8Linear layers
+whose tensors carry the checkpoint's names; their projections run through the same ops, which take
+an FP8Weight (kernels/fp8_weights.py) wherever they take a weight.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -16,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minidecode.cache import KVCache, LayerKV
-from minidecode.config import ModelConfig
+from minidecode.config import FP8Scheme, ModelConfig
 from minidecode.kernels import ops
+from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, fuse_fp8, quantize_weight
 from minidecode.kernels.prefill import causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 
@@ -30,8 +36,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps, pdl=pdl)
+    def forward(self, x: torch.Tensor, pdl: bool = False, feeds: torch.Tensor | FP8Weight | None = None):
+        """x [..., dim] normalised; `feeds`: the weight the result goes into (an FP8 weight makes the
+        result its e4m3 input rows, normalised and rounded in one launch)."""
+        return ops.rms_norm(x, self.weight, self.eps, pdl=pdl, quantize_for=feeds)
 
 
 class Projection(nn.Linear):
@@ -41,6 +49,66 @@ class Projection(nn.Linear):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
         """residual [B, out] += self(x [B, in]), in place."""
         ops.linear_residual(x, self.weight, self.bias, residual, pdl=pdl)
+
+
+class FP8Linear(nn.Module):
+    """A Linear layer with FP8 (e4m3) weights, its tensors named as in the checkpoint: `weight`
+    [out, in] float8_e4m3fn, the float32 scale in the scheme's shape (`weight_scale`, or
+    transformers' `weight_scale_inv`), a static scheme's input scale [1], and `bias` in the model
+    dtype. After loading, `pack` makes `fp8`, the FP8Weight the ops take. Its decode form adds
+    into the residual stream in place, as Projection's does."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: FP8Scheme):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.weight = _frozen(torch.empty(out_features, in_features, dtype=FP8_DTYPE))
+        scale = torch.empty(scheme.scale_shape(out_features, in_features), dtype=torch.float32)
+        self.register_parameter(scheme.scale_name, _frozen(scale))
+        if scheme.activations == "static":
+            self.register_parameter(scheme.input_scale_name, _frozen(torch.empty(1)))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.fp8: FP8Weight | None = None  # set by pack()
+
+    def quantize(self) -> None:
+        """Round a model-dtype `weight` (random weights of a synthetic model) to e4m3 per output
+        channel, as quantize-on-load does a checkpoint's (the per-channel scheme)."""
+        self.weight, scale = (_frozen(t) for t in quantize_weight(self.weight.data))
+        setattr(self, self.scheme.scale_name, scale)
+
+    def pack(self) -> None:
+        """After loading: the FP8Weight of this layer. A per-tensor scale becomes one per channel
+        (each row its tensor's), so that fused q/k/v or gate/up with different scales stay one
+        matrix; the parameter holds that form (the bytes a decode step reads)."""
+        scale = getattr(self, self.scheme.scale_name).data
+        N, K = self.out_features, self.in_features
+        if self.scheme.weights == "tensor":
+            scale = scale.reshape(1, 1).expand(N, 1).contiguous()
+            setattr(self, self.scheme.scale_name, _frozen(scale))
+        input_scale = None
+        if self.scheme.activations == "static":
+            input_scale = getattr(self, self.scheme.input_scale_name).data.float().reshape(1)
+        block_n, block_k = self.scheme.block or (1, K)
+        self.fp8 = FP8Weight(self.weight.data, scale, block_n, block_k, self.scheme.act_group, input_scale)
+
+    def packed_bytes(self, dtype: torch.dtype) -> int:
+        """This layer's bytes once packed, known on the meta device: 1 a weight, the float32 scales
+        (a per-tensor one held per channel), a static input scale, the bias in `dtype`."""
+        N, K = self.out_features, self.in_features
+        scales = N if self.scheme.weights == "tensor" else math.prod(self.scheme.scale_shape(N, K))
+        scales += self.scheme.activations == "static"
+        return N * K + 4 * scales + (0 if self.bias is None else N * dtype.itemsize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] (W8A8: x rounded to e4m3 first)."""
+        return ops.linear(x, self.fp8, self.bias)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
+        """residual [B, out] += self(x [B, in]), in place."""
+        ops.linear_residual(x, self.fp8, self.bias, residual, pdl=pdl)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 class Attention(nn.Module):
@@ -73,7 +141,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, hidden] -> rotated q [B, T, Hq, D], k [B, T, Hkv, D], and v [B, T, Hkv, D]."""
         B, T, _ = x.shape
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, -1, self.head_dim)
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, -1, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -124,7 +192,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
-        return self.down_proj(ops.silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        return self.down_proj(ops.silu_mul(ops.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
     def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool) -> None:
         """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
@@ -133,16 +201,33 @@ class MLP(nn.Module):
         self.down_proj.add_to(x, inner, pdl)
 
 
-def _fuse(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor | None:
+def _fuse(linears: tuple[nn.Linear | FP8Linear, ...], name: str) -> torch.Tensor | FP8Weight | None:
     """The linears' `name` ("weight" or "bias") stacked by rows; each parameter becomes a view of
-    its rows of the fused tensor. None where the linears have no bias."""
+    its rows of the fused tensor. None where the linears have no bias. FP8 weights: _fuse_fp8."""
     if getattr(linears[0], name) is None:
         return None
+    if name == "weight" and isinstance(linears[0], FP8Linear):
+        return _fuse_fp8(linears)
     fused = torch.cat([getattr(lin, name).data for lin in linears])
     begin = 0
     for lin in linears:
         rows = getattr(lin, name).shape[0]
         setattr(lin, name, nn.Parameter(fused[begin : begin + rows], requires_grad=False))
+        begin += rows
+    return fused
+
+
+def _fuse_fp8(linears: tuple[FP8Linear, ...]) -> FP8Weight:
+    """The FP8 linears' weights as one FP8Weight (kernels/fp8_weights.fuse_fp8); each layer's
+    weight and scale parameters become views of their rows of it."""
+    fused = fuse_fp8([lin.fp8 for lin in linears])
+    begin = 0
+    for lin in linears:
+        rows = lin.out_features
+        lin.weight = _frozen(fused.values[begin : begin + rows])
+        first, last = begin // fused.block_n, -(-(begin + rows) // fused.block_n)  # the fused scale's rows
+        setattr(lin, lin.scheme.scale_name, _frozen(fused.scale[first:last]))
+        lin.fp8 = None  # the fused weight replaces it (and its tensors are freed)
         begin += rows
     return fused
 
@@ -325,9 +410,10 @@ class Transformer(nn.Module):
             written = starts + written
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x, pdl)
-            layer.self_attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, starts)
-            layer.mlp.decode(x, layer.post_attention_layernorm(x, pdl), pdl)
+            attn, mlp = layer.self_attn, layer.mlp
+            h = layer.input_layernorm(x, pdl, attn.qkv_weight)  # FP8 weights: h rounded to e4m3
+            attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, starts)
+            mlp.decode(x, layer.post_attention_layernorm(x, pdl, mlp.gate_up_weight), pdl)
         return self.model.norm(x, pdl)
 
     def fuse_projections(self) -> None:
@@ -366,5 +452,24 @@ def _dequantize_prefix(kv: LayerKV, staging: list[torch.Tensor], start: int, chu
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter (the weights a decode step reads once per token)."""
+    """Bytes of every parameter (the weights a decode step reads once per token): FP8 weights
+    count 1 byte a weight plus their float32 scales."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def step_weight_bytes(model: Transformer) -> int:
+    """The weight bytes one decode step reads: every parameter, but of the embedding table one
+    row (a tied lm_head reads the whole table: counted once, as the lm_head)."""
+    table = model.model.embed_tokens.weight
+    if model.config.tie_word_embeddings:
+        return weight_bytes(model)
+    return weight_bytes(model) - (table.shape[0] - 1) * table.shape[1] * table.element_size()
+
+
+def weights_description(model: nn.Module, dtype: torch.dtype | None = None) -> str:
+    """Which weights a model runs: its dtype ("bfloat16"), or its FP8 schemes, e.g.
+    "fp8_e4m3 per-channel W8A8-dynamic per token (embeddings, lm_head bfloat16)". `dtype`: the
+    model dtype, for a model on the meta device (default: the embedding's)."""
+    dtype = str(dtype or model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    schemes = sorted({m.scheme.describe() for m in model.modules() if isinstance(m, FP8Linear)})
+    return f"{' + '.join(schemes)} (embeddings, lm_head {dtype})" if schemes else dtype

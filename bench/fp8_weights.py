@@ -1,0 +1,306 @@
+"""FP8 weights on the GPU: the decode GEMV against its read roofline and the bf16 GEMV, end-to-end
+decode and prefill with FP8 weights against bf16 weights (synthetic Llama-3-8B, same process),
+and the FP8-weight logits against bf16's.
+
+    python bench/fp8_weights.py [--out DIR] [--lengths 1024 32768] [--skip gemv,e2e,accuracy]
+
+GEMV (one decode row): Llama-3-8B's four projections, 32 distinct weight copies cycled inside
+one CUDA graph (each read cold from HBM, as in a decode step), calls chained with PDL as the
+step chains them. Bytes = what a call must read: the weights (1 byte an e4m3 weight plus its
+float32 scale; 2 bytes a bf16 weight), x and the residual. Read ceiling: a read-only reduction
+over 2 GiB measured in the same run. Peers: the bf16 GEMV (the step's kernel for bf16 weights);
+"fp8 op" adds the input's e4m3 rounding (its own launch for o_proj / down; fused into the RMSNorm
+for qkv / gate_up in the step) to the GEMV alone. A few other FP8 launch configs are timed for
+the notes (median of 15 replays, min-max).
+
+End to end: `LLM("synthetic:llama-3-8b", quantization=...)`, bf16 weights then FP8 weights, no
+prefix reuse; per length, 3 requests of a random prompt + 128 new tokens (greedy, eos ignored):
+decode tok/s (the engine's stats: first to last new token) and prefill seconds, median (min-max).
+Roofline: read ceiling / (the weight bytes a step reads + the KV bytes at the window's context).
+
+Accuracy: a 4096-token random prompt prefilled by both models (every position's logits), then 64
+decode steps fed the bf16 model's greedy tokens (teacher-forced): KL(bf16 || fp8) mean and max,
+top-1 agreement, and the logits' relative error. The synthetic model's weights are random, its
+distributions flat: the figures say how far the runtime's FP8 path moves the logits, not a
+trained model's quality (tests/test_fp8_weights.py measures the shipped model's perplexity).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from timing import time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
+
+from minidecode import LLM
+from minidecode.bench import measure_ceilings
+from minidecode.kernels import ops
+from minidecode.kernels.fp8_weights import FP8Weight, quantize_rows, quantize_weight
+from minidecode.kernels.gemv import GemvConfig, default_fp8_config, gemv
+from minidecode.models.llama import step_weight_bytes, weights_description
+
+MODEL = "synthetic:llama-3-8b"
+COPIES = 32
+SHAPES = {  # name: (N, K, mode) for Llama-3-8B
+    "qkv": (6144, 4096, "plain"),
+    "o_proj + residual": (4096, 4096, "residual"),
+    "gate_up + silu*up": (28672, 4096, "gated"),
+    "down + residual": (4096, 14336, "residual"),
+}
+# Other FP8 launch configs timed for the notes (the default is default_fp8_config's)
+ALTERNATES = {
+    "N64 K256 s7": GemvConfig(block_n=64, block_k=256, num_stages=7, w_on_m=True),
+    "N128 K128 w8 s8": GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=8, w_on_m=True),
+}
+
+
+def spread(t: dict) -> str:
+    return f"{t['median']:.2f} ({t['low']:.2f}-{t['high']:.2f})"
+
+
+# ---- GEMV ----------------------------------------------------------------------------------------------
+def timed(fn, weights: list) -> dict:
+    """us per call (median, min-max of the replays): fn(w) for each weight copy, cycled in a graph."""
+    return dataclasses.asdict(time_graph([lambda w=w: fn(w) for w in weights]))
+
+
+def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
+    """One projection: the bf16 GEMV, the FP8 GEMV (checked against float64 first), the FP8 GEMV
+    with its input's rounding, and the alternate FP8 configs."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+    residual = torch.randn(1, N, device=dev, dtype=torch.bfloat16) if mode == "residual" else None
+    kw = dict(residual=residual, gated=mode == "gated", use_pdl=True)
+    bf16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K**0.5 for _ in range(COPIES)]
+    t_bf16 = timed(lambda w: gemv(x, w, **kw), bf16)
+    fp8 = [FP8Weight(*quantize_weight(w), 1, K) for w in bf16]
+    del bf16
+    torch.cuda.empty_cache()
+    rows = quantize_rows(x, fp8[0])
+    got = gemv(
+        rows, fp8[0], residual=None if residual is None else torch.zeros_like(residual), gated=kw["gated"]
+    )
+    exact = rows.dequantize().double() @ fp8[0].dequantize(torch.float64).T
+    if mode == "gated":
+        gate, up = exact.chunk(2, -1)
+        exact = gate * torch.sigmoid(gate) * up
+    err = ((got.double() - exact).norm() / exact.norm()).item()
+    assert err < 1e-2, f"{name}: FP8 GEMV relative error {err}"
+    t_fp8 = timed(lambda w: gemv(rows, w, **kw), fp8)
+    t_op = timed(lambda w: gemv(ops.quantize_input(x, w, pdl=True), w, **kw), fp8)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    default = default_fp8_config(N // 2 if kw["gated"] else N, kw["gated"], sms)
+    alternates = {}
+    for label, config in ALTERNATES.items():
+        config = dataclasses.replace(config, split_k=default.split_k)
+        alternates[label] = timed(lambda w, c=config: gemv(rows, w, config=c, **kw), fp8)["median"]
+    read_act = K * 2 + (N * 2 if residual is not None else 0)  # x (and the residual)
+    bytes_bf16 = N * K * 2 + read_act
+    bytes_fp8 = N * K + N * 4 + K + 4 + (N * 2 if residual is not None else 0)  # e4m3 x and its scale
+    row = dict(
+        matrix=name, N=N, K=K, rel_err=err, default_config=str(default), bf16_us=t_bf16, fp8_us=t_fp8,
+        fp8_op_us=t_op, alternates_us=alternates,
+        bf16_gbs=bytes_bf16 / t_bf16["median"] / 1e3, fp8_gbs=bytes_fp8 / t_fp8["median"] / 1e3,
+        speedup=t_bf16["median"] / t_fp8["median"], op_speedup=t_bf16["median"] / t_op["median"],
+    )  # fmt: skip
+    row["bf16_roofline"], row["fp8_roofline"] = (
+        row["bf16_gbs"] * 1e9 / ceiling,
+        row["fp8_gbs"] * 1e9 / ceiling,
+    )
+    print(
+        f"  {name}: bf16 {spread(t_bf16)} us, fp8 {spread(t_fp8)} us ({100 * row['fp8_roofline']:.1f}% of "
+        f"the read roofline), fp8 op {spread(t_op)} us; alternates {alternates}",
+        flush=True,
+    )
+    return row
+
+
+# ---- end to end --------------------------------------------------------------------------------------
+def e2e(lengths: list[int], new: int, repeats: int, ceiling: float) -> list[dict]:
+    results = []
+    for quantization in (None, "fp8"):
+        llm = LLM(MODEL, quantization=quantization, prefix_reuse=False)
+        weights = step_weight_bytes(llm.model)
+        kv = llm.engine.kv_bytes_per_token
+        warm_up = llm.random_prompt(256, seed=99)  # compiles the kernels, captures the step's graph
+        llm.generate(token_ids=warm_up, max_new_tokens=8, temperature=0, ignore_eos=True)
+        for length in lengths:
+            decode, prefill = [], []
+            for r in range(repeats):
+                prompt = llm.random_prompt(length, seed=r)
+                result = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=0, ignore_eos=True)
+                decode.append(result.stats.decode_tokens_per_s)
+                prefill.append(result.stats.prefill_seconds)
+            roofline = ceiling / (weights + kv * (length + new / 2))
+            row = dict(
+                weights=weights_description(llm.model), quantization=quantization or "none", length=length,
+                step_weight_bytes=weights, decode_tok_s=statistics.median(decode), decode_min=min(decode),
+                decode_max=max(decode), prefill_s=statistics.median(prefill), prefill_min=min(prefill),
+                prefill_max=max(prefill), roofline_tok_s=roofline, n=repeats,
+            )  # fmt: skip
+            results.append(row)
+            print(f"  {row['weights']} @ {length:,}: decode {row['decode_tok_s']:.1f} tok/s "
+                  f"({min(decode):.1f}-{max(decode):.1f}, {100 * row['decode_tok_s'] / roofline:.1f}% of "
+                  f"{roofline:.0f}), prefill {row['prefill_s']:.3f} s", flush=True)  # fmt: skip
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return results
+
+
+# ---- accuracy ----------------------------------------------------------------------------------------
+@torch.inference_mode()
+def logits_of(llm: LLM, prompt: list[int], feed: list[int] | None, steps: int):
+    """Every prompt position's logits [T, V] (prefill) and `steps` decode steps' [steps, V] (fed
+    greedily when feed is None, else `feed`), float32, and the tokens fed."""
+    from minidecode.cache import KVCache
+
+    cfg, device, model = llm.config, llm.device, llm.model
+    cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, len(prompt) + steps, cfg.head_dim, llm.dtype, device)
+    hidden = model.prefill(torch.tensor([prompt], device=device), cache, 8192, last_only=False)
+    prefill = model.logits(hidden[0])  # [T, V]
+    token, decode, fed = int(prefill[-1].argmax()), [], []
+    for i in range(steps):
+        token = token if feed is None else feed[i]
+        fed.append(token)
+        position = torch.tensor([len(prompt) + i], device=device)
+        out = model.logits(model.decode(torch.tensor([token], device=device), position, cache))[0]
+        decode.append(out)
+        token = int(out.argmax())
+    return prefill, torch.stack(decode), fed
+
+
+def compare(ref: torch.Tensor, got: torch.Tensor, rows: int = 256) -> dict:
+    """KL(ref || got) per position (nats), top-1 agreement and the relative error of logits
+    [T, V], in float64, `rows` positions at a time (bounded temporaries)."""
+    kl, agree, diff, norm = [], 0, 0.0, 0.0
+    for s in range(0, ref.shape[0], rows):
+        r, g = ref[s : s + rows].double(), got[s : s + rows].double()
+        log_p, log_q = r.log_softmax(-1), g.log_softmax(-1)
+        kl.append((log_p.exp() * (log_p - log_q)).sum(-1))
+        agree += int((r.argmax(-1) == g.argmax(-1)).sum())
+        diff, norm = diff + float((g - r).square().sum()), norm + float(r.square().sum())
+    kl = torch.cat(kl)
+    return dict(
+        kl_mean=kl.mean().item(), kl_max=kl.max().item(), top1=agree / ref.shape[0],
+        rel_err=(diff / norm) ** 0.5, positions=ref.shape[0],
+    )  # fmt: skip
+
+
+def accuracy(context: int, steps: int) -> dict:
+    out = {}
+    llm = LLM(MODEL, prefix_reuse=False)
+    prompt = llm.random_prompt(context, seed=7)
+    ref_prefill, ref_decode, fed = logits_of(llm, prompt, None, steps)  # kept on the GPU (2 GiB at 4k)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(MODEL, quantization="fp8", prefix_reuse=False)
+    prefill, decode, _ = logits_of(llm, prompt, fed, steps)
+    out["prefill"] = compare(ref_prefill, prefill)
+    out["decode"] = compare(ref_decode, decode)
+    out["weights"] = weights_description(llm.model)
+    for part in ("prefill", "decode"):
+        r = out[part]
+        kl = f"KL mean {r['kl_mean']:.2e} max {r['kl_max']:.2e} nats"
+        top1 = f"top-1 {100 * r['top1']:.1f}%"
+        print(f"  {part}: {kl}, {top1}, logits rel err {r['rel_err']:.2e}, {r['positions']} positions")
+    return out
+
+
+# ---- report --------------------------------------------------------------------------------------------
+def table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    return (
+        [title, "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        + ["| " + " | ".join(r) + " |" for r in rows]
+        + [""]
+    )
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# FP8 weights, {report['device']} ({report['date']})", ""]
+    lines += [f"Read ceiling (read-only reduction, same run): {report['ceiling_gbs']:,.0f} GB/s.", ""]
+    if report.get("gemv"):
+        header = ["matrix", "bf16 GEMV us", "GB/s", "FP8 GEMV us", "GB/s", "% of read roofline", "speedup"]
+        header.append("FP8 + input rounding us")
+        rows = [
+            [r["matrix"], spread(r["bf16_us"]), f"{r['bf16_gbs']:,.0f}", spread(r["fp8_us"]),
+             f"{r['fp8_gbs']:,.0f}", f"{100 * r['fp8_roofline']:.1f}%", f"{r['speedup']:.2f}x",
+             f"{spread(r['fp8_op_us'])} ({r['op_speedup']:.2f}x)"]
+            for r in report["gemv"]
+        ]  # fmt: skip
+        title = "## Decode GEMV, 1 row, Llama-3-8B shapes (us per call: median (min-max) of 15 graph replays)"
+        lines += table(title, header, rows)
+    if report.get("e2e"):
+        base = {r["length"]: r for r in report["e2e"] if r["quantization"] == "none"}
+        rows = []
+        for r in report["e2e"]:
+            b = base[r["length"]]
+            rows.append([
+                f"{r['length']:,}", r["weights"],
+                f"{r['decode_tok_s']:.1f} ({r['decode_min']:.1f}-{r['decode_max']:.1f})",
+                f"{100 * r['decode_tok_s'] / r['roofline_tok_s']:.1f}%",
+                f"{r['prefill_s']:.3f} ({r['prefill_min']:.3f}-{r['prefill_max']:.3f})",
+                f"{r['decode_tok_s'] / b['decode_tok_s']:.2f}x", f"{b['prefill_s'] / r['prefill_s']:.2f}x",
+            ])  # fmt: skip
+        header = ["prompt", "weights", "decode tok/s", "% of roofline", "prefill s", "decode vs bf16"]
+        header.append("prefill speed vs bf16")
+        n = report["e2e"][0]["n"]
+        lines += table(f"## End to end, {MODEL}, batch 1 (median (min-max) of {n})", header, rows)
+    if report.get("accuracy"):
+        a = report["accuracy"]
+        rows = [
+            [part, str(a[part]["positions"]), f"{a[part]['kl_mean']:.2e}", f"{a[part]['kl_max']:.2e}",
+             f"{100 * a[part]['top1']:.1f}%", f"{a[part]['rel_err']:.2e}"]
+            for part in ("prefill", "decode")
+        ]  # fmt: skip
+        header = ["part", "positions", "KL mean (nats)", "KL max", "top-1 agreement", "logits rel err"]
+        title = f"## FP8-weight logits against bf16's, {MODEL}, a {report['accuracy_context']:,}-token prompt"
+        lines += table(title, header, rows)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/logs"))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 32768])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--accuracy-context", type=int, default=4096)
+    parser.add_argument("--skip", default="", help="comma-separated: gemv, e2e, accuracy")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    skip = set(filter(None, args.skip.split(",")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    ceiling = measure_ceilings(torch.device("cuda")).read_bytes_per_s
+    report = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    report["ceiling_gbs"] = ceiling / 1e9
+    print(f"read ceiling {ceiling / 1e9:,.0f} GB/s on {report['device']}", flush=True)
+    if "gemv" not in skip:
+        print("GEMV:", flush=True)
+        with torch.inference_mode():
+            report["gemv"] = [gemv_row(name, *shape, ceiling) for name, shape in SHAPES.items()]
+    if "e2e" not in skip:
+        print("end to end:", flush=True)
+        report["e2e"] = e2e(args.lengths, args.new_tokens, args.repeats, ceiling)
+    if "accuracy" not in skip:
+        print("accuracy:", flush=True)
+        report["accuracy_context"] = args.accuracy_context
+        report["accuracy"] = accuracy(args.accuracy_context, 64)
+    (args.out / "fp8-weights.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (args.out / "fp8-weights.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
