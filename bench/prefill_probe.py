@@ -43,8 +43,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
 from minidecode import LLM
 from minidecode.cache import KVCache
@@ -88,18 +86,6 @@ class PartTimer:
         }
 
 
-def all_heads_attention(q_all, k, v, scale, backend):
-    """One SDPA call for every head of a layer (enable_gqa), as transformers makes it: q_all
-    [B, Hq, T, D], k/v [B, Hkv, T, D]; whole prompts up to BLOCK queries (the blocked cuDNN path
-    and the cached-prefix path take one KV head a call)."""
-    if backend == "fp8":
-        return causal_attention(q_all, k, v, scale, "fp8")
-    if backend is None:  # (the CPU: PyTorch chooses)
-        return F.scaled_dot_product_attention(q_all, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    with sdpa_kernel([CANDIDATES[backend]]):
-        return F.scaled_dot_product_attention(q_all, k, v, is_causal=True, scale=scale, enable_gqa=True)
-
-
 @torch.inference_mode()
 def replica_prefill(
     model: Transformer, tokens, cache, chunk, backend, timer, hoist_rope=False, all_heads=False
@@ -137,10 +123,8 @@ def replica_prefill(
                 k_cache[:, :, s:e] = k.transpose(1, 2)
                 v_cache[:, :, s:e] = v.transpose(1, 2)
         with timer("attention"):
-            if all_heads:
-                q_all.copy_(
-                    all_heads_attention(q_all, k_cache[:, :, :T], v_cache[:, :, :T], attn.scale, backend)
-                )
+            if all_heads:  # every head in one causal_attention call, written over q_all
+                causal_attention(q_all, k_cache[:, :, :T], v_cache[:, :, :T], attn.scale, backend, out=q_all)
             else:
                 for h in range(cfg.num_kv_heads):
                     group = q_all[:, h * G : (h + 1) * G]
@@ -226,8 +210,10 @@ class Probe:
         n = 5 if T <= 4 * K else 2 if T <= 32 * K else 1
         long = T > 32 * K
 
+        defaults = []  # the default's last hidden state, which the variants are compared with
+
         def model_prefill():
-            cold = timed(lambda: self.prefill(ids, cache, self.backend), 1)
+            cold = timed(lambda: defaults.append(self.prefill(ids, cache, self.backend)), 1)
             torch.cuda.reset_peak_memory_stats()
             retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             warm = timed(lambda: self.prefill(ids, cache, self.backend), n)
@@ -258,7 +244,8 @@ class Probe:
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             parts = timer.parts()
-            same = bool(torch.equal(hidden, self.prefill(ids, cache, self.backend)))
+            default = defaults[-1] if defaults else self.prefill(ids, cache, self.backend)
+            same = bool(torch.equal(hidden, default))
             return {"wall_s": wall, "parts": parts, "replica_equals_model_prefill": same}
 
         self.section(out, "breakdown", breakdown)
@@ -273,17 +260,23 @@ class Probe:
             )
             variants["replica (as model.prefill)"] = replica
             variants["RoPE angles once per chunk"] = functools.partial(replica, hoist_rope=True)
-            if T <= BLOCK:
-                variants["one attention call per layer"] = functools.partial(replica, all_heads=True)
-                variants["both"] = functools.partial(replica, hoist_rope=True, all_heads=True)
+            variants["one attention call per layer"] = functools.partial(replica, all_heads=True)
+            variants["both"] = functools.partial(replica, hoist_rope=True, all_heads=True)
 
         def run_variants():
             result = {}
+            default = defaults[-1] if defaults else self.prefill(ids, cache, self.backend)  # [1, hidden]
             for name, fn in variants.items():
+                outputs = []
                 try:
+                    call = lambda f=fn, o=outputs: o.append(f())  # noqa: E731 - keeps the result
                     if not long:  # warm-up: compilation, cuDNN plans (128k: compiled at 32k already)
-                        fn()
-                    result[name] = timed(fn, n if T <= 4 * K else 1)
+                        call()
+                    result[name] = timed(call, n if T <= 4 * K else 1)
+                    got = outputs[-1]
+                    result[name]["equal_to_default"] = bool(torch.equal(got, default))
+                    diff = (got.float() - default.float()).norm() / default.float().norm()
+                    result[name]["rel_diff_vs_default"] = diff.item()
                 except Exception as error:
                     result[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
                 torch.cuda.empty_cache()
@@ -312,30 +305,16 @@ class Probe:
                 )
                 for h in range(cfg.num_kv_heads)
             ]
-        if T <= BLOCK:
-            for name in CANDIDATES:
-                forms[f"all heads one call, {name}"] = lambda b=name: all_heads_attention(
-                    q, k[:, :, :T], v[:, :, :T], scale, b
-                )
-        forms["all heads one call, fp8"] = lambda: all_heads_attention(
-            q, k[:, :, :T], v[:, :, :T], scale, "fp8"
-        )
+        for name in [*CANDIDATES, "fp8"]:
+            forms[f"all heads one call, {name}"] = lambda b=name: causal_attention(
+                q, k[:, :, :T], v[:, :, :T], scale, b
+            )
         if T > BLOCK:
-            saved = prefill_mod.BLOCK
-            prefill_mod.BLOCK = 1 << 30
 
-            def unblocked():
+            def unblocked():  # the blocked cuDNN path's peer: one causal call per KV head
+                saved, prefill_mod.BLOCK = prefill_mod.BLOCK, 1 << 30
                 try:
-                    return [
-                        causal_attention(
-                            q[:, h * G : (h + 1) * G],
-                            k[:, h : h + 1, :T],
-                            v[:, h : h + 1, :T],
-                            scale,
-                            "cudnn",
-                        )
-                        for h in range(cfg.num_kv_heads)
-                    ]
+                    return forms["per KV head, cudnn"]()
                 finally:
                     prefill_mod.BLOCK = saved
 
@@ -415,12 +394,21 @@ def markdown(env: dict, report: dict) -> str:
                 lines.append(f"| {name} | {p['gpu_ms']:.1f} | {p['host_ms']:.1f} | {p['calls']} |")
         var = out.get("variants", {})
         if var and "error" not in var:
-            lines += ["", "| variant | wall s | GPU s | enqueue s |", "| --- | --- | --- | --- |"]
+            lines += [
+                "",
+                "| variant | wall s | GPU s | enqueue s | last hidden state against the default's |",
+                "| --- | --- | --- | --- | --- |",
+            ]
             for name, r in var.items():
                 if "error" in r:
-                    lines.append(f"| {name} | {r['error']} | | |")
-                else:
-                    lines.append(f"| {name} | {r['wall_s']:.3f} | {r['gpu_s']:.3f} | {r['enqueue_s']:.3f} |")
+                    lines.append(f"| {name} | {r['error']} | | | |")
+                    continue
+                same = (
+                    "bitwise equal" if r["equal_to_default"] else f"rel. diff {r['rel_diff_vs_default']:.1e}"
+                )
+                lines.append(
+                    f"| {name} | {r['wall_s']:.3f} | {r['gpu_s']:.3f} | {r['enqueue_s']:.3f} | {same} |"
+                )
         la = out.get("one layer's attention", {})
         if la and "error" not in la:
             lines += ["", "One layer's attention (GPU ms): " + "; ".join(f"{k}: {v}" for k, v in la.items())]

@@ -309,13 +309,20 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, block: int) -> QuantizedKV:
 
 
 def fp8_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, config: Fp8PrefillConfig | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    config: Fp8PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, P + T, D] -> causal attention [B, Hq, T, D] in q's dtype.
 
     The queries are the last T of the P + T positions (P: a cached prefix): query i sees keys
     0..P+i. Hq a multiple of Hkv (GQA: query head h reads KV head h // (Hq / Hkv)). Any strides
-    with a contiguous last dim (views of the cache are read in place by the pre-pass). On CPU
+    with a contiguous last dim (views of the cache are read in place by the pre-pass). out: where
+    the result goes, [B, Hq, T, D] in q's dtype with a contiguous last dim; it may be q itself
+    (a CTA reads its queries before it writes their rows, and no other CTA reads them). On CPU
     tensors it runs under the Triton interpreter (tests)."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -330,7 +337,10 @@ def fp8_causal_attention(
         raise ValueError(f"the softmax scale must be positive, got {scale}")
     config = config or default_config(D, q.device)
     kv = quantize_kv(k, v, config.block_n)
-    out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     q_blocks = triton.cdiv(T, config.block_m)
     _fp8_attention_kernel[(q_blocks * B * Hq,)](
         q, kv.k, kv.v, kv.k_scale, kv.v_scale, out,

@@ -218,6 +218,15 @@ def test_causal_attention_fp8_backend_runs_the_kernel(device):
     assert torch.equal(out, fp8_causal_attention(q, k, v, 0.125))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_writes_in_place_over_q(device):
+    """out=q: each CTA reads its queries before it writes their rows, so the result is the same."""
+    q, k, v = make_inputs(device, 1, 4, 2, 70, 30, 64, DTYPE[device])
+    want = fp8_causal_attention(q, k, v, 0.125)
+    assert fp8_causal_attention(q, k, v, 0.125, out=q) is q
+    assert torch.equal(q, want)
+
+
 # ---- the user's choice ----------------------------------------------------------------------
 
 
