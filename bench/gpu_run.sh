@@ -112,7 +112,7 @@ if [[ $STAGES == *fp8prefill* ]]; then
     if [ $rc != 0 ]; then echo "---- $name failed ($rc), end of $log:"; tail -8 "$log"; fi
   }
   if [[ $parts == *tests* ]]; then
-    fp8p_part "gpu tests" 150 "$LOG_DIR/fp8prefill-tests.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    fp8p_part "gpu tests" 240 "$LOG_DIR/fp8prefill-tests.log" python3 -m pytest -q -m gpu -p no:cacheprovider \
       -rfE -s tests/test_prefill_fp8.py tests/test_prefill_attention.py
     fp8p+=("fp8prefill gpu tests: $(tail -1 "$LOG_DIR/fp8prefill-tests.log")")
   fi
