@@ -36,7 +36,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from minidecode.errors import UserError
 
 from .device import sm_count
-from .fp8_prefill import SUPPORTED_HEAD_DIMS, default_config, fp8_causal_attention
 
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 BLOCK = 65536  # query rows per block of the blocked cuDNN path (best of 16k-256k at 128k and 512k)
@@ -76,6 +75,8 @@ def causal_attention(
     are read before its rows are written); None: a new tensor."""
     if backend == "fp8":
         if fp8_kernel_applies(q, k):
+            from .fp8_prefill import fp8_causal_attention  # (imports triton: on first use only)
+
             return fp8_causal_attention(q, k, v, scale, out=out)
         backend = choose_backend(q.device, q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     T, past, kv_heads = q.shape[2], k.shape[2] - q.shape[2], k.shape[1]
@@ -274,6 +275,8 @@ def fp8_prefill_problem(device: torch.device, head_dim: int) -> str | None:
             "FP8 prefill attention needs a GPU with e4m3 tensor cores (compute capability 8.9 or newer); "
             f"{torch.cuda.get_device_name(device)} has {major}.{minor} (use --prefill-attention auto)"
         )
+    from .fp8_prefill import SUPPORTED_HEAD_DIMS
+
     if head_dim not in SUPPORTED_HEAD_DIMS:
         dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
         return f"FP8 prefill attention takes head_dim {dims}, not {head_dim} (use --prefill-attention auto)"
@@ -299,5 +302,7 @@ def fp8_kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(fp8_prefill_problem(q.device, q.shape[-1]))
         return True
+    from .fp8_prefill import default_config
+
     B, Hq, T, D = q.shape
     return B * Hq * -(-T // default_config(D, q.device).block_m) >= sm_count(q.device)
