@@ -15,16 +15,25 @@ case: its full call over the past runs G x ceil(t / 128) CTAs (4 for 100 queries
 each streaming every past key while the rest of the GPU idles. There the past keys are cut into
 chunks stacked on the batch axis of one call, and the chunks' outputs merged by log-sum-exp too
 (`past_attention`, bench/prefill_blocks.py --suffix).
+
+Backend "fp8" (opt-in: `check_prefill_attention`) runs the FP8 flash-attention kernel
+(kernels/fp8_prefill.py: Q, K, V and P rounded to e4m3, float32 softmax and accumulation) where a
+call has enough query blocks to fill the GPU once (`fp8_kernel_applies`), and SDPA's measured
+backend where it has not (a short prompt, a short suffix after a cached prefix): there the kernel
+would leave most SMs idle, and attention is a small part of the work anyway.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from minidecode.errors import UserError
 
 from .device import sm_count
 
@@ -40,17 +49,53 @@ CPU_BLOCK = 4096
 ROW_TILE = 128
 SPLIT_MIN_KEYS = 4096
 
+CHOICE_ROUNDS = 5  # choose_backend's interleaved timing rounds
+PREFILL_ATTENTION = ("auto", "fp8")  # the user's choice: SDPA (measured backend), or the FP8 kernel
+
 # attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, G, T, D] (G query heads sharing one KV head), k/v [B, 1, P + T, D] -> [B, G, T, D].
+    """q [B, Hq, T, D], k/v [B, Hkv, P + T, D] (Hq a multiple of Hkv: query head h reads KV head
+    h // (Hq / Hkv)) -> [B, Hq, T, D]: the model calls it per KV head (Hkv = 1) or for a whole layer.
 
     The queries are the last T of the P + T positions (P: a cached prefix, 0 for a whole prompt):
-    causal, aligned bottom-right, so query i sees keys 0..P+i. backend None lets PyTorch choose (CPU)."""
+    causal, aligned bottom-right, so query i sees keys 0..P+i. backend None lets PyTorch choose (CPU);
+    "fp8": the FP8 kernel where it applies (fp8_kernel_applies), else SDPA's measured backend.
+    Every KV head goes in one SDPA call where the path takes GQA (a whole prompt, one call), else
+    one call per KV head. out: where the result goes (it may be q itself: a head group's queries
+    are read before its rows are written); None: a new tensor."""
+    if backend == "fp8":
+        if fp8_kernel_applies(q, k):
+            from .fp8_prefill import fp8_causal_attention  # (imports triton: on first use only)
+
+            return fp8_causal_attention(q, k, v, scale, out=out)
+        backend = choose_backend(q.device, q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
+    T, past, kv_heads = q.shape[2], k.shape[2] - q.shape[2], k.shape[1]
+    blocked = (backend == "cudnn" and (past or T > BLOCK)) or (
+        q.device.type == "cpu" and (past or T > CPU_BLOCK)
+    )
+    if kv_heads > 1 and (past or blocked or k.shape[2] == 1):  # these paths take one KV head a call
+        out = torch.empty_like(q) if out is None else out
+        group = q.shape[1] // kv_heads
+        for h in range(kv_heads):
+            g = slice(h * group, (h + 1) * group)
+            causal_attention(q[:, g], k[:, h : h + 1], v[:, h : h + 1], scale, backend, out=out[:, g])
+        return out
+    result = _causal_attention(q, k, v, scale, backend)
+    return result if out is None else out.copy_(result)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str | None):
+    """causal_attention in one call: one KV head, or every KV head of a whole prompt (GQA)."""
     gqa = q.shape[1] != k.shape[1]
     past = k.shape[2] - q.shape[2]
     if k.shape[2] == 1:  # one key: its softmax weight is 1 (and cuDNN has no kernel for this shape)
@@ -186,24 +231,78 @@ def cpu_flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 @functools.cache
 def choose_backend(device: torch.device, head_dim: int, group: int, dtype: torch.dtype) -> str | None:
     """The fastest SDPA backend for causal prefill on `device`, by timing each on a 16k-token
-    problem (~0.1 s, once per process); None on the CPU."""
+    problem (once per process, ~30 ms); None on the CPU.
+
+    The candidates are timed in CHOICE_ROUNDS interleaved rounds, each keeping its fastest: timed
+    once each right after start-up, the first candidate ran while the GPU was still raising its
+    clocks, a bias against it (cuDNN, the faster one on Hopper)."""
     if device.type != "cuda":
         return None
     T = 16384
     q = torch.randn(1, group, T, head_dim, device=device, dtype=dtype)
     k = torch.randn(1, 1, T, head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
-    times = {}
+    usable = []
     for name in CANDIDATES:
         try:
-            causal_attention(q, k, v, head_dim**-0.5, name)  # warm-up; raises if unsupported
+            causal_attention(q, k, v, head_dim**-0.5, name)  # warm-up (plans); raises if unsupported
+            usable.append(name)
+        except RuntimeError:
+            continue
+    best = dict.fromkeys(usable, float("inf"))
+    for _ in range(CHOICE_ROUNDS):
+        for name in usable:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(3):
                 causal_attention(q, k, v, head_dim**-0.5, name)
             end.record()
             end.synchronize()
-            times[name] = start.elapsed_time(end)
-        except RuntimeError:
-            continue
-    return min(times, key=times.get) if times else None
+            best[name] = min(best[name], start.elapsed_time(end))
+    return min(best, key=best.get) if best else None
+
+
+def fp8_prefill_problem(device: torch.device, head_dim: int) -> str | None:
+    """Why the FP8 prefill kernel cannot run for this device and head size; None if it can."""
+    if device.type != "cuda":
+        return (
+            f"FP8 prefill attention runs on a CUDA GPU's e4m3 tensor cores, not on the {device.type} "
+            "(use --prefill-attention auto)"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            "FP8 prefill attention needs a GPU with e4m3 tensor cores (compute capability 8.9 or newer); "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor} (use --prefill-attention auto)"
+        )
+    from .fp8_prefill import SUPPORTED_HEAD_DIMS
+
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+        return f"FP8 prefill attention takes head_dim {dims}, not {head_dim} (use --prefill-attention auto)"
+    return None
+
+
+def check_prefill_attention(name: str, device: torch.device, head_dim: int) -> str:
+    """The user's prefill attention (`auto` or `fp8`), checked against the device and model: the
+    name, or one clear UserError."""
+    if name not in PREFILL_ATTENTION:
+        raise UserError(f"unknown prefill attention {name!r}; use one of {', '.join(PREFILL_ATTENTION)}")
+    if name == "fp8" and (problem := fp8_prefill_problem(device, head_dim)) is not None:
+        raise UserError(problem)
+    return name
+
+
+def fp8_kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether backend "fp8" runs the FP8 kernel for q [B, Hq, T, D] (else SDPA): when its query
+    blocks (B x Hq x ceil(T / block_m) CTAs) fill the GPU's SMs at least once. One KV head's call
+    of Llama-3-8B (4 query heads, blocks of 128) takes it from T = 4225 up (a whole layer's call,
+    all 32 heads, from 529). On CPU tensors only under the Triton interpreter (tests)."""
+    if not q.is_cuda:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(fp8_prefill_problem(q.device, q.shape[-1]))
+        return True
+    from .fp8_prefill import default_config
+
+    B, Hq, T, D = q.shape
+    return B * Hq * -(-T // default_config(D, q.device).block_m) >= sm_count(q.device)

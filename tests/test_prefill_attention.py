@@ -194,3 +194,28 @@ def test_a_single_key_is_its_value():
     torch.testing.assert_close(out, v.expand(2, 3, 1, 16))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("past, T, cpu_block", [(0, 90, 4096), (0, 90, 32), (50, 40, 4096)])
+def test_a_whole_layer_in_one_call_equals_one_call_per_kv_head(monkeypatch, past, T, cpu_block):
+    """causal_attention over every KV head at once (one SDPA call with GQA for a whole prompt; per
+    KV head for the blocked path and after a cached prefix) gives the per-KV-head calls' result,
+    also written in place over q (out=q)."""
+    monkeypatch.setattr(prefill, "CPU_BLOCK", cpu_block)
+    torch.manual_seed(3)
+    B, Hkv, G, D = 2, 3, 2, 16
+    q = torch.randn(B, Hkv * G, T, D)
+    k, v = torch.randn(B, Hkv, past + T, D), torch.randn(B, Hkv, past + T, D)
+    per_head = torch.cat(
+        [
+            causal_attention(q[:, h * G : (h + 1) * G], k[:, h : h + 1], v[:, h : h + 1], 0.3)
+            for h in range(Hkv)
+        ],
+        1,
+    )
+    torch.testing.assert_close(causal_attention(q, k, v, 0.3), per_head, rtol=1e-6, atol=1e-6)
+    exact = causal_rows(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), 0.3)
+    torch.testing.assert_close(per_head.double(), exact, rtol=1e-5, atol=1e-5)
+    in_place = q.clone()
+    assert causal_attention(in_place, k, v, 0.3, out=in_place) is in_place
+    torch.testing.assert_close(in_place, per_head, rtol=1e-6, atol=1e-6)
