@@ -33,7 +33,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 if [[ $STAGES == *tests* ]]; then
   # Every test marked gpu, in one process (with CUDA present no test switches to the interpreter).
-  timeout 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests >"$LOG_DIR/gpu-tests.log" 2>&1
+  timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15 tests \
+    >"$LOG_DIR/gpu-tests.log" 2>&1
   summary+=("gpu tests: $(tail -1 "$LOG_DIR/gpu-tests.log")")
 fi
 if [[ $STAGES == *attention* ]]; then
@@ -61,9 +62,11 @@ if [[ $STAGES == *fp8w* ]]; then
   # == each request alone), then bench/fp8_weights.py -> fp8-weights.{md,json}: the GEMV against
   # its read roofline and the bf16 GEMV, decode at 1k and 32k and prefill at 32k with FP8 weights
   # against bf16 weights (synthetic Llama-3-8B, same process), and FP8 logits against bf16 at 4k.
-  timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_fp8_weights.py \
-    tests/test_fp8_weights_gpu.py >"$LOG_DIR/fp8w-tests.log" 2>&1
-  summary+=("fp8w tests: $(tail -1 "$LOG_DIR/fp8w-tests.log")")
+  if [[ ${FP8W_PARTS:-tests bench} == *tests* ]]; then
+    timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_fp8_weights.py \
+      tests/test_fp8_weights_gpu.py >"$LOG_DIR/fp8w-tests.log" 2>&1
+    summary+=("fp8w tests: $(tail -1 "$LOG_DIR/fp8w-tests.log")")
+  fi
   timeout 240 python3 bench/fp8_weights.py --out "$RESULTS_DIR" 2>&1 | tee "$LOG_DIR/fp8w-bench.log" | tail -28
   summary+=("fp8w bench exit ${PIPESTATUS[0]}")
 fi
@@ -176,6 +179,48 @@ if [[ $STAGES == *fp8prefill* ]]; then
   done
   grep -E "passed|failed|error" "$LOG_DIR/fp8prefill-tests.log" 2>/dev/null | tail -12
   summary+=("${fp8p[@]}")
+fi
+if [[ $STAGES == *ab* ]]; then
+  # One request at a time, A/B: the commit before the engine loop (a tree in AB_BASE_TAR, made by
+  # `git archive`) against this tree, alternating base / new twice in one session on one card
+  # (bench/single_request.py: TTFT, prefill and decode tok/s at 1k x3 and 128k x1 a process).
+  base_tar=${AB_BASE_TAR:-bench/logs/base.tar}
+  rm -rf /tmp/ab-base /tmp/ab-pkg && mkdir -p /tmp/ab-base && tar -xf "$base_tar" -C /tmp/ab-base
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-pkg /tmp/ab-base >"$LOG_DIR/ab-install.log" 2>&1
+  PYTHONPATH=/tmp/ab-pkg python3 -c "import minidecode, sys; sys.exit('/tmp/ab-pkg' not in minidecode.__file__)" \
+    || summary+=("ab: the base tree did not import")
+  : >"$LOG_DIR/ab.jsonl"
+  for label in base new base new; do
+    if [[ $label == base ]]; then pp=/tmp/ab-pkg; else pp=; fi
+    PYTHONPATH=$pp timeout 150 python3 bench/single_request.py --label "$label" ${AB_LENGTHS:+--lengths $AB_LENGTHS} \
+      >>"$LOG_DIR/ab.jsonl" 2>>"$LOG_DIR/ab.log"
+  done
+  python3 - "$LOG_DIR/ab.jsonl" <<'PY' | tee "$RESULTS_DIR/ab-single-request.md"
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+print("| prompt | figure | base (median, min-max, n) | new (median, min-max, n) | new / base |")
+print("| --- | --- | --- | --- | --- |")
+for prompt in sorted({r["prompt"] for r in rows}):
+    for key in ("ttft_s", "prefill_s", "decode_tok_s"):
+        cells = []
+        for label in ("base", "new"):
+            v = sorted(r[key] for r in rows if r["prompt"] == prompt and r["label"] == label)
+            cells.append((statistics.median(v), v[0], v[-1], len(v)) if v else None)
+        text = [f"{m:.4g} ({lo:.4g}-{hi:.4g}, n={n})" if c else "-" for c in cells for m, lo, hi, n in [c or (0, 0, 0, 0)]]
+        ratio = f"{cells[1][0] / cells[0][0]:.3f}" if all(cells) else "-"
+        print(f"| {prompt:,} | {key} | {text[0]} | {text[1]} | {ratio} |")
+PY
+  summary+=("ab: $(grep -c '^{' "$LOG_DIR/ab.jsonl") requests timed")
+fi
+if [[ $STAGES == *serve* ]]; then
+  # The server under load (bench/serve.py): 1, 8, 32 clients with 4k prompts through the openai
+  # client against the Python API, alternating; then 8 running streams while a 128k prompt
+  # prefills. Its packages (fastapi, uvicorn, prometheus-client, openai) come from WHEELS.
+  python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn prometheus-client openai \
+    >"$LOG_DIR/serve-install.log" 2>&1 || summary+=("serve: install failed (serve-install.log)")
+  timeout 300 python3 bench/serve.py --out "$RESULTS_DIR/serve" >"$LOG_DIR/serve.log" 2>&1
+  summary+=("serve exit $?")
+  tail -15 "$LOG_DIR/serve.log"
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
