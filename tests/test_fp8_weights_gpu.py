@@ -14,7 +14,7 @@ import torch
 from helpers import rel_err
 from test_fp8_weights import build_fp8_checkpoint, exact
 
-from minidecode import LLM, PromptRequest
+from minidecode import LLM, Request
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, quantize_rows
 from minidecode.kernels.gemv import FP8_CONFIG, FP8_SPLIT_K_CONFIG, gemv
@@ -140,7 +140,7 @@ def test_batch_equals_each_request_alone(model_dir, prompt_ids):
     """float32 results (no rounding ties): a ragged batch of 20 (the 32-row bucket) through graphs,
     the eager batch and each request alone give the same tokens, twice (split-K tickets reset)."""
     items = [
-        PromptRequest(token_ids=prompt_ids(3 + 37 * i % 400, seed=50 + i), max_new_tokens=2 + i % 9)
+        Request(token_ids=prompt_ids(3 + 37 * i % 400, seed=50 + i), max_new_tokens=2 + i % 9)
         for i in range(20)
     ]
     kw = dict(temperature=0, ignore_eos=True)
@@ -149,7 +149,7 @@ def test_batch_equals_each_request_alone(model_dir, prompt_ids):
     a = [r.token_ids for r in graph.generate(items, **kw)]
     b = [r.token_ids for r in eager.generate(items, **kw)]
     alone = [
-        graph.generate(token_ids=x.token_ids, max_new_tokens=x.max_new_tokens, **kw).token_ids for x in items
+        graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items
     ]
     assert a == b == alone
     assert [r.token_ids for r in graph.generate(items, **kw)] == a
