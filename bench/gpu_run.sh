@@ -187,7 +187,7 @@ if [[ $STAGES == *ab* ]]; then
   base_tar=${AB_BASE_TAR:-bench/logs/base.tar}
   rm -rf /tmp/ab-base /tmp/ab-pkg && mkdir -p /tmp/ab-base && tar -xf "$base_tar" -C /tmp/ab-base
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/ab-pkg /tmp/ab-base >"$LOG_DIR/ab-install.log" 2>&1
-  PYTHONPATH=/tmp/ab-pkg python3 -c "import minidecode, sys; sys.exit('/tmp/ab-pkg' not in minidecode.__file__)" \
+  (cd /tmp && PYTHONPATH=/tmp/ab-pkg python3 -c "import minidecode, sys; sys.exit('/tmp/ab-pkg' not in minidecode.__file__)") \
     || summary+=("ab: the base tree did not import")
   : >"$LOG_DIR/ab.jsonl"
   for label in base new base new; do

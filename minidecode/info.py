@@ -24,7 +24,7 @@ DTYPES = {  # name -> dtype, with short aliases
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

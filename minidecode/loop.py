@@ -145,9 +145,9 @@ class EngineLoop:
 
     # ---- the loop (its thread only) -------------------------------------------------------------
     def _main(self) -> None:
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)
         try:
+            if self.engine.device.type == "cuda":
+                torch.cuda.set_device(self.engine.device)
             with torch.inference_mode():
                 while not self._stopping:
                     self._take_inbox(block=not (self.scheduler.waiting or self.scheduler.running))
