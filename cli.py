@@ -74,6 +74,24 @@ KvCacheDtypeOpt = Annotated[
 ]
 
 
+QuantizationOpt = Annotated[
+    str,
+    typer.Option(
+        "--quantization",
+        metavar="[none|fp8]",
+        help="Weights: none (the checkpoint's) or fp8 (a bf16/fp16 checkpoint's Linear layers rounded to "
+        "e4m3 per output channel on load: half the weight bytes; FP8 checkpoints load as they are)",
+    ),
+]
+PrefillAttentionOpt = Annotated[
+    str,
+    typer.Option(
+        "--prefill-attention",
+        metavar="[auto|fp8]",
+        help="Prefill attention: auto (SDPA's faster kernel) or fp8 (an e4m3 flash-attention kernel on "
+        "Ada / Hopper GPUs: faster at long prompts, slightly less accurate)",
+    ),
+]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate")]
 TemperatureOpt = Annotated[float | None, typer.Option(help="0 = greedy (default: the model's)")]
 TopKOpt = Annotated[int | None, typer.Option(help="0 = off")]
@@ -118,9 +136,11 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def _on_interrupt(signum, frame) -> None:
-    """Ctrl-C: one line on stderr, then KeyboardInterrupt unwinds (typer exits with 130). Written
-    with os.write: the signal may arrive in the middle of another write to sys.stderr."""
-    os.write(2, b"\nerror: interrupted\n" if sys.stderr.isatty() else b"error: interrupted\n")
+    """Ctrl-C: one line on stderr (from rank 0 only: a terminal's Ctrl-C reaches every rank of a
+    torchrun launch), then KeyboardInterrupt unwinds (typer exits with 130). Written with
+    os.write: the signal may arrive in the middle of another write to sys.stderr."""
+    if rank() == 0:
+        os.write(2, b"\nerror: interrupted\n" if sys.stderr.isatty() else b"error: interrupted\n")
     raise KeyboardInterrupt
 
 
@@ -193,13 +213,26 @@ def unescape(text: str) -> str:
     return _ESCAPE.sub(replace, text)
 
 
-def runtime_checks(device: str | None, dtype: str | None, kv_cache_dtype: str) -> None:
-    """The device and dtype arguments, checked without torch."""
-    from minidecode.validate import check_device_name, check_dtype_name, check_kv_cache_dtype_name
+def runtime_checks(
+    device: str | None,
+    dtype: str | None,
+    kv_cache_dtype: str,
+    quantization: str = "none",
+    prefill_attention: str = "auto",
+) -> None:
+    """The device, dtype, weight and attention arguments, checked without torch."""
+    from minidecode.validate import (
+        check_choice,
+        check_device_name,
+        check_dtype_name,
+        check_kv_cache_dtype_name,
+    )
 
     check_device_name(device)
     check_dtype_name(dtype)
     check_kv_cache_dtype_name(kv_cache_dtype)
+    check_choice("--quantization", quantization, ("none", "fp8"))
+    check_choice("--prefill-attention", prefill_attention, ("auto", "fp8"))
 
 
 def world_size() -> int | None:
@@ -216,6 +249,8 @@ def check_generate_args(
     device: str | None,
     dtype: str | None,
     kv_cache_dtype: str = "auto",
+    quantization: str = "none",
+    prefill_attention: str = "auto",
     load_cache: Path | None = None,
     save_cache: Path | None = None,
     tp: int = 1,
@@ -235,7 +270,7 @@ def check_generate_args(
         raise UserError(f"cache file {load_cache} does not exist")
     if save_cache is not None:
         check_writable(save_cache)  # before minutes of prefill, not after
-    runtime_checks(device, dtype, kv_cache_dtype)
+    runtime_checks(device, dtype, kv_cache_dtype, quantization, prefill_attention)
     settings.check(need_prompt=False)
     if prompt_tokens is not None:
         if prompt_tokens < 1:
@@ -330,6 +365,8 @@ def generate(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    quantization: QuantizationOpt = "none",
+    prefill_attention: PrefillAttentionOpt = "auto",
     json_output: Annotated[
         bool,
         typer.Option("--json", metavar="", help="Print one JSON object (text, token ids, stats) to stdout"),
@@ -359,14 +396,15 @@ def generate(
         elif prompt is not None or prompt_file is not None:
             fail("--prompt-tokens replaces --prompt / --prompt-file")
         check_generate_args(
-            model, text, prompt_tokens, chat, settings, device, dtype, kv_cache_dtype, load_cache, save_cache,
-            tp, cp,
+            model, text, prompt_tokens, chat, settings, device, dtype, kv_cache_dtype, quantization,
+            prefill_attention, load_cache, save_cache, tp, cp,
         )  # fmt: skip
         from minidecode.llm import LLM
 
         llm = LLM(
-            model, device=device, dtype=dtype, cuda_graph=graph, kv_cache_dtype=kv_cache_dtype, tp=tp, cp=cp
-        )
+            model, device=device, dtype=dtype, cuda_graph=graph, kv_cache_dtype=kv_cache_dtype, tp=tp, cp=cp,
+            quantization=quantization, prefill_attention=prefill_attention,
+        )  # fmt: skip
         if llm.synthetic and first:
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
         if load_cache is not None:
@@ -575,6 +613,8 @@ def batch(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    quantization: QuantizationOpt = "none",
+    prefill_attention: PrefillAttentionOpt = "auto",
     no_progress: Annotated[
         bool, typer.Option("--no-progress", metavar="", help="No progress line on stderr")
     ] = False,
@@ -599,7 +639,7 @@ def batch(
             raise UserError(
                 "batch runs in one process: start it without torchrun (--tp / --cp are for generate)"
             )
-        runtime_checks(device, dtype, kv_cache_dtype)
+        runtime_checks(device, dtype, kv_cache_dtype, quantization, prefill_attention)
         defaults.check(need_prompt=False)
         from minidecode.engine import check_max_batch
 
@@ -620,7 +660,7 @@ def batch(
 
             llm = LLM(
                 model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, cuda_graph=graph,
-                max_batch=max_batch,
+                max_batch=max_batch, quantization=quantization, prefill_attention=prefill_attention,
             )  # fmt: skip
             if llm.synthetic:
                 typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise", err=True)
@@ -671,6 +711,8 @@ def serve(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    quantization: QuantizationOpt = "none",
+    prefill_attention: PrefillAttentionOpt = "auto",
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) plus /health,
     /metrics, /tokenize and /detokenize; every request feeds the one engine loop (concurrent clients
@@ -680,7 +722,7 @@ def serve(
     try:
         if (world_size() or 1) > 1:
             raise UserError("serve runs in one process: start it without torchrun (no --tp / --cp yet)")
-        runtime_checks(device, dtype, kv_cache_dtype)
+        runtime_checks(device, dtype, kv_cache_dtype, quantization, prefill_attention)
         from minidecode.request import check_int
 
         check_int("--port", port, 0)
@@ -701,13 +743,9 @@ def serve(
         from minidecode.server import ServerSettings, serve
 
         llm = LLM(
-            model,
-            device=device,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            cuda_graph=graph,
-            max_batch=max_batch,
-        )
+            model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, cuda_graph=graph,
+            max_batch=max_batch, quantization=quantization, prefill_attention=prefill_attention,
+        )  # fmt: skip
         settings = ServerSettings(
             served_model_name or model or "stdlib-tiny", max_tokens_default, max_waiting
         )
@@ -743,17 +781,14 @@ def info(
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    quantization: QuantizationOpt = "none",
     tp: TpOpt = 1,
     cp: CpOpt = 1,
 ) -> None:
     """Architecture, parameter count, context length and the memory plan, without loading weights
     (with --tp / --cp: the plan of each GPU)."""
     try:
-        from minidecode.validate import check_device_name, check_dtype_name, check_kv_cache_dtype_name
-
-        check_device_name(device)
-        check_dtype_name(dtype)
-        check_kv_cache_dtype_name(kv_cache_dtype)
+        runtime_checks(device, dtype, kv_cache_dtype, quantization)
         if context is not None and context < 1:
             raise UserError(f"context must be >= 1, got {context}")
         for name, value in (("--tp", tp), ("--cp", cp)):
@@ -762,8 +797,9 @@ def info(
         from minidecode.info import describe
 
         plan = describe(
-            model, context=context, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, tp=tp, cp=cp
-        )
+            model, context=context, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, tp=tp, cp=cp,
+            quantization=quantization,
+        )  # fmt: skip
         typer.echo(plan)
     except UserError as e:
         fail(str(e))
@@ -807,6 +843,8 @@ def bench(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    quantization: QuantizationOpt = "none",
+    prefill_attention: PrefillAttentionOpt = "auto",
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the results as one JSON object on stdout (like generate)")
     ] = False,
@@ -834,6 +872,8 @@ def bench(
 
     if batch:
         args = (batch, batch_peer, new_tokens, repeats, device, dtype, kv_cache_dtype, out, command_line(ctx))
+        if (quantization, prefill_attention) != ("none", "auto"):
+            fail("--batch runs the default weights and prefill: drop --quantization / --prefill-attention")
         bench_batches(model, *args)
         return
 
@@ -866,7 +906,19 @@ def bench(
             compiled_max_tokens=compiled_max_tokens,
         )
         settings.validate()
-        llm = LLM(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        runtime_checks(device, dtype, kv_cache_dtype, quantization, prefill_attention)
+        if quantization != "none" and peers:
+            raise UserError(
+                "--compare runs transformers on the checkpoint's weights: drop it with --quantization fp8"
+            )
+        llm = LLM(
+            model,
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
+            prefill_attention=prefill_attention,
+        )
         if llm.synthetic:
             typer.echo(f"note: {llm.name} has random weights (speed only)", err=True)
         results, ceilings = run_bench(llm, settings, log=lambda m: typer.echo(m, err=True))

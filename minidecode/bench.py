@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from minidecode.models.llama import step_weight_bytes
+
 from . import __version__
 from .config import ModelConfig
 from .errors import UserError
@@ -62,7 +64,7 @@ class StepBytes:
 def step_bytes(cfg: ModelConfig, dtype_bytes: int, kv_bytes_per_token: int | None = None) -> StepBytes:
     """The roofline's byte count (FORMULA): a step reads one row of the embedding table, not all
     of it; a tied lm_head reads the whole table, which then counts once. kv_bytes_per_token: the
-    cache's (Engine.kv_bytes_per_token, scales included); default, a cache in the model dtype."""
+    cache's (Engine.planner.kv_bytes_per_token, scales included); default, a cache in the model dtype."""
     table = cfg.vocab_size * cfg.hidden_size
     params = cfg.num_parameters()
     if not cfg.tie_word_embeddings:
@@ -281,7 +283,8 @@ def run_bench(
         f"read ceiling {ceilings.read_bytes_per_s / 1e9:,.0f} GB/s, "
         f"copy {ceilings.copy_bytes_per_s / 1e9:,.0f} GB/s (read + write)"
     )
-    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.planner.kv_bytes_per_token)
+    # the weights a step reads as loaded (FP8 weights: 1 byte a weight and their scales)
+    per_step = StepBytes(step_weight_bytes(llm.model), llm.engine.planner.kv_bytes_per_token)
     special = special_token_ids(llm)
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}

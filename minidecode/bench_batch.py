@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minidecode.models.llama import step_weight_bytes
+
 from .bench import (
     Ceilings,
     Spread,
+    StepBytes,
     TokenClock,
     _free,
     _import_transformers,
@@ -29,7 +32,6 @@ from .bench import (
     out_of_memory_message,
     pad_id_for,
     special_token_ids,
-    step_bytes,
     transformers_peer,
     window_contexts,
     window_rates,
@@ -141,7 +143,8 @@ def run_batch_bench(
         raise UserError(f"unknown batch peer {unknown[0]!r}; known: {', '.join(BATCH_PEERS)}")
     batches = [(spec, parse_batch_spec(spec)) for spec in specs]
     ceilings = measure_ceilings(llm.device, 2.0 if llm.device.type == "cuda" else 0.25)
-    per_step = step_bytes(llm.config, llm.dtype.itemsize, llm.engine.planner.kv_bytes_per_token)
+    # the weights a step reads as loaded (FP8 weights: 1 byte a weight and their scales)
+    per_step = StepBytes(step_weight_bytes(llm.model), llm.engine.planner.kv_bytes_per_token)
     special = special_token_ids(llm)
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from minidecode.kernels.prefill import choose_backend
-from minidecode.models.llama import Transformer, weight_bytes
+from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
 from .cache import KVCache
 from .diagnose import nonfinite_logits_error
@@ -35,8 +35,9 @@ from .sampling import SamplingParams, SamplingRows, sample
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 # The work (FLOPs) of one prefill unit while other sequences decode: a unit plus a decode step is
 # the longest a running stream waits for its next token during another request's prefill. About
-# 3 ms of bf16 tensor-core work on an H100; on the CPU, a few tens of milliseconds.
-INTERLEAVE_FLOPS = {"cuda": 2e12, "cpu": 1e9}
+# 6 ms of bf16 tensor-core work on an H100 (the p99 goal, 3x a step, allows about two steps);
+# on the CPU, a few tens of milliseconds.
+INTERLEAVE_FLOPS = {"cuda": 4e12, "cpu": 1e9}
 
 
 def bucket(n: int) -> int:
@@ -61,15 +62,18 @@ class DecodeState:
     logprob: torch.Tensor  # float32: log p of the token just sampled (when asked for)
     sampling: SamplingRows  # each sequence's sampling settings
     starts: torch.Tensor  # int64: where each sequence's region begins in the cache row
-    active: torch.Tensor  # int64 0/1: 0 is an idle slot (reads nothing, does not advance)
+    active: torch.Tensor  # int32 0/1: 0 is an idle slot (reads nothing, does not advance)
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeState:
         def new(dtype):
             return torch.zeros(batch, dtype=dtype, device=device)
 
-        tokens, positions, starts, active = (new(torch.long) for _ in range(4))
-        return cls(tokens, positions, new(torch.float32), SamplingRows.zeros(batch, device), starts, active)
+        tokens, positions, starts = (new(torch.long) for _ in range(3))
+        # active is int32, as the decode kernel's lengths (lengths * active stays int32)
+        return cls(
+            tokens, positions, new(torch.float32), SamplingRows.zeros(batch, device), starts, new(torch.int32)
+        )
 
     def rows(self, n: int, first: int = 0) -> DecodeState:
         """Rows first..first+n-1, as views."""
@@ -138,6 +142,7 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         interleave_flops: float | None = None,
         exact: bool = False,
+        prefill_attention: str = "auto",
     ):
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_dtype = kv_dtype or dtype  # the cache's: the model dtype, or FP8 (e4m3 + scales)
@@ -148,8 +153,10 @@ class Engine:
         # exact: one sequence at a time, in a cache of exactly its region, which the decode step
         # reads as its whole row (context parallelism splits the row's positions over the ranks).
         self.exact = exact
+        self.prefill_attention = prefill_attention  # "auto": SDPA's faster backend; "fp8": the e4m3 kernel
         self.max_batch = 1 if exact else check_max_batch(max_batch)
         self.interleave_flops = interleave_flops or INTERLEAVE_FLOPS[device.type]
+        self.weights = weights_description(model)  # "bfloat16", or the FP8 scheme that runs
         self.planner = Planner(
             self.config, dtype, self.kv_dtype, device, self.prefill_chunk, weight_bytes(model)
         )
@@ -161,10 +168,13 @@ class Engine:
 
     @property
     def prefill_backend(self) -> str:
-        """The SDPA backend prefill attention uses ("default": PyTorch chooses)."""
+        """What prefill attention runs: "fp8" (the e4m3 kernel where a call fills the GPU), else
+        the SDPA backend ("default": PyTorch chooses)."""
         return self._backend() or "default"
 
     def _backend(self) -> str | None:
+        if self.prefill_attention == "fp8":
+            return "fp8"
         return choose_backend(self.device, self.config.head_dim, self.config.group_size, self.dtype)
 
     # ---- the cache ---------------------------------------------------------------------------
@@ -254,15 +264,15 @@ class Engine:
         start: int,
         size: int,
         reused: int,
-        between: Callable[[], None] | None = None,
+        between: Callable[[float], None] | None = None,
         interleave: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """Prefill prompt positions reused.. into the region [start, start + size), whose
         positions 0..reused-1 already hold the prompt's K/V -> float32 logits [1, V] of the last
-        position. `between` runs after each unit of work; `interleave` keeps units small (other
-        sequences decode between them). NaN / inf logits are one UserError naming the first layer
-        that made them."""
+        position. `between(flops)` runs after each unit of work; `interleave` keeps units within
+        interleave_flops (other sequences decode between them). NaN / inf logits are one UserError
+        naming the first layer that made them."""
         region = self.region(start, size)
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)  # [1, T - reused]
         new = len(prompt_ids) - reused

@@ -83,6 +83,7 @@ def describe(
     kv_cache_dtype: str = "auto",
     tp: int = 1,
     cp: int = 1,
+    quantization: str | None = None,
 ) -> str:
     """What `minidecode info` prints: architecture, size, context and a memory plan (no weights
     loaded); with tp x cp > 1, the plan of each GPU (rank 0's: every rank holds as much)."""
@@ -97,7 +98,9 @@ def describe(
     context = cfg.max_position_embeddings if context is None else context
     if context < 1:
         raise UserError(f"context must be >= 1, got {context}")
-    weights = cfg.num_parameters() * dt.itemsize
+    from .loading import weight_plan
+
+    weights, described = weight_plan(cfg, dt, quantization)  # FP8 layers at 1 byte a weight + scales
     rank_cfg, positions, parallel, plan_weights = cfg, context, None, weights
     if (tp, cp) != (1, 1):
         from minidecode.models.parallel import rank_weight_bytes
@@ -122,7 +125,7 @@ def describe(
         f"model        {model or 'stdlib-tiny (shipped)'}  [{source}]",
         f"architecture {cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"MLP {cfg.intermediate_size}, heads {cfg.num_heads} q / {cfg.num_kv_heads} kv x {cfg.head_dim}",
-        f"parameters   {cfg.num_parameters() / 1e9:.3f} B ({gib(weights)} in {str(dt)[6:]})",
+        f"parameters   {cfg.num_parameters() / 1e9:.3f} B ({gib(weights)}: {described})",
         f"vocabulary   {cfg.vocab_size:,}; tied embeddings: {cfg.tie_word_embeddings}",
         f"context      {cfg.max_position_embeddings:,} positions; RoPE {rope}, theta {cfg.rope.theta:g}"
         + (f"; sliding window {cfg.sliding_window:,}" if cfg.sliding_window else ""),

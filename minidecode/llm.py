@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
+from minidecode.kernels.prefill import check_prefill_attention
+
 from .cache import KVCache, kv_dtype_name
 from .cache_file import config_hash, open_cache_file, weights_fingerprint, write_cache_file
 from .config import ModelConfig
@@ -196,6 +198,7 @@ class LLM:
         tp: int = 1,
         cp: int = 1,
         quantization: str | None = None,
+        prefill_attention: str = "auto",
     ):
         # tp x cp > 1: one rank of a torchrun launch (minidecode/distributed.py); each rank loads
         # its share of the weights and every rank runs every request in step with the others.
@@ -204,7 +207,10 @@ class LLM:
             from .distributed import init_parallel
 
             self.parallel = init_parallel(tp, cp, device)
-            self.parallel.check_same(model=str(model), dtype=str(dtype), kv_cache_dtype=kv_cache_dtype)
+            self.parallel.check_same(
+                model=str(model), dtype=str(dtype), kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                prefill_attention=prefill_attention,
+            )  # fmt: skip
         self.device = resolve_device(device) if self.parallel is None else self.parallel.device
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.device, self.dtype)
@@ -230,13 +236,19 @@ class LLM:
             self.config, self.model_dir, self.device, self.dtype, self.parallel, quantization=quantization
         )
         cp_ranks = 1 if self.parallel is None else self.parallel.cp
+        check_prefill_attention(prefill_attention, self.device, self.config.head_dim)
+        if prefill_attention == "fp8" and cp_ranks > 1:
+            raise UserError("FP8 prefill attention is not supported with --cp (context parallel): use auto")
         # Context-parallel ranks split one sequence's positions: one at a time, no prefix reuse.
         self.engine = Engine(
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,
-            max_batch=max_batch, exact=cp_ranks > 1,
+            max_batch=max_batch, exact=cp_ranks > 1, prefill_attention=prefill_attention,
         )  # fmt: skip
         agree = int if self.parallel is None else self.parallel.smallest
         self.loop = EngineLoop(self.engine, self.tokenizer, prefix_reuse, agree=agree)
+        # The loop's thread holds the model (not this object): dropping the LLM stops it, and frees
+        # the weights and the cache.
+        weakref.finalize(self, EngineLoop.close, self.loop)
         self.loop.call(self.engine.warm_up)  # kernels compiled now, not in the first request's wait
         self._identity: dict[str, str] | None = None  # computed on the first save / load
 

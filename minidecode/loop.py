@@ -79,6 +79,7 @@ class EngineLoop:
         self.error: BaseException | None = None  # what ended the last loop, if it died
         self._prefilling: Sequence | None = None
         self._interleave = False  # the running sequences decode between the prefill's units
+        self._work = 0.0  # prefill FLOPs since the last decode step between its units
         self._stopping = False
         self._at_exit = False
         cuda = engine.device.type == "cuda"
@@ -224,6 +225,7 @@ class EngineLoop:
         n = stats.prompt_tokens = len(seq.prompt_ids)
         stats.reused_tokens, stats.prefilled_tokens = seq.reused, n - seq.reused
         stats.kv_cache_dtype = kv_dtype_name(engine.kv_dtype)
+        stats.weights, stats.prefill_attention = engine.weights, engine.prefill_backend
         self.stats.prompt_tokens += n
         if engine.device.type == "cuda" and not scheduler.running:
             torch.cuda.reset_peak_memory_stats(engine.device)
@@ -261,13 +263,17 @@ class EngineLoop:
         if self._hand_out(seq, first, logprob):
             self._end([seq])
 
-    def _between(self) -> None:
-        """Between two units of a prefill: take new arrivals and aborts, and run one decode step of
-        the running sequences (if any)."""
+    def _between(self, flops: float) -> None:
+        """Between two units of a prefill (`flops` of work): take new arrivals and aborts, and once
+        a unit's budget of work has been done since the last one, run one decode step of the
+        running sequences (small units, such as one KV head's attention of a short prompt, add up
+        before a step)."""
         self._take_inbox(block=False, calls=False)
         if self._stopping or (self._prefilling is not None and self._prefilling.aborted):
             raise _Aborted
-        if self._interleave and self.scheduler.running:
+        self._work += flops
+        if self._interleave and self.scheduler.running and self._work >= self.engine.interleave_flops:
+            self._work = 0.0
             self._round()
 
     def _round(self) -> None:

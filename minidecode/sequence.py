@@ -30,6 +30,8 @@ class GenerationStats:
     decode_tokens_per_s: float = 0.0
     peak_memory_bytes: int = 0
     kv_cache_dtype: str = ""  # what the KV cache stored: the model's dtype, or "fp8_e4m3"
+    weights: str = ""  # which weights ran: the model's dtype, or their FP8 scheme
+    prefill_attention: str = ""  # what prefill attention ran: an SDPA backend, or "fp8"
 
     def summary(self) -> str:
         """The stats line: `prompt 1,120 tok (1,089 from the cache), prefill 0.01 s (...) ...`."""
@@ -40,6 +42,8 @@ class GenerationStats:
             f"({self.prefill_tokens_per_s:,.0f} tok/s), TTFT {self.time_to_first_token:.3f} s | "
             f"{self.new_tokens:,} new tok, decode {self.decode_tokens_per_s:,.1f} tok/s | "
             f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB | KV cache {self.kv_cache_dtype}"
+            + (f" | weights {self.weights}" if self.weights.startswith("fp8") else "")
+            + (" | FP8 prefill attention" if self.prefill_attention == "fp8" else "")
         )
 
 

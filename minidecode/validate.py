@@ -31,6 +31,12 @@ def check_kv_cache_dtype_name(kv_cache_dtype: Any) -> str:
     return kv_cache_dtype
 
 
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise UserError(f"unknown {name} {value!r}; use one of {', '.join(choices)}")
+    return value
+
+
 def check_vocab(tokenizer_vocab: int, model_vocab: int) -> None:
     """A tokenizer id beyond the embedding would fail as an index error mid-generation."""
     if tokenizer_vocab > model_vocab:

@@ -284,7 +284,7 @@ class Transformer(nn.Module):
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
         start: int = 0,
-        between: Callable[[], None] | None = None,
+        between: Callable[[float], None] | None = None,
         unit_flops: float | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] at positions start..start+T-1 -> final-normed hidden [B, hidden] (last
@@ -292,11 +292,12 @@ class Transformer(nn.Module):
         suffix after a prefix already in the cache: the new rows attend causally to themselves and
         fully to positions 0..start-1.
 
-        `between()` is called after each unit of work (a chunk of projections, an attention call, a
-        chunk of o_proj + MLP): the engine runs the decode steps of other sequences there, or stops
-        an aborted prefill by raising. `unit_flops` bounds a unit's work (FLOPs) so that those steps
-        come often: projection chunks shrink below `chunk`, and attention goes in blocks of query
-        rows (each block against every earlier key); None keeps whole-prompt attention calls.
+        `between(flops)` is called after each unit of work (a chunk of projections, an attention
+        call, a chunk of o_proj + MLP) with its FLOPs (about): the engine runs the decode steps of
+        other sequences there, or stops an aborted prefill by raising. `unit_flops` bounds a unit's
+        work so that those steps come often: projection chunks shrink below `chunk`, and attention
+        goes in blocks of query rows (each block against every earlier key); None keeps
+        whole-prompt attention calls.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is one square
@@ -324,7 +325,8 @@ class Transformer(nn.Module):
         # Query rows per attention call: all of them, or a block whose scores against every earlier
         # key (2 dots of G x rows x end x D multiply-adds) stay within unit_flops.
         block = T if unit_flops is None else max(64, int(unit_flops / (4 * G * D * end)))
-        pause = between or (lambda: None)
+        pause = between or (lambda flops: None)
+        half_row = self.flops_per_row() / 2  # a row through q/k/v, or through o_proj and the MLP (about)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
@@ -338,7 +340,7 @@ class Transformer(nn.Module):
                 q_all[:, :, s:e] = q.transpose(1, 2)
                 k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
                 v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
-                pause()
+                pause(B * (e - s) * half_row)
             for h in range(cfg.num_kv_heads):
                 for s in range(0, T, block):  # queries s..e-1 see keys 0..start+e-1, causally
                     e = min(s + block, T)
@@ -346,7 +348,7 @@ class Transformer(nn.Module):
                     keys = k_cache[:, h : h + 1, : start + e]  # [B, 1, start + e, D]
                     values = v_cache[:, h : h + 1, : start + e]
                     group.copy_(causal_attention(group, keys, values, attn.scale, backend))
-                    pause()
+                    pause(4 * B * G * D * (e - s) * (start + e))
             if quantized:
                 _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
             for s in range(0, T, rows):
@@ -356,7 +358,7 @@ class Transformer(nn.Module):
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
                 if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
                     on_progress(i * T + e, cfg.num_layers * T)
-                pause()
+                pause(B * (e - s) * half_row)
         return self.model.norm(x[:, -1] if last_only else x)
 
     def flops_per_row(self) -> float:

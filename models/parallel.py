@@ -215,7 +215,7 @@ class ParallelTransformer(Transformer):
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
         start: int = 0,
-        between: Callable[[], None] | None = None,
+        between: Callable[[float], None] | None = None,
         unit_flops: float | None = None,
     ) -> torch.Tensor:
         """As Transformer.prefill; with cp > 1, every rank prefills the prompt positions of its

@@ -155,3 +155,26 @@ def test_real_subprocess(model_dir, reference, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == reference[1] + "\n"
+
+
+def test_weights_and_prefill_attention_options(model_dir):
+    """--quantization fp8 runs FP8 weights and says so (stats line, --json, info); --prefill-attention
+    fp8 on the CPU is one line; an unknown value of either is one line before the model loads."""
+    result = invoke(*generate_args(model_dir, "--prompt", PROMPT, "--quantization", "fp8", "--json"))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["stats"]["weights"].startswith("fp8_e4m3 per-channel")
+    plain = invoke(*generate_args(model_dir, "--prompt", PROMPT))
+    assert "weights" not in plain.stderr and "KV cache" in plain.stderr
+    info = invoke("info", model_dir, "--device", "cpu", "--quantization", "fp8")
+    assert info.exit_code == 0 and "fp8_e4m3 per-channel" in info.stdout
+    for args, message in (
+        (("--prefill-attention", "fp8"), "error: FP8 prefill attention runs on a CUDA GPU"),
+        (
+            ("--prefill-attention", "flash3"),
+            "error: unknown --prefill-attention 'flash3'; use one of auto, fp8",
+        ),
+        (("--quantization", "int4"), "error: unknown --quantization 'int4'; use one of none, fp8"),
+    ):
+        bad = invoke(*generate_args(model_dir, "--prompt", PROMPT, *args))
+        assert bad.exit_code == 2 and bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+        assert bad.stderr.startswith(message), bad.stderr

@@ -173,6 +173,18 @@ def test_ctrl_c_during_generation_keeps_the_text():
     one_error_line(err, r"^error: interrupted$")
 
 
+def test_ctrl_c_on_a_rank_other_than_0_is_silent():
+    """A terminal's Ctrl-C reaches every rank of a torchrun launch: only rank 0 writes its line."""
+    proc = subprocess.Popen(
+        [*CLI, "generate", "-p", "import os\n", "-n", "100000", "--allow-extrapolation", "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(ENV, RANK="1"),
+    )  # fmt: skip
+    wait_for_torch_import(proc)
+    time.sleep(3)  # loading the model or generating (rank 1 prints no text to wait for)
+    out, err = interrupt(proc)
+    assert proc.returncode == 130 and "error" not in err and "Traceback" not in err, err
+
+
 def test_unescape():
     assert unescape(r"\n\n") == "\n\n"
     assert unescape(r"a\tb\\n\x41\u00e9\"") == 'a\tb\\nAé"'

@@ -293,3 +293,20 @@ def test_an_abandoned_stream_at_exit_prints_nothing(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
+
+
+def test_dropping_an_llm_stops_its_loop_and_frees_the_model(llama):
+    """The loop's thread holds the model, not the LLM: once the LLM is dropped, the thread stops
+    and the weights can be freed."""
+    import gc
+    import weakref
+
+    llm = load(llama)
+    llm.generate(token_ids=[5, 6, 7], max_new_tokens=2)
+    model, thread = weakref.ref(llm.model), llm.loop._thread
+    del llm
+    gc.collect()
+    thread.join(timeout=WAIT)
+    assert not thread.is_alive()
+    gc.collect()
+    assert model() is None

@@ -148,8 +148,6 @@ def test_batch_equals_each_request_alone(model_dir, prompt_ids):
     eager = LLM(model_dir, device="cuda", dtype="float32", quantization="fp8", cuda_graph=False)
     a = [r.token_ids for r in graph.generate(items, **kw)]
     b = [r.token_ids for r in eager.generate(items, **kw)]
-    alone = [
-        graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items
-    ]
+    alone = [graph.generate(x, reuse_prefix=False, **kw).token_ids for x in items]
     assert a == b == alone
     assert [r.token_ids for r in graph.generate(items, **kw)] == a

@@ -451,3 +451,31 @@ def test_older_cache_files_are_refused(model_dir, saved, tmp_path):
             "checksums of format 4): prefill the prompt again and save a new cache file"
         )
     assert load(model_dir, kv_cache_dtype="fp8").load_cache(written) == len(DOC) + NEW  # today's format
+
+
+def test_an_aborted_prefill_after_a_load_leaves_no_load_behind(model_dir, saved, hf):
+    """A request that reads the loaded file, closed while it prefills: the next requests run as if
+    nothing had been loaded or read (no stale file state: the tokens of a fresh model)."""
+    import threading
+
+    path, ids, _ = saved
+    llm = load(model_dir, prefill_chunk=8)
+    llm.engine.interleave_flops = 1e3  # the prefill checks for aborts after each small unit
+    llm.load_cache(path)
+    prompt = DOC + QUESTION_B
+    started = threading.Event()
+
+    def progress(done: int, total: int) -> None:
+        if done and not started.is_set():
+            started.set()
+            stream.close()  # the caller goes away mid-prefill
+
+    stream = llm.stream(
+        token_ids=prompt, max_new_tokens=NEW, temperature=0, ignore_eos=True, on_prefill_progress=progress
+    )
+    for _ in stream.events():
+        pass
+    assert started.is_set() and stream.result.finish_reason == "abort" and not stream.result.token_ids
+    assert llm.loop.scheduler.prefixes == []  # the file was read once, for the aborted request
+    again = greedy(llm, prompt)
+    assert again.stats.reused_tokens == 0 and again.token_ids == hf.greedy(model_dir, prompt, NEW)
