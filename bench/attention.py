@@ -20,7 +20,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -34,6 +33,7 @@ import triton
 from timing import time_graph  # bench/timing.py
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from minidecode.bench import provenance
 from minidecode.kernels import lean_attention as la
 from minidecode.kernels.lean_attention import LeanConfig, default_config, lean_attention, lean_schedule
 from minidecode.kernels.quant import SCALE_DTYPE, dequantize_fp8, quantize_fp8
@@ -338,12 +338,7 @@ def bench_case(case: Case, args: argparse.Namespace, flex_state: dict) -> dict:
 def environment(commit: str | None) -> dict:
     props = torch.cuda.get_device_properties(0)
     if commit is None:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
+        commit = provenance()["commit"] or "none"  # minidecode's own, whatever the current folder
     return {
         "device": torch.cuda.get_device_name(0),
         "sms": props.multi_processor_count,

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import event_ms  # bench/timing.py
 
 from minidecode import LLM
 from minidecode.cache import KVCache
@@ -85,20 +86,6 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def device_ms(fn, repeats: int) -> list[float]:
-    """CUDA-event milliseconds of fn, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):,.1f} ({min(values):,.1f}-{max(values):,.1f}) n={len(values)}"
 
@@ -140,7 +127,7 @@ def cache_rows(folder: Path, repeats: int) -> tuple[list[tuple[str, ...]], dict]
     def layout(n: int) -> dict:
         return {name: (t.dtype, (*t.shape[:3], n, *t.shape[4:])) for name, t in tensors.items()}
 
-    sums_ms = device_ms(sums_only, repeats)
+    sums_ms = event_ms(sums_only, repeats)
     staging = torch.empty(LENGTH * HEAD_DIM * 2, dtype=torch.uint8, pin_memory=True)  # one run
     path, ids = folder / "checksum_bench.cache", list(range(LENGTH))
     try:  # one 16 GiB file at a time: minidecode's, then the peer's

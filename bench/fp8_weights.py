@@ -128,7 +128,7 @@ def e2e(lengths: list[int], new: int, repeats: int, ceiling: float) -> list[dict
     for quantization in (None, "fp8"):
         llm = LLM(MODEL, quantization=quantization, prefix_reuse=False)
         weights = step_weight_bytes(llm.model)
-        kv = llm.engine.kv_bytes_per_token
+        kv = llm.engine.planner.kv_bytes_per_token
         warm_up = llm.random_prompt(256, seed=99)  # compiles the kernels, captures the step's graph
         llm.generate(token_ids=warm_up, max_new_tokens=8, temperature=0, ignore_eos=True)
         for length in lengths:

@@ -213,12 +213,14 @@ PY
   summary+=("ab: $(grep -c '^{' "$LOG_DIR/ab.jsonl") requests timed")
 fi
 if [[ $STAGES == *serve* ]]; then
-  # The server under load (bench/serve.py): 1, 8, 32 clients with 4k prompts through the openai
-  # client against the Python API, alternating; then 8 running streams while a 128k prompt
-  # prefills. Its packages (fastapi, uvicorn, prometheus-client, openai) come from WHEELS.
+  # The server under load (bench/serve.py, about 6 minutes on an H100): 1, 8, 32 clients with 4k
+  # prompts through the openai client (the server in a process of its own) against the Python
+  # API, alternating python / http twice, each phase a process; then 8 running streams while a
+  # 128k prompt prefills. Its packages (fastapi, uvicorn, prometheus-client, openai) come from
+  # WHEELS, a folder of wheels carried to the machine.
   python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn prometheus-client openai \
     >"$LOG_DIR/serve-install.log" 2>&1 || summary+=("serve: install failed (serve-install.log)")
-  timeout 300 python3 bench/serve.py --out "$RESULTS_DIR/serve" >"$LOG_DIR/serve.log" 2>&1
+  timeout 480 python3 bench/serve.py --out "$RESULTS_DIR/serve" >"$LOG_DIR/serve.log" 2>&1
   summary+=("serve exit $?")
   tail -15 "$LOG_DIR/serve.log"
 fi

@@ -38,7 +38,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -47,8 +46,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from timing import event_ms  # bench/timing.py
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from minidecode.bench import provenance
 from minidecode.kernels import fp8_prefill as fp
 from minidecode.kernels.prefill import causal_attention, choose_backend
 
@@ -70,21 +71,6 @@ def repeats(length: int) -> int:
 
 def causal_flops(heads: int, t: int) -> float:
     return fp.flops(1, heads, t, t, HEAD_DIM)
-
-
-def time_calls(fn, n: int) -> list[float]:
-    """Milliseconds of n calls of fn, each between CUDA events, after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def spread(times: list[float]) -> dict:
@@ -149,7 +135,7 @@ def bench_length(t: int, chosen: str | None) -> dict:
             row["paths"][name] = {"skipped": True}
             continue
         try:
-            entry = spread(time_calls(fn, n))
+            entry = spread(event_ms(fn, n))
             entry["tflops"] = flops / (entry["ms"] * 1e-3) / 1e12
         except RuntimeError as error:  # out of memory, or a backend without this shape
             entry = {"error": str(error).splitlines()[0][:120]}
@@ -175,7 +161,7 @@ def sweep_configs(t: int) -> list[dict]:
             got = fp.fp8_causal_attention(q, k, v, SCALE, config)
             entry["diff_vs_default"] = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
             entry.update(
-                spread(time_calls(lambda c=config: fp.fp8_causal_attention(q, k, v, SCALE, c), repeats(t)))
+                spread(event_ms(lambda c=config: fp.fp8_causal_attention(q, k, v, SCALE, c), repeats(t)))
             )
             entry["tflops"] = causal_flops(32, t) / (entry["ms"] * 1e-3) / 1e12
         except Exception as error:  # a config that fails to compile or run is reported, not fatal
@@ -233,12 +219,7 @@ def dequantized(q, k, v, block_n):
 
 def environment(commit: str | None) -> dict:
     if commit is None:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
+        commit = provenance()["commit"] or "none"  # minidecode's own, whatever the current folder
     name = torch.cuda.get_device_name(0)
     peak = next((p for key, p in PEAK_TFLOPS.items() if key in name), None)
     return {

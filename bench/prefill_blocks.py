@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import event_ms  # bench/timing.py
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minidecode.kernels.prefill import BLOCK, blocked_causal_attention, cudnn_with_lse, past_chunks
@@ -60,21 +61,6 @@ def compare(T: int) -> None:
         print("| " + " | ".join([*cells, f"{single / t:.2f}x", f"{err:.1e}"]) + " |")
 
 
-def milliseconds(fn, repeats: int = 10) -> float:
-    """Median of `repeats` CUDA-event timings of fn(), after one warm-up call (cuDNN's plans)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def compare_suffix(past: int, T: int, sms: int) -> None:
     """T queries after `past` cached keys, one KV head and its 4 query heads: the past as one full
     call (sms None) against the split call, both merged with the causal diagonal call; per call
@@ -86,8 +72,8 @@ def compare_suffix(past: int, T: int, sms: int) -> None:
     one = blocked_causal_attention(q, k, v, BLOCK, attend).float()
     split = blocked_causal_attention(q, k, v, BLOCK, attend, sms).float()
     diff = ((split - one).abs().max() / one.abs().max()).item()
-    t_one = milliseconds(lambda: blocked_causal_attention(q, k, v, BLOCK, attend))
-    t_split = milliseconds(lambda: blocked_causal_attention(q, k, v, BLOCK, attend, sms))
+    t_one = statistics.median(event_ms(lambda: blocked_causal_attention(q, k, v, BLOCK, attend), 10))
+    t_split = statistics.median(event_ms(lambda: blocked_causal_attention(q, k, v, BLOCK, attend, sms), 10))
     cells = [
         f"{past // 1024}k",
         str(T),

@@ -35,7 +35,6 @@ import datetime
 import functools
 import json
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 
 from minidecode import LLM
+from minidecode.bench import provenance
 from minidecode.cache import KVCache
 from minidecode.kernels import prefill as prefill_mod
 from minidecode.kernels.prefill import BLOCK, CANDIDATES, causal_attention, choose_backend
@@ -229,7 +229,7 @@ class Probe:
             ids_list = ids[0].tolist()
             timed_generation(self.llm, ids_list, 1, T + 8)  # warm (allocates the engine's cache)
             runs = [timed_generation(self.llm, ids_list, 1, T + 8)[0].prefill_seconds for _ in range(n)]
-            self.llm.engine.release()
+            self.llm.release_cache()
             torch.cuda.empty_cache()
             return {"prefill_s": statistics.median(runs), "runs": runs}
 
@@ -428,12 +428,7 @@ def main() -> None:
     args = ap.parse_args()
     commit = args.commit
     if commit is None:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
+        commit = provenance()["commit"] or "none"  # minidecode's own, whatever the current folder
     llm = LLM("synthetic:llama-3-8b")
     probe = Probe(llm, getattr(llm.engine, "prefill_chunk", 8192))
     env = {

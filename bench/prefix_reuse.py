@@ -58,7 +58,7 @@ def main() -> None:
         doc = llm.random_prompt(length, seed=n)
         questions = [llm.random_prompt(QUESTION, seed=100 + i) for i in range(3)]
         context = length + QUESTION + NEW
-        llm.engine.release()  # each length starts from an empty cache of its own size
+        llm.release_cache()  # each length starts from an empty cache of its own size
         first = ask(llm, doc + questions[0], context).stats
         second = ask(llm, doc + questions[1], context).stats
         assert second.reused_tokens == length, second
@@ -81,7 +81,7 @@ def main() -> None:
             size = llm.save_cache(path)
             save_s = time.perf_counter() - start
             cold = drop_page_cache(path)
-            llm.engine.release()
+            llm.release_cache()
             start = time.perf_counter()
             held = llm.load_cache(path)
             check_ms = (time.perf_counter() - start) * 1e3

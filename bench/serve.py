@@ -1,7 +1,13 @@
 """The server under load (GPU, synthetic:llama-3-8b): 1, 8 and 32 concurrent clients with 4k-token
-prompts through the `openai` client against the same load through the Python API in the same run
-(throughput, time to first token, inter-token latency p50 / p99), and the running streams'
-inter-token latency before and during a long prompt's prefill.
+prompts through the `openai` client against the same load through the Python API (throughput,
+time to first token, inter-token latency p50 / p99), and the running streams' inter-token latency
+before and during a long prompt's prefill.
+
+Each phase runs in a process of its own, alternating python / http twice: the Python API's load
+in a process that holds the model, and the HTTP load from client threads in a process that holds
+no model, against `minidecode serve` in another (so the clients' parsing does not share the
+server's interpreter). Every level of clients runs once untimed first (its decode graphs
+captured), on prompts of their own (no prefix reuse of the timed prompts).
 
 Usage: python bench/serve.py [--out bench/results/serve] [--model synthetic:llama-3-8b]
 Prints a markdown table last; --out also writes OUT.md and OUT.json.
@@ -13,17 +19,16 @@ import argparse
 import json
 import queue
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from minidecode import LLM, Request
-from minidecode.bench import benchmark_prompt, special_token_ids
-
-PROMPT_TOKENS = 4096
+PROMPT_TOKENS = 4096  # defaults of the options below
 NEW_TOKENS = 128
 CLIENTS = (1, 8, 32)
 
@@ -39,15 +44,11 @@ class Load:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
     def summary(self) -> dict:
         return {
             "path": self.path,
             "clients": self.clients,
-            "tokens_per_s": round(self.tokens_per_s, 1),
+            "tokens_per_s": round(self.tokens / self.seconds, 1),
             "ttft_p50_s": round(percentile(self.ttft, 50), 4),
             "ttft_p99_s": round(percentile(self.ttft, 99), 4),
             "itl_p50_ms": round(1e3 * percentile(self.gaps, 50), 2),
@@ -62,77 +63,146 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def timed(load: Load, arrivals: list[float], start: float) -> None:
-    """Token arrival times of one request -> its TTFT and gaps, counted into the load."""
-    load.ttft.append(arrivals[0] - start)
-    load.gaps += [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    load.tokens += len(arrivals)
+def prompts(model: str, count: int, seed: int, length: int) -> list[list[int]]:
+    """`count` random prompts of `length` ids that avoid the model's special ids."""
+    from minidecode.bench import benchmark_prompt
+    from minidecode.info import synthetic_config
+
+    cfg = synthetic_config(model)
+    special = {cfg.bos_token_id, *cfg.eos_token_ids} - {None}
+    return [benchmark_prompt(cfg.vocab_size, length, seed + i, special) for i in range(count)]
 
 
-def run_clients(clients: int, one) -> float:
-    """`clients` threads each running one(i) at once; -> the wall seconds of them all."""
+def run_clients(path: str, clients: int, one: Callable[[int, Load, threading.Lock], None]) -> Load:
+    """`clients` threads each running one(i, load, lock) at once; -> the load, its wall time set."""
+    load, lock = Load(path, clients), threading.Lock()
     barrier = threading.Barrier(clients + 1)
-    threads = [threading.Thread(target=lambda i=i: (barrier.wait(), one(i))) for i in range(clients)]
+    threads = [
+        threading.Thread(target=lambda i=i: (barrier.wait(), one(i, load, lock))) for i in range(clients)
+    ]
     for t in threads:
         t.start()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0
+    load.seconds = time.perf_counter() - t0
+    return load
 
 
-def http_load(base: str, prompts: list[list[int]], clients: int) -> Load:
+def record(load: Load, lock: threading.Lock, start: float, arrivals: list[float]) -> None:
+    with lock:
+        load.ttft.append(arrivals[0] - start)
+        load.gaps += [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+        load.tokens += len(arrivals)
+
+
+def http_load(base: str, batch: list[list[int]], new: int) -> Load:
     import openai
 
-    load, lock = Load("http", clients), threading.Lock()
-
-    def one(i: int) -> None:
+    def one(i: int, load: Load, lock: threading.Lock) -> None:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
         start, arrivals = time.perf_counter(), []
         stream = client.completions.create(
-            model="bench", prompt=prompts[i], max_tokens=NEW_TOKENS, temperature=0, stream=True,
+            model="bench", prompt=batch[i], max_tokens=new, temperature=0, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         for chunk in stream:
             if chunk.choices and chunk.choices[0].finish_reason is None:
                 arrivals.append(time.perf_counter())
-        with lock:
-            timed(load, arrivals, start)
+        record(load, lock, start, arrivals)
 
-    load.seconds = run_clients(clients, one)
-    return load
+    return run_clients("http", len(batch), one)
 
 
-def python_load(llm: LLM, prompts: list[list[int]], clients: int) -> Load:
-    load, lock = Load("python", clients), threading.Lock()
-
-    def one(i: int) -> None:
+def python_load(llm, batch: list[list[int]], new: int) -> Load:
+    def one(i: int, load: Load, lock: threading.Lock) -> None:
         start, arrivals = time.perf_counter(), []
-        stream = llm.stream(token_ids=prompts[i], max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        stream = llm.stream(token_ids=batch[i], max_new_tokens=new, temperature=0, ignore_eos=True)
         for event in stream.events():
             if event.token is not None:
                 arrivals.append(time.perf_counter())
-        with lock:
-            timed(load, arrivals, start)
+        record(load, lock, start, arrivals)
 
-    load.seconds = run_clients(clients, one)
-    return load
+    return run_clients("python", len(batch), one)
 
 
-def prefill_stall(llm: LLM, prompts: list[list[int]], long_prompt: list[int]) -> dict:
-    """8 streams decoding 4k-token contexts; then a long prompt arrives: the streams' gaps between
-    tokens before it (steady state) and while it prefills (until its first token)."""
+@contextmanager
+def server_process(model: str):
+    """`minidecode serve MODEL` in a process of its own; -> its base URL."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "minidecode",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+    ]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...]) -> None:
+    """One phase in this process: each level of clients untimed (graphs captured, other prompts),
+    then timed; a JSON line per timed run."""
+    timed, untimed = prompts(model, max(levels), 100, length), prompts(model, max(levels), 500, length)
+    if path == "python":
+        from minidecode import LLM
+
+        llm = LLM(model)
+        for clients in levels:
+            python_load(llm, untimed[:clients], new=4)
+            llm.release_cache()  # the timed prompts prefill in full
+            print(json.dumps(python_load(llm, timed[:clients], new).summary()), flush=True)
+            llm.release_cache()
+        return
+    with server_process(model) as base:
+        for clients in levels:
+            http_load(base, untimed[:clients], new=4)
+            print(json.dumps(http_load(base, timed[:clients], new).summary()), flush=True)
+
+
+def prefill_stall(model: str, long: int, length: int) -> dict:
+    """8 streams decoding 4k-token contexts; then a `long`-token prompt arrives: the streams' gaps
+    between tokens before it (the steady state) and while it prefills (until its first token)."""
+    from minidecode import LLM, Request
+    from minidecode.bench import benchmark_prompt
+
+    llm = LLM(model)
     arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (stream, event, host time)
     streams = []
-    for k, ids in enumerate(prompts[:8]):
-        request = Request(token_ids=ids, max_new_tokens=100_000, temperature=0, ignore_eos=True).check()
+    # Room for 8k new tokens each: the long prefill interleaves some 4,000 of their steps (and the
+    # cache must grow beside them for the long prompt: 8 x 12k + 128k positions).
+    for k, ids in enumerate(prompts(model, 8, 100, length)):
+        request = Request(token_ids=ids, max_new_tokens=8192, temperature=0, ignore_eos=True).check()
         streams.append(llm.submit(request, lambda event, k=k: arrivals.put((k, event, time.perf_counter()))))
     times: dict[int, list[float]] = {k: [] for k in range(8)}
     first = threading.Event()
 
-    def pull(until: float | None = None) -> None:
-        while (until is None or time.perf_counter() < until) and not (until is None and first.is_set()):
+    def pull(until: float | None) -> None:
+        while not (first.is_set() if until is None else time.perf_counter() >= until):
             try:
                 k, event, t = arrivals.get(timeout=0.01)
             except queue.Empty:
@@ -140,15 +210,27 @@ def prefill_stall(llm: LLM, prompts: list[list[int]], long_prompt: list[int]) ->
             if event.token is not None:
                 times[k].append(t)
 
-    pull(until=time.perf_counter() + 5.0)  # every stream admitted and decoding
+    pull(time.perf_counter() + 5.0)  # every stream admitted and decoding
     steady_from = time.perf_counter()
-    pull(until=steady_from + 3.0)
+    pull(steady_from + 3.0)
     submitted = time.perf_counter()
-    request = Request(token_ids=long_prompt, max_new_tokens=2, temperature=0).check()
-    long_seq = llm.submit(request, lambda event: event.token is not None and first.set())
-    pull()  # until the long prompt's first token: its prefill is done
+    request = Request(
+        token_ids=benchmark_prompt(llm.config.vocab_size, long, 7, set()), max_new_tokens=2
+    ).check()
+    failed: list[str] = []
+
+    def long_sink(event) -> None:  # its first token (its prefill is done), or its failure
+        if event.error is not None:
+            failed.append(event.error)
+        if event.token is not None or event.done:
+            first.set()
+
+    long_seq = llm.submit(request, long_sink)
+    pull(None)  # until the long prompt's first token
     prefilled = time.perf_counter()
     llm.loop.abort([*streams, long_seq])
+    if failed:
+        raise RuntimeError(f"the long prompt failed: {failed[0]}")
 
     def gaps(lo: float, hi: float) -> list[float]:
         out = []
@@ -160,7 +242,7 @@ def prefill_stall(llm: LLM, prompts: list[list[int]], long_prompt: list[int]) ->
     before, during = gaps(steady_from, submitted), gaps(submitted, prefilled)
     step = percentile(before, 50)
     return {
-        "long_prompt_tokens": len(long_prompt),
+        "long_prompt_tokens": long,
         "prefill_seconds_with_streams": round(prefilled - submitted, 2),
         "steady_itl_p50_ms": round(1e3 * step, 2),
         "steady_itl_p99_ms": round(1e3 * percentile(before, 99), 2),
@@ -171,24 +253,30 @@ def prefill_stall(llm: LLM, prompts: list[list[int]], long_prompt: list[int]) ->
     }
 
 
-def serve_in_thread(llm: LLM):
-    import socket
-
-    import uvicorn
-
-    from minidecode.server import ServerSettings, create_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(llm, ServerSettings("bench")), host="127.0.0.1", port=port, log_level="error"
-    )
-    server = uvicorn.Server(config)
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}"
+def table(rows: list[dict], levels: tuple[int, ...]) -> str:
+    lines = [
+        "| clients | path | tok/s (all clients) | TTFT p50 / p99 s | inter-token p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for clients in levels:
+        rates = {}
+        for path in ("python", "http"):
+            mine = [r for r in rows if r["clients"] == clients and r["path"] == path]
+            if not mine:
+                continue
+            rate = rates[path] = statistics.median(r["tokens_per_s"] for r in mine)
+            spread = (
+                f"{min(r['tokens_per_s'] for r in mine):,.1f}-{max(r['tokens_per_s'] for r in mine):,.1f}"
+            )
+            ttft = statistics.median(r["ttft_p50_s"] for r in mine), max(r["ttft_p99_s"] for r in mine)
+            itl = statistics.median(r["itl_p50_ms"] for r in mine), max(r["itl_p99_ms"] for r in mine)
+            lines.append(
+                f"| {clients} | {path} | {rate:,.1f} ({spread}, n={len(mine)}) | "
+                f"{ttft[0]:.3f} / {ttft[1]:.3f} | {itl[0]:.1f} / {itl[1]:.1f} |"
+            )
+        if len(rates) == 2:
+            lines.append(f"| {clients} | http / python | {rates['http'] / rates['python']:.3f} | | |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -196,55 +284,38 @@ def main() -> None:
     parser.add_argument("--model", default="synthetic:llama-3-8b")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--long", type=int, default=131072, help="the long prompt of the stall measurement")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
+    parser.add_argument("--phase", choices=("python", "http", "stall"), help="(internal) run one phase here")
     args = parser.parse_args()
-    llm = LLM(args.model)
-    excluded = special_token_ids(llm)
-    prompts = [
-        benchmark_prompt(llm.config.vocab_size, PROMPT_TOKENS, 100 + i, excluded) for i in range(max(CLIENTS))
-    ]
-    server, base = serve_in_thread(llm)
-    llm.generate(token_ids=prompts[0][:512], max_new_tokens=8)  # compile, capture
-    rows = []
-    for clients in CLIENTS:
-        for order in ("python", "http", "python", "http"):  # alternating: drift hits both alike
-            llm.release_cache()  # no prefix reuse between repeats
-            run = (
-                python_load(llm, prompts, clients) if order == "python" else http_load(base, prompts, clients)
-            )
-            rows.append(run.summary())
-            print(json.dumps(rows[-1]), flush=True)
-    llm.release_cache()
-    long_prompt = benchmark_prompt(llm.config.vocab_size, args.long, 7, excluded)
-    stall = prefill_stall(llm, prompts, long_prompt)
-    print(json.dumps(stall), flush=True)
-    server.should_exit = True
+    if args.phase == "stall":
+        print(json.dumps(prefill_stall(args.model, args.long, args.prompt_tokens)), flush=True)
+        return
+    if args.phase is not None:
+        phase(args.phase, args.model, args.prompt_tokens, args.new_tokens, tuple(args.clients))
+        return
+    rows, stall = [], None
+    for name in ("python", "http", "python", "http", "stall"):  # alternating: drift hits both alike
+        command = [sys.executable, __file__, "--phase", name, "--model", args.model, "--long", str(args.long)]
+        command += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+        command += ["--clients", *map(str, args.clients)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            print(f"!! phase {name} failed: {done.stderr[-1500:]}", flush=True)
+        for line in done.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            print(line, flush=True)
+            if name == "stall":
+                stall = json.loads(line)
+            else:
+                rows.append(json.loads(line))
+    import torch
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    table = ["| clients | path | tok/s (all clients) | TTFT p50 / p99 s | inter-token p50 / p99 ms |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
-    for clients in CLIENTS:
-        for path in ("python", "http"):
-            mine = [r for r in rows if r["clients"] == clients and r["path"] == path]
-            rate = statistics.median(r["tokens_per_s"] for r in mine)
-            spread = (
-                f"{min(r['tokens_per_s'] for r in mine):,.1f}-{max(r['tokens_per_s'] for r in mine):,.1f}"
-            )
-            last = mine[-1]
-            table.append(
-                f"| {clients} | {path} | {rate:,.1f} ({spread}) | "
-                f"{last['ttft_p50_s']:.3f} / {last['ttft_p99_s']:.3f} | "
-                f"{last['itl_p50_ms']:.1f} / {last['itl_p99_ms']:.1f} |"
-            )
-    overhead = []
-    for clients in CLIENTS:
-        py = statistics.median(
-            r["tokens_per_s"] for r in rows if r["clients"] == clients and r["path"] == "python"
-        )
-        http = statistics.median(
-            r["tokens_per_s"] for r in rows if r["clients"] == clients and r["path"] == "http"
-        )
-        overhead.append(f"{clients} clients: HTTP at {100 * http / py:.1f}% of the Python API's throughput")
-    text = "\n".join(table) + "\n\n" + "; ".join(overhead) + "\n\nprefill stall: " + json.dumps(stall)
-    print(f"{device}, {args.model}, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens each")
+    text = f"{table(rows, tuple(args.clients))}\n\nprefill stall: {json.dumps(stall)}"
+    print(f"{device}, {args.model}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each")
     print(text)
     if args.out is not None:
         args.out.with_suffix(".json").write_text(

@@ -52,3 +52,19 @@ def time_graph(calls: list[Callable[[], object]], target_us: float = 3000.0, rep
         times.append(start.elapsed_time(end) * 1e3 / n_calls)
     del graph
     return Timing(statistics.median(times), min(times), max(times))
+
+
+def event_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Milliseconds of `repeats` calls of fn, each between CUDA events, after one warm-up call
+    (work long enough that launch gaps do not matter: a whole layer's attention, a cache save)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
