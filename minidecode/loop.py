@@ -80,6 +80,7 @@ class EngineLoop:
         self._prefilling: Sequence | None = None
         self._interleave = False  # the running sequences decode between the prefill's units
         self._work = 0.0  # prefill FLOPs since the last decode step between its units
+        self._step_kind: tuple[str, bool] | None = None  # the running rows' (sampling mode, log-probs)
         self._stopping = False
         self._at_exit = False
         cuda = engine.device.type == "cuda"
@@ -258,6 +259,7 @@ class EngineLoop:
         stats.prefill_tokens_per_s = (n - seq.reused) / max(stats.prefill_seconds, 1e-9)
         seq.text = TextStream(self.tokenizer, seq.stops)
         scheduler.running.append(seq)
+        self._step_kind = None
         seq.skip = True  # its first token, handed out now, is also what its row holds
         logprob = float(engine.state.logprob[row]) if seq.want_logprobs else None
         if self._hand_out(seq, first, logprob):
@@ -280,8 +282,9 @@ class EngineLoop:
         """One decode step of every running sequence, and the hand-out of the previous step's tokens."""
         engine, running = self.engine, self.scheduler.running
         n = len(running)
-        mode = batch_mode([seq.params for seq in running])
-        logprobs = any(seq.want_logprobs for seq in running)
+        if self._step_kind is None:  # changes only when a sequence starts or ends, not every step
+            self._step_kind = batch_mode([s.params for s in running]), any(s.want_logprobs for s in running)
+        mode, logprobs = self._step_kind
         state = engine.state
         self._host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
         if logprobs:
@@ -346,6 +349,7 @@ class EngineLoop:
                 engine.move_row(last, row)
                 running[row] = running[last]
             running.pop()
+            self._step_kind = None
             engine.clear_row(last)
             self.scheduler.keep(seq)
         for seq in ended:
