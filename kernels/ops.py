@@ -278,6 +278,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def decode_attention_problem(device: torch.device, head_dim: int) -> str | None:
+    """Why decode attention cannot run for this device and head size (the lean kernel's head
+    sizes on CUDA; the PyTorch twin takes any on the CPU); None if it can."""
+    if device.type != "cuda":
+        return None
+    from .lean_attention import SUPPORTED_HEAD_DIMS
+
+    if head_dim in SUPPORTED_HEAD_DIMS:
+        return None
+    sizes = " or ".join(map(str, SUPPORTED_HEAD_DIMS))
+    return (
+        f"the GPU decode kernel takes head_dim {sizes}; this model's is {head_dim}: run it with --device cpu"
+    )
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared by the batch)

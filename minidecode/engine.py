@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minidecode.kernels import ops
 from minidecode.kernels.prefill import choose_backend
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
@@ -144,6 +145,8 @@ class Engine:
         exact: bool = False,
         prefill_attention: str = "auto",
     ):
+        if (problem := ops.decode_attention_problem(device, model.config.head_dim)) is not None:
+            raise UserError(problem)
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_dtype = kv_dtype or dtype  # the cache's: the model dtype, or FP8 (e4m3 + scales)
         self.config = model.config

@@ -537,3 +537,15 @@ def test_nan_weights_name_the_first_layer(model_dir, tmp_path):
     cli_error(gen_args(broken, "-p", "hi", "-n", 3), match)
     # the engine is free again after the error
     api_error(lambda: llm.generate("hi", max_new_tokens=3), match)
+
+
+def test_a_head_size_the_gpu_kernel_lacks_is_named_before_anything_runs():
+    """On a GPU the lean decode kernel takes head_dim 64 or 128: another one is refused in one line
+    when the engine is made (the CPU's PyTorch twin takes any)."""
+    from minidecode.kernels.ops import decode_attention_problem
+
+    assert decode_attention_problem(torch.device("cpu"), 16) is None
+    assert decode_attention_problem(torch.device("cuda"), 64) is None
+    assert decode_attention_problem(torch.device("cuda"), 16) == (
+        "the GPU decode kernel takes head_dim 64 or 128; this model's is 16: run it with --device cpu"
+    )

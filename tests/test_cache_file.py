@@ -286,7 +286,8 @@ def test_weights_differing_outside_any_sample_are_another_model(tmp_path):
 
 
 @pytest.mark.gpu
-def test_weights_fingerprint_is_the_same_on_the_gpu(model_dir):
+def test_weights_fingerprint_is_the_same_on_the_gpu(checkpoint_factory):
+    model_dir = checkpoint_factory("gpu-llama-hd64", "default", max_positions=512)  # the GPU's head_dim
     cpu, gpu = load(model_dir), LLM(model_dir, device="cuda", dtype="float32")
     assert weights_fingerprint(cpu.model) == weights_fingerprint(gpu.model)
 
