@@ -176,7 +176,8 @@ def test_ctrl_c_during_generation_keeps_the_text():
 def test_ctrl_c_on_a_rank_other_than_0_is_silent():
     """A terminal's Ctrl-C reaches every rank of a torchrun launch: only rank 0 writes its line."""
     proc = subprocess.Popen(
-        [*CLI, "generate", "-p", "import os\n", "-n", "100000", "--allow-extrapolation", "--device", "cpu"],
+        [*CLI, "generate", "-p", "import os\n", "-n", "100000", "--ignore-eos", "--allow-extrapolation",
+         "--device", "cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(ENV, RANK="1"),
     )  # fmt: skip
     wait_for_torch_import(proc)
