@@ -121,8 +121,7 @@ class Scheduler:
         if self.exact and engine.capacity != size:
             if self.running:
                 return False
-            longest = max([len(s.prompt_ids) for s in self.waiting] or [1])
-            self._reallocate(size, size, engine.planner.activations(longest), seq.context)
+            self._reallocate(size, size, engine.planner.activations(self._longest_prompt), seq.context)
         prefix, shared = self.best_prefix(seq)
         if prefix is not None and prefix.file is None and shared:
             grow = size - prefix.size
@@ -168,6 +167,11 @@ class Scheduler:
             start = self.regions.take(size)
         return start if start is not None else self._grow(size, context, keep)
 
+    @property
+    def _longest_prompt(self) -> int:
+        """The longest waiting prompt: its prefill's temporaries are what the cache leaves room for."""
+        return max([len(s.prompt_ids) for s in self.waiting] or [1])
+
     def _demand(self, size: int) -> int:
         """Positions the waiting requests would take, the head's `size` first, up to the free rows."""
         rows = self.engine.max_batch - len(self.running)
@@ -178,8 +182,7 @@ class Scheduler:
         """A larger cache with a region of `size` free; None while running sequences hold too much
         of the device for one (they keep their places: the old cache is copied into the new)."""
         engine, planner = self.engine, self.engine.planner
-        longest = max([len(s.prompt_ids) for s in self.waiting] or [1])
-        reserve = planner.activations(longest)
+        reserve = planner.activations(self._longest_prompt)
         live = [(s.start, s.size) for s in self.running]
         if keep is not None:
             live.append((keep.start, keep.size))
@@ -210,8 +213,7 @@ class Scheduler:
         room = max(0, (free - reserve) // planner.kv_bytes_per_token - engine.granule)
         room = room // engine.granule * engine.granule
         if room < size:
-            longest = max([len(s.prompt_ids) for s in self.waiting] or [1])
-            raise UserError(planner.refusal(planner.plan(size, longest, free=free), context))
+            raise UserError(planner.refusal(planner.plan(size, self._longest_prompt, free=free), context))
         engine.resize(min(room, target))
         self.regions = Regions(engine.capacity)
 

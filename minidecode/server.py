@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import UserError
 from .llm import LLM
-from .request import Request, check_int
+from .request import Request, check_int, check_token_ids
 from .sequence import Event, GenerationResult
 
 KEEP_ALIVE_S = 10.0
@@ -406,9 +406,6 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
         data = await body(http)
         tokens = data.get("tokens")
         try:
-            Request(token_ids=tokens).check()
-            from .request import check_token_ids
-
             check_token_ids(tokens, llm.config.vocab_size)
         except UserError as e:
             raise APIError(str(e), param="tokens") from None
