@@ -7,6 +7,7 @@
 #                batch integ multi ab serve (default "tests profile bench"; multi needs 2 or 4 GPUs)
 #   MULTI_PARTS  what multi runs: tests and/or bench (default "tests bench")
 #   FP8P_PARTS   which parts of fp8prefill: tests kernel accuracy probe (default: all four)
+#   SKIP_INSTALL set: minidecode is installed already (two runs side by side, one GPU each)
 #   LOG_DIR      logs (default bench/logs)
 #   RESULTS_DIR  where bench writes e2e.{json,md,png} (default $LOG_DIR; bench/results republishes)
 #   LENGTHS      prompt lengths (default "1024 4096 32768 131072 524288")
@@ -25,8 +26,10 @@ REPEATS=${REPEATS:-3}
 PEER_MAX=${PEER_MAX:-524288}
 COMPILED_MAX=${COMPILED_MAX:-32768}
 summary=()
-install_log=$(mktemp)
-python3 -m pip install --no-deps --no-build-isolation -e . -q >"$install_log" 2>&1 || { cat "$install_log"; exit 1; }
+if [[ -z ${SKIP_INSTALL:-} ]]; then  # set when another run in the same session installed it already
+  install_log=$(mktemp)
+  python3 -m pip install --no-deps --no-build-isolation -e . -q >"$install_log" 2>&1 || { cat "$install_log"; exit 1; }
+fi
 python3 -c "import minidecode.kernels.lean_attention, minidecode.models.llama" || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
