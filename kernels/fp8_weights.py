@@ -151,7 +151,10 @@ def quantize_rows(x: torch.Tensor, weight: FP8Weight) -> QuantizedRows:
     group = min(weight.act_group or K, K)
     groups = -(-K // group)
     padded = torch.nn.functional.pad(xf, (0, groups * group - K)).view(R, groups, group)
-    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp_min(SCALE_FLOOR)  # [R, groups]
+    # amax / 448 as a true division: PyTorch's CUDA kernel multiplies by the reciprocal of a Python
+    # number instead (one ulp off now and then), so 448 goes in as a device tensor.
+    amax = padded.abs().amax(dim=2)
+    scale = (amax / amax.new_full((), FP8_MAX)).clamp_min(SCALE_FLOOR)  # [R, groups]
     values = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(R, -1)[:, :K].to(FP8_DTYPE)
     return QuantizedRows(values, scale, group, x.dtype)
 
