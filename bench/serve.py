@@ -4,9 +4,10 @@ time to first token, inter-token latency p50 / p99), and the running streams' in
 before and during a long prompt's prefill.
 
 Each phase runs in a process of its own, alternating python / http twice: the Python API's load
-in a process that holds the model, and the HTTP load from client threads in a process that holds
-no model, against `minidecode serve` in another (so the clients' parsing does not share the
-server's interpreter). Every level of clients runs once untimed first (its decode graphs
+in a process that holds the model, and the HTTP load against `minidecode serve` in another, from
+client processes of CLIENTS_PER_PROCESS clients each (their parsing of the chunks shares neither
+the server's interpreter nor one client interpreter for all), each client made before the
+moment every request is sent. Every level of clients runs once untimed first (its decode graphs
 captured), on prompts of their own (no prefix reuse of the timed prompts).
 
 Usage: python bench/serve.py [--out bench/results/serve] [--model synthetic:llama-3-8b]
@@ -31,6 +32,7 @@ from pathlib import Path
 PROMPT_TOKENS = 4096  # defaults of the options below
 NEW_TOKENS = 128
 CLIENTS = (1, 8, 32)
+CLIENTS_PER_PROCESS = 4
 
 
 @dataclass
@@ -66,9 +68,14 @@ def percentile(values: list[float], q: float) -> float:
 def prompts(model: str, count: int, seed: int, length: int) -> list[list[int]]:
     """`count` random prompts of `length` ids that avoid the model's special ids."""
     from minidecode.bench import benchmark_prompt
-    from minidecode.info import synthetic_config
+    from minidecode.config import ModelConfig
+    from minidecode.info import SYNTHETIC, synthetic_config
 
-    cfg = synthetic_config(model)
+    # (a local checkpoint folder too: a small model makes a CPU run of the harness)
+    if model.startswith(SYNTHETIC):
+        cfg = synthetic_config(model)
+    else:
+        cfg = ModelConfig.from_file(Path(model) / "config.json")
     special = {cfg.bos_token_id, *cfg.eos_token_ids} - {None}
     return [benchmark_prompt(cfg.vocab_size, length, seed + i, special) for i in range(count)]
 
@@ -97,13 +104,19 @@ def record(load: Load, lock: threading.Lock, start: float, arrivals: list[float]
         load.tokens += len(arrivals)
 
 
-def http_load(base: str, batch: list[list[int]], new: int) -> Load:
+def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -> Load:
+    """(a client process) One openai client a prompt, made before the start: at time.monotonic()
+    start_at every client sends its streamed request at once; -> the load, `seconds` from start_at
+    to its last token."""
     import openai
 
+    clients = [
+        openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600) for _ in batch
+    ]
+
     def one(i: int, load: Load, lock: threading.Lock) -> None:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
         start, arrivals = time.perf_counter(), []
-        stream = client.completions.create(
+        stream = clients[i].completions.create(
             model="bench", prompt=batch[i], max_tokens=new, temperature=0, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
@@ -112,7 +125,35 @@ def http_load(base: str, batch: list[list[int]], new: int) -> Load:
                 arrivals.append(time.perf_counter())
         record(load, lock, start, arrivals)
 
-    return run_clients("http", len(batch), one)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    load = run_clients("http", len(batch), one)
+    load.seconds = time.monotonic() - start_at
+    return load
+
+
+def http_load(base: str, model: str, seed: int, length: int, clients: int, new: int) -> Load:
+    """`clients` streamed requests through the openai client, CLIENTS_PER_PROCESS a client process
+    (one process's interpreter would add its own parsing of every client's chunks to the gaps),
+    all sent at one moment; -> the load, its wall time from that moment to the last token."""
+    start_at = time.monotonic() + 5.0  # every process started and its clients made by then
+    procs = []
+    for first in range(0, clients, CLIENTS_PER_PROCESS):
+        count = min(CLIENTS_PER_PROCESS, clients - first)
+        command = [sys.executable, __file__, "--phase", "clients", "--model", model, "--base", base]
+        command += ["--seed", str(seed + first), "--clients", str(count), "--prompt-tokens", str(length)]
+        command += ["--new-tokens", str(new), "--start-at", repr(start_at)]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+    load = Load("http", clients)
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"a client process failed ({proc.returncode})")
+        part = json.loads(out.strip().splitlines()[-1])
+        load.ttft += part["ttft"]
+        load.gaps += part["gaps"]
+        load.tokens += part["tokens"]
+        load.seconds = max(load.seconds, part["seconds"])
+    return load
 
 
 def python_load(llm, batch: list[list[int]], new: int) -> Load:
@@ -167,9 +208,10 @@ def server_process(model: str):
 def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...]) -> None:
     """One phase in this process: each level of clients untimed (graphs captured, other prompts),
     then timed; a JSON line per timed run."""
-    timed, untimed = prompts(model, max(levels), 100, length), prompts(model, max(levels), 500, length)
     if path == "python":
         from minidecode import LLM
+
+        timed, untimed = prompts(model, max(levels), 100, length), prompts(model, max(levels), 500, length)
 
         llm = LLM(model)
         for clients in levels:
@@ -180,8 +222,8 @@ def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...])
         return
     with server_process(model) as base:
         for clients in levels:
-            http_load(base, untimed[:clients], new=4)
-            print(json.dumps(http_load(base, timed[:clients], new).summary()), flush=True)
+            http_load(base, model, 500, length, clients, new=4)
+            print(json.dumps(http_load(base, model, 100, length, clients, new).summary()), flush=True)
 
 
 def prefill_stall(model: str, long: int, length: int) -> dict:
@@ -287,8 +329,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
-    parser.add_argument("--phase", choices=("python", "http", "stall"), help="(internal) run one phase here")
+    phases = ("python", "http", "stall", "clients")
+    parser.add_argument("--phase", choices=phases, help="(internal) run one phase here")
+    parser.add_argument("--base", help="(internal) the server's URL, for --phase clients")
+    parser.add_argument("--seed", type=int, default=100, help="(internal) the first prompt's seed")
+    parser.add_argument("--start-at", type=float, help="(internal) time.monotonic() to send at")
     args = parser.parse_args()
+    if args.phase == "clients":
+        batch = prompts(args.model, args.clients[0], args.seed, args.prompt_tokens)
+        load = http_clients(args.base, batch, args.new_tokens, args.start_at)
+        part = {"ttft": load.ttft, "gaps": load.gaps, "tokens": load.tokens, "seconds": load.seconds}
+        print(json.dumps(part))
+        return
     if args.phase == "stall":
         print(json.dumps(prefill_stall(args.model, args.long, args.prompt_tokens)), flush=True)
         return

@@ -11,9 +11,11 @@ prefill) sends an SSE comment every KEEP_ALIVE_S so proxies keep the connection.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -110,11 +112,37 @@ class Metrics:
             yield CounterMetricFamily(name, help_text, value=value)
 
 
+class EventRelay:
+    """Hands events from the engine loop's thread to the server's event loop: each event waits
+    here, and one wake-up of the event loop delivers every event waiting by then. The engine
+    hands a token to every running sequence each step, so this is about one wake-up a step
+    instead of one a token: less of the interpreter's time away from the engine loop's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: collections.deque[tuple[asyncio.Queue, Event]] = collections.deque()
+        self.scheduled = False
+
+    def put(self, queue: asyncio.Queue, event: Event) -> None:
+        """(the engine loop's thread) Queue `event` for `queue`."""
+        self.pending.append((queue, event))
+        if not self.scheduled:  # read after the append: a delivery that clears it later sees the event
+            self.scheduled = True
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        self.scheduled = False  # before the draining: an event added meanwhile is drained or rescheduled
+        while self.pending:
+            queue, event = self.pending.popleft()
+            queue.put_nowait(event)
+
+
 def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `llm` under the OpenAI API."""
     app = FastAPI(title="minidecode", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(llm)
     context = llm.config.max_position_embeddings
+    relays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its EventRelay
 
     @app.exception_handler(APIError)
     async def api_error(_, error: APIError) -> JSONResponse:
@@ -180,9 +208,12 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
             raise APIError(f"the server is busy ({waiting} requests waiting): try again later", 503)
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        if loop not in relays:
+            relays[loop] = EventRelay(loop)
+        relay = relays[loop]
 
         def sink(event: Event) -> None:  # called from the engine loop's thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            relay.put(events, event)
 
         try:
             request.check()
@@ -230,27 +261,33 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
         the usage chunk when asked, then [DONE]; a comment while nothing comes."""
         try:
             head = chunk(first=True)
-            if head is not None:
-                yield f"data: {json.dumps(head)}\n\n"
+            out = [] if head is None else [f"data: {json.dumps(head)}\n\n"]
             while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=KEEP_ALIVE_S)
-                except TimeoutError:
-                    yield ": keep-alive\n\n"
-                    continue
+                if not events.empty():  # what has come is sent in one write
+                    event = events.get_nowait()
+                else:
+                    if out:
+                        yield "".join(out)
+                        out = []
+                    try:
+                        event = await asyncio.wait_for(events.get(), timeout=KEEP_ALIVE_S)
+                    except TimeoutError:
+                        yield ": keep-alive\n\n"
+                        continue
                 if event.error is not None:
                     error = {"message": event.error, "type": "server_error", "param": None, "code": None}
-                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    out.append(f"data: {json.dumps({'error': error})}\n\n")
                     break
                 if event.result is not None:
-                    yield f"data: {json.dumps(chunk(finish=finish_reason(event.result)))}\n\n"
+                    out.append(f"data: {json.dumps(chunk(finish=finish_reason(event.result)))}\n\n")
                     if include_usage:
-                        yield f"data: {json.dumps(chunk(usage=usage_of(event.result)))}\n\n"
+                        out.append(f"data: {json.dumps(chunk(usage=usage_of(event.result)))}\n\n")
                     break
                 if event.piece or event.logprob is not None:
                     part = chunk(piece=event.piece, token=event.token, logprob=event.logprob)
-                    yield f"data: {json.dumps(part)}\n\n"
-            yield "data: [DONE]\n\n"
+                    out.append(f"data: {json.dumps(part)}\n\n")
+            out.append("data: [DONE]\n\n")
+            yield "".join(out)
         finally:
             llm.loop.abort([seq])  # the client went away: free its row at the next step
 
