@@ -136,6 +136,12 @@ def describe(
         f"= {gib(plan_weights + kv + act)}; free now {gib(free)} -> "
         + ("fits" if plan_weights + kv + act <= free else "DOES NOT FIT"),
     ]
+    if cp > 1:  # measured: bench/results/distributed-2gpu.md
+        lines.append(
+            "note         context parallel pays at long contexts only: each step adds a merge of the ranks' "
+            "partial attention, so it beats one GPU where reading the cache dominates the step (2 x H100, "
+            "Llama-3-8B, FP8 cache: 1.04x one GPU at 128k, 1.36x at 512k); below that, one GPU or --tp"
+        )
     if context > cfg.max_position_embeddings:
         lines.append(
             f"note         {context:,} tokens exceed the {cfg.max_position_embeddings:,} positions the model "
