@@ -202,6 +202,7 @@ class LengthResult:
     prompt_tokens: int
     window: int
     prefill_seconds: Spread
+    first_token_wait_seconds: Spread  # time to first token - prefill
     decode_tokens_per_s: Spread
     window_mean_contexts: list[float]
     bytes_per_step: Spread
@@ -299,11 +300,12 @@ def run_bench(
     for length in settings.prompt_lengths:
         ids = benchmark_prompt(llm.config.vocab_size, length, length, excluded)
         stats, times = timed_generation(llm, ids, new_tokens, max_context)
-        prefill = [stats.prefill_seconds]
+        firsts = [stats]
         if length <= settings.prefill_repeat_max_tokens:
-            prefill += [
-                timed_generation(llm, ids, 1, max_context)[0].prefill_seconds for _ in range(repeats - 1)
-            ]
+            firsts += [timed_generation(llm, ids, 1, max_context)[0] for _ in range(repeats - 1)]
+        prefill = [s.prefill_seconds for s in firsts]
+        # what the user waits beyond the prefill for the first token (sampling, host hand-out)
+        wait = [s.time_to_first_token - s.prefill_seconds for s in firsts]
         rates = window_rates(times, window)
         step = [per_step.at(c) for c in window_contexts(length, window, repeats)]
         roofline = [ceilings.read_bytes_per_s / b for b in step]
@@ -313,6 +315,7 @@ def run_bench(
                 prompt_tokens=length,
                 window=window,
                 prefill_seconds=Spread.of(prefill),
+                first_token_wait_seconds=Spread.of(wait),
                 decode_tokens_per_s=Spread.of(rates),
                 window_mean_contexts=window_contexts(length, window, repeats),
                 bytes_per_step=Spread.of(step),
@@ -534,13 +537,15 @@ def finite_or_none(value):
 def format_tables(results: list[LengthResult], ceilings: Ceilings) -> str:
     """Markdown tables: minidecode against the roofline, then each peer with the speedups."""
     lines = [
-        "| prompt | prefill s | decode tok/s | read roofline tok/s | % of read ceiling | GB/s | peak GiB |",
-        "|" + " --- |" * 7,
+        "| prompt | prefill s | TTFT - prefill s | decode tok/s | read roofline tok/s | % of read ceiling "
+        "| GB/s | peak GiB |",
+        "|" + " --- |" * 8,
     ]
     for r in results:
         peak = "-" if r.peak_memory_gib is None else f"{r.peak_memory_gib:.1f}"
         lines.append(
-            f"| {r.prompt_tokens:,} | {r.prefill_seconds.format(2)} | {r.decode_tokens_per_s.format()} | "
+            f"| {r.prompt_tokens:,} | {r.prefill_seconds.format(2)} | "
+            f"{r.first_token_wait_seconds.format(3)} | {r.decode_tokens_per_s.format()} | "
             f"{r.roofline_tokens_per_s.median:,.0f} | {r.percent_of_read_ceiling.format(0)} | "
             f"{r.achieved_gb_per_s.median:,.0f} | {peak} |"
         )

@@ -168,6 +168,10 @@ def test_bench_on_cpu_writes_strict_json(tiny_llama, tmp_path):
     (row,) = data["results"]
     assert row["decode_tokens_per_s"]["n"] == 2 and row["prefill_seconds"]["n"] == 2
     assert row["percent_of_read_ceiling"]["median"] > 0
+    # the wait between the prefill's end and the first token, for each request that prefilled
+    wait = row["first_token_wait_seconds"]
+    assert wait["n"] == 2 and 0 <= wait["low"] <= wait["median"] < 0.5
+    assert "| TTFT - prefill s |" in out.with_suffix(".md").read_text()
 
 
 def test_json_into_a_missing_folder_fails_before_running(tmp_path):
