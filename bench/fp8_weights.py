@@ -41,7 +41,7 @@ from timing import time_graph  # bench/timing.py (run as a script: bench/ is on 
 from minidecode import LLM
 from minidecode.bench import measure_ceilings
 from minidecode.kernels import ops
-from minidecode.kernels.fp8_weights import FP8Weight, quantize_rows, quantize_weight
+from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows, quantize_rows, quantize_weight
 from minidecode.kernels.gemv import GemvConfig, default_fp8_config, gemv
 from minidecode.models.llama import step_weight_bytes, weights_description
 
@@ -65,6 +65,23 @@ def spread(t: dict) -> str:
 
 
 # ---- GEMV ----------------------------------------------------------------------------------------------
+def fp8_gemv_bytes(N: int, K: int, rows: int, residual: bool) -> int:
+    """What an FP8 GEMV call must read: the e4m3 weight [N, K] and its float32 scale a row, the
+    e4m3 rows [rows, K] and their float32 scales, and the residual [rows, N] bf16 (read and
+    written in place: counted once, as a read)."""
+    return N * K + N * 4 + rows * (K + 4) + (rows * N * 2 if residual else 0)
+
+
+def fp8_exact(rows: QuantizedRows, w: FP8Weight, gated: bool) -> torch.Tensor:
+    """float64 rows [R, K] @ w^T from the e4m3 values and their scales ([R, N]; gated: silu(gate)
+    * up of the fused gate/up halves, [R, N / 2])."""
+    exact = rows.dequantize().double() @ w.dequantize(torch.float64).T
+    if gated:
+        gate, up = exact.chunk(2, -1)
+        exact = gate * torch.sigmoid(gate) * up
+    return exact
+
+
 def timed(fn, weights: list) -> dict:
     """us per call (median, min-max of the replays): fn(w) for each weight copy, cycled in a graph."""
     return dataclasses.asdict(time_graph([lambda w=w: fn(w) for w in weights]))
@@ -87,10 +104,7 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     got = gemv(
         rows, fp8[0], residual=None if residual is None else torch.zeros_like(residual), gated=kw["gated"]
     )
-    exact = rows.dequantize().double() @ fp8[0].dequantize(torch.float64).T
-    if mode == "gated":
-        gate, up = exact.chunk(2, -1)
-        exact = gate * torch.sigmoid(gate) * up
+    exact = fp8_exact(rows, fp8[0], kw["gated"])
     err = ((got.double() - exact).norm() / exact.norm()).item()
     assert err < 1e-2, f"{name}: FP8 GEMV relative error {err}"
     t_fp8 = timed(lambda w: gemv(rows, w, **kw), fp8)
@@ -101,9 +115,8 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     for label, config in ALTERNATES.items():
         config = dataclasses.replace(config, split_k=default.split_k)
         alternates[label] = timed(lambda w, c=config: gemv(rows, w, config=c, **kw), fp8)["median"]
-    read_act = K * 2 + (N * 2 if residual is not None else 0)  # x (and the residual)
-    bytes_bf16 = N * K * 2 + read_act
-    bytes_fp8 = N * K + N * 4 + K + 4 + (N * 2 if residual is not None else 0)  # e4m3 x and its scale
+    bytes_bf16 = N * K * 2 + K * 2 + (N * 2 if residual is not None else 0)  # x (and the residual)
+    bytes_fp8 = fp8_gemv_bytes(N, K, 1, residual is not None)
     row = dict(
         matrix=name, N=N, K=K, rel_err=err, default_config=str(default), bf16_us=t_bf16, fp8_us=t_fp8,
         fp8_op_us=t_op, alternates_us=alternates,

@@ -3,8 +3,9 @@
 # process: the CPU kernel tests switch a process to the Triton interpreter), the decode-step
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
-#   STAGES       which of: tests attention fp8 fp8w fp8prefill profile bench demo prefix suffix
-#                batch integ multi ab serve (default "tests profile bench"; multi needs 2 or 4 GPUs)
+#   STAGES       which of: tests attention fp8 fp8w fp8gemv fp8prefill profile bench demo prefix
+#                suffix batch integ multi ab serve (default "tests profile bench"; multi needs 2 or 4
+#                GPUs)
 #   MULTI_PARTS  what multi runs: tests and/or bench (default "tests bench")
 #   FP8P_PARTS   which parts of fp8prefill: tests kernel accuracy probe (default: all four)
 #   SKIP_INSTALL set: minidecode is installed already (two runs side by side, one GPU each)
@@ -72,6 +73,12 @@ if [[ $STAGES == *fp8w* ]]; then
   fi
   timeout 240 python3 bench/fp8_weights.py --out "$RESULTS_DIR" 2>&1 | tee "$LOG_DIR/fp8w-bench.log" | tail -28
   summary+=("fp8w bench exit ${PIPESTATUS[0]}")
+fi
+if [[ $STAGES == *fp8gemv* ]]; then
+  # The FP8 GEMV's launch configs at one row, the best checked at 8 and 32 (bench/tune_gemv.py
+  # --fp8, ~100 s on an H100) -> tune-gemv-fp8.{md,json}.
+  timeout 300 python3 bench/tune_gemv.py --fp8 --out "$RESULTS_DIR" 2>&1 | tee "$LOG_DIR/fp8gemv.log" | tail -70
+  summary+=("fp8gemv exit ${PIPESTATUS[0]}")
 fi
 if [[ $STAGES == *profile* ]]; then
   timeout 240 python3 bench/decode_profile.py synthetic:llama-3-8b 1024 2>&1 | tee "$LOG_DIR/decode-profile.log" | tail -6

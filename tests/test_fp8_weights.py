@@ -36,6 +36,7 @@ from minidecode_cli.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "training"))
+sys.path.insert(0, str(REPO / "bench"))  # tune_gemv.py and its siblings
 
 import stdlib_corpus  # noqa: E402
 
@@ -533,6 +534,60 @@ def test_fp8_gemv_default_config():
     assert default_fp8_config(4096, False, 132) is FP8_SPLIT_K_CONFIG
     assert default_fp8_config(6144, False, 132) is FP8_CONFIG
     assert default_fp8_config(14336, True, 132) is FP8_CONFIG
+
+
+def _sweep_candidates() -> dict[tuple, GemvConfig]:
+    """Every config bench/tune_gemv.py --fp8 times on the 8B projections (an H100 / H200: 132 SMs;
+    an H100 PCIe: 114), one of each program the interpreter runs (stages and warps are the
+    compiler's)."""
+    import tune_gemv
+    from fp8_weights import SHAPES
+
+    configs = {}
+    for sms in (132, 114):
+        for N, K, mode in SHAPES.values():
+            gated = mode == "gated"
+            for c in tune_gemv.fp8_candidates(N // 2 if gated else N, K, gated, sms):
+                configs.setdefault((c.block_n, c.block_k, c.split_k, c.early_tiles), c)
+    return configs
+
+
+@pytest.mark.parametrize(
+    "config", list(_sweep_candidates().values()), ids=lambda c: f"N{c.block_n}K{c.block_k}x{c.split_k}"
+)
+def test_fp8_gemv_sweep_candidates_against_the_reference(config):
+    """Any config the GEMV sweep may pick computes W8A8 as fp8_linear_reference does, in each
+    mode (one row and 17: x padded to 16 and 32 rows), on 3 CTAs (several items a CTA; K = 1056:
+    a partial last chunk, and with 8 parts of 128 columns an empty last part)."""
+    torch.manual_seed(4)
+    N, K = 256, 1056
+    w = random_fp8_weight(N, K, "channel", seed=5)
+    for B in (1, 17):
+        rows = quantize_rows(torch.randn(B, K, device=DEVICE), w)
+        ref = fp8_linear_reference(rows, w, None)  # [B, N] float32
+        residual = torch.randn(B, N, device=DEVICE)
+        for mode in ("plain", "residual", "gated"):
+            out = gemv(rows, w, residual=residual.clone() if mode == "residual" else None,
+                       gated=mode == "gated", config=config, max_ctas=3)  # fmt: skip
+            want = {"plain": ref, "residual": ref + residual}.get(mode)
+            if mode == "gated":
+                gate, up = ref.chunk(2, -1)
+                want = gate * torch.sigmoid(gate) * up
+            assert rel_err(out, want) < 2e-6, (B, mode)
+
+
+@pytest.mark.skipif(CUDA, reason="--smoke runs the kernels on CPU tensors: the interpreter's process")
+def test_tune_gemv_fp8_smoke_runs_on_the_interpreter(tmp_path):
+    """The sweep end to end on tiny shapes (the CPU: no timing): tables, JSON, a correct best."""
+    import tune_gemv
+
+    tune_gemv.main(["--fp8", "--smoke", "--check-rows", "17", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "tune-gemv-fp8.json").read_text())
+    assert len(report["shapes"]) == 4
+    for shape in report["shapes"]:
+        checked = [c for cases in shape["check_rows"].values() for c in cases]  # the default, the best
+        assert shape["best"] and all(c.get("ok") for c in shape["rows1"] + checked), shape["matrix"]
+    assert "best per shape (1 row)" in (tmp_path / "tune-gemv-fp8.md").read_text()
 
 
 def test_fp8_gemv_refuses_mixed_operands():
