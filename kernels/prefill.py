@@ -65,7 +65,8 @@ def causal_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, P + T, D] (Hq a multiple of Hkv: query head h reads KV head
-    h // (Hq / Hkv)) -> [B, Hq, T, D]: the model calls it per KV head (Hkv = 1) or for a whole layer.
+    h // (Hq / Hkv)) -> [B, Hq, T, D]: the model calls it for a whole layer's heads, or for some of
+    its KV heads with their query heads (memory.prefill_attention_kv_heads).
 
     The queries are the last T of the P + T positions (P: a cached prefix, 0 for a whole prompt):
     causal, aligned bottom-right, so query i sees keys 0..P+i. backend None lets PyTorch choose (CPU);
