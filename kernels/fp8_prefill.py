@@ -71,32 +71,38 @@ class Fp8PrefillConfig:
     num_stages: int  # software-pipelining depth of the key loop (K and V tiles in flight)
 
 
-# Hopper: 128 x 128 tiles over two warpgroups (8 warps), each holding a [64, D] float32
-# accumulator and a [64, 128] score tile in registers; three stages of K and V tiles in flight
-# (3 x 2 x 16 KiB of e4m3 at D = 128). A guess from the fp16 tutorial's Hopper shapes, to be
-# replaced by bench/prefill_attention.py's sweep (CANDIDATE_CONFIGS).
-HOPPER_CONFIG = Fp8PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+# Hopper, head_dim 128: 64 x 128 tiles over one warpgroup (4 warps), holding a [64, D] float32
+# accumulator and a [64, 128] score tile in registers, three stages of K and V tiles in flight
+# (107 KB of shared memory: two CTAs an SM). The fastest of bench/prefill_attention.py's sweep on
+# an H100 (bench/NOTES-prefill.md, 2026-11-25): 738 TFLOP/s at 32k and 683 at 128k, against 596 and
+# 609 for 128 x 128 tiles over two warpgroups (HOPPER_WIDE_CONFIG), with the same output.
+HOPPER_CONFIG = Fp8PrefillConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+# Hopper at head_dim 64 and 32 (not swept there): 128 x 128 tiles over two warpgroups (8 warps),
+# each holding a [64, D] accumulator and a [64, 128] score tile; three stages of K and V tiles.
+HOPPER_WIDE_CONFIG = Fp8PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 # Ada (sm_89) has ~100 KiB of shared memory per SM: two stages.
 ADA_CONFIG = Fp8PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 # The interpreter (CPU tests): small tiles, so short sequences still span several tiles and blocks.
 INTERPRETER_CONFIG = Fp8PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
-# What bench/prefill_attention.py times against each other on the GPU (besides the default).
+# What bench/prefill_attention.py times against each other on the GPU (the default first).
 CANDIDATE_CONFIGS = (
     HOPPER_CONFIG,
+    HOPPER_WIDE_CONFIG,
     Fp8PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
     Fp8PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    Fp8PrefillConfig(block_m=64, block_n=128, num_warps=4, num_stages=3),
 )
 
 
 def default_config(head_dim: int, device: torch.device) -> Fp8PrefillConfig:
-    """The config for a head size on a device: HOPPER_CONFIG (both head sizes), ADA_CONFIG on
-    compute capability 8.9, INTERPRETER_CONFIG on the CPU."""
+    """The config for a head size on a device: on Hopper HOPPER_CONFIG at head_dim 128 and
+    HOPPER_WIDE_CONFIG below, ADA_CONFIG on compute capability 8.9, INTERPRETER_CONFIG on the CPU."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"FP8 prefill attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    return HOPPER_CONFIG if torch.cuda.get_device_capability(device)[0] >= 9 else ADA_CONFIG
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return ADA_CONFIG
+    return HOPPER_CONFIG if head_dim == 128 else HOPPER_WIDE_CONFIG
 
 
 # ---- the kernels ---------------------------------------------------------------------------

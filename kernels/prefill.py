@@ -65,7 +65,8 @@ def causal_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, P + T, D] (Hq a multiple of Hkv: query head h reads KV head
-    h // (Hq / Hkv)) -> [B, Hq, T, D]: the model calls it per KV head (Hkv = 1) or for a whole layer.
+    h // (Hq / Hkv)) -> [B, Hq, T, D]: the model calls it for a whole layer's heads, or for some of
+    its KV heads with their query heads (memory.prefill_attention_kv_heads).
 
     The queries are the last T of the P + T positions (P: a cached prefix, 0 for a whole prompt):
     causal, aligned bottom-right, so query i sees keys 0..P+i. backend None lets PyTorch choose (CPU);
@@ -295,9 +296,9 @@ def check_prefill_attention(name: str, device: torch.device, head_dim: int) -> s
 
 def fp8_kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether backend "fp8" runs the FP8 kernel for q [B, Hq, T, D] (else SDPA): when its query
-    blocks (B x Hq x ceil(T / block_m) CTAs) fill the GPU's SMs at least once. One KV head's call
-    of Llama-3-8B (4 query heads, blocks of 128) takes it from T = 4225 up (a whole layer's call,
-    all 32 heads, from 529). On CPU tensors only under the Triton interpreter (tests)."""
+    blocks (B x Hq x ceil(T / block_m) CTAs) fill the GPU's SMs at least once. On an H100 (132 SMs)
+    a whole layer's call of Llama-3-8B (32 query heads, blocks of 64) takes it from T = 257 up, one
+    KV head's (4 query heads) from 2049. On CPU tensors only under the Triton interpreter (tests)."""
     if not q.is_cuda:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(fp8_prefill_problem(q.device, q.shape[-1]))

@@ -42,6 +42,42 @@ def default_prefill_chunk(device: torch.device) -> int:
     return 8192 if device.type == "cuda" else 2048
 
 
+def chunk_row_elements(cfg: ModelConfig) -> int:
+    """Model-dtype elements of one prompt row's temporaries while a prefill chunk runs its
+    projections, or its o_proj and MLP (normed rows, q/k/v and their rotated copies, gate/up and
+    its product, the outputs): alive only then, never during attention."""
+    return (
+        4 * cfg.hidden_size
+        + 3 * cfg.intermediate_size
+        + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    )
+
+
+def rope_bytes(cfg: ModelConfig, rows: int) -> int:
+    """The float64 RoPE angles of `rows` prompt rows while their cos/sin are made (two [rows, D])."""
+    return rows * cfg.head_dim * 8 * 2
+
+
+def prefill_attention_kv_heads(
+    cfg: ModelConfig, batch: int, rows: int, keys: int, chunk: int, dtype: torch.dtype, fp8: bool
+) -> int:
+    """KV heads per prefill attention call of `rows` query rows (the whole prompt) against `keys`
+    keys: as many as the call's temporaries fit in one chunk's projection / MLP temporaries
+    (min(chunk, rows) x chunk_row_elements), which activation_bytes counts and which are not
+    alive during attention; at least 1 (one head group's call, which it counts on its own).
+
+    Per KV head a call makes its G query heads' output [B, G, rows, D] in the model dtype and their
+    float32 log-sum-exp [B, G, rows] (a whole-prompt SDPA call; the result is then copied over the
+    queries), and with the FP8 backend its e4m3 K and V [B, 1, keys, D] (the kernel's pre-pass).
+    Paths that go per KV head inside causal_attention (a cached prefix, blocked long prompts) make
+    less. For Llama-3-8B with 8192-row chunks that is a whole layer a call up to ~140k rows."""
+    per_head = batch * cfg.group_size * rows * (cfg.head_dim * dtype.itemsize + 4)
+    if fp8:
+        per_head += batch * 2 * keys * cfg.head_dim
+    budget = min(chunk, rows) * chunk_row_elements(cfg) * dtype.itemsize
+    return max(1, min(cfg.num_kv_heads, budget // per_head))
+
+
 def activation_bytes(
     cfg: ModelConfig,
     prompt_len: int,
@@ -53,12 +89,15 @@ def activation_bytes(
 ) -> int:
     """Peak temporaries of the layer-major prefill (an estimate with margin): the residual stream
     and the q / attention-output buffer over the whole prompt, one head group's attention output,
-    and one chunk's projections and MLP intermediates; one query block's blocked-attention
-    temporaries (kernels/prefill.py); plus a decode step's logits. An FP8 cache (kv_dtype) adds
-    one layer's unquantized K and V over the prompt (the staging buffer) and one chunk's float32
-    quantization temporaries. rank_positions: the cache positions of a context-parallel rank, if
-    fewer than the prompt's: it prefills only those rows, and receives one layer's K/V of the earlier
-    ranks' positions at a time (models/parallel.py)."""
+    and one chunk's projections and MLP intermediates, which an attention call over several KV
+    heads reuses (they are not alive then: prefill_attention_kv_heads keeps it within them); one
+    chunk's float64 RoPE angles, which also bound the float32 cos/sin a prompt of up to two chunks
+    keeps for every layer; one query block's blocked-attention temporaries (kernels/prefill.py);
+    plus a decode step's logits. An FP8 cache (kv_dtype) adds one layer's unquantized K and V over
+    the prompt (the staging buffer) and one chunk's float32 quantization temporaries.
+    rank_positions: the cache positions of a context-parallel rank, if fewer than the prompt's: it
+    prefills only those rows, and receives one layer's K/V of the earlier ranks' positions at a
+    time (models/parallel.py)."""
     received = 0
     if rank_positions is not None and rank_positions < prompt_len:
         received = (prompt_len - rank_positions) * 2 * cfg.num_kv_heads * cfg.head_dim
@@ -68,17 +107,13 @@ def activation_bytes(
     if kv_dtype == FP8:
         whole_prompt += T * 2 * cfg.num_kv_heads * cfg.head_dim
         whole_prompt += c * cfg.num_kv_heads * cfg.head_dim * 8 // dtype.itemsize  # float32 copies
-    per_row = (
-        4 * cfg.hidden_size
-        + 3 * cfg.intermediate_size
-        + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    )
-    rope = c * cfg.head_dim * 8 * 2  # float64 angles
+    rope = rope_bytes(cfg, c)
     lse = T * cfg.group_size * 4  # SDPA's float32 log-sum-exp
     blocked = min(T, PREFILL_BLOCK) * cfg.group_size * cfg.head_dim * (2 * 4 + 2 * dtype.itemsize)
     logits = 4 * cfg.vocab_size * 4
     margin = 512 * 2**20 if device.type == "cuda" else 64 * 2**20  # library workspaces
-    return (whole_prompt + c * per_row + received) * dtype.itemsize + rope + lse + blocked + logits + margin
+    chunk_rows = c * chunk_row_elements(cfg)
+    return (whole_prompt + chunk_rows + received) * dtype.itemsize + rope + lse + blocked + logits + margin
 
 
 @dataclass

@@ -26,6 +26,7 @@ from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, fuse_fp8, quantize_weight
 from minidecode.kernels.prefill import causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
+from minidecode.memory import prefill_attention_kv_heads, rope_bytes
 
 from .rope import RotaryEmbedding
 
@@ -295,16 +296,23 @@ class Transformer(nn.Module):
         `between(flops)` is called after each unit of work (a chunk of projections, an attention
         call, a chunk of o_proj + MLP) with its FLOPs (about): the engine runs the decode steps of
         other sequences there, or stops an aborted prefill by raising. `unit_flops` bounds a unit's
-        work so that those steps come often: projection chunks shrink below `chunk`, and attention
-        goes in blocks of query rows (each block against every earlier key); None keeps
-        whole-prompt attention calls.
+        work so that those steps come often: projection chunks shrink below `chunk`, attention calls
+        take the whole prompt of as many KV heads as a unit holds, and where not even one KV head's
+        fits, go per KV head in blocks of query rows (each block against every earlier key); None
+        keeps whole-prompt attention calls.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
-        and the MLP go `chunk` rows at a time (bounded temporaries); attention is one square
-        causal SDPA call per KV head over the whole prompt, which is cuDNN's fastest case on
-        Hopper, and its output overwrites that head group's queries. Beyond the weights and
-        cache this holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out.
-        Dynamic / long RoPE scale for start + T positions (transformers: longest position + 1).
+        and the MLP go `chunk` rows at a time (bounded temporaries); attention is square causal
+        SDPA over the whole prompt, which is cuDNN's fastest case on Hopper, for as many KV heads a
+        call as its temporaries fit in one chunk's (memory.prefill_attention_kv_heads: a whole
+        layer in one GQA call up to long prompts, else fewer), and its output overwrites those
+        heads' queries. Calls per KV head were most of a short prompt's time (each too small to
+        fill the GPU): a 1k prompt of Llama-3-8B took 0.047 s on an H100 with them, 0.030 s with
+        one call a layer (bench/NOTES-prefill.md). RoPE cos/sin are made once for every layer
+        where together they take no more than the one chunk's float64 angles the memory plan
+        counts (a prompt of up to two chunks), else per layer. Beyond the weights and cache this
+        holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out. Dynamic / long
+        RoPE scale for start + T positions (transformers: longest position + 1).
 
         FP8 cache: attention reads the layer's unquantized K/V from a model-dtype staging buffer
         (so the output is exactly the model-dtype cache's; a cached prefix enters it dequantized),
@@ -312,18 +320,32 @@ class Transformer(nn.Module):
         """
         cfg = self.config
         B, T = tokens.shape
-        G, D = cfg.group_size, cfg.head_dim
+        G, D, Hkv = cfg.group_size, cfg.head_dim, cfg.num_kv_heads
         seq_len = torch.tensor(start + T, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
         q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
         quantized = cache.kv_scale is not None
         if quantized:  # one layer's K and V, [B, Hkv, start + T, D] each, reused by every layer
-            shape = (B, cfg.num_kv_heads, start + T, D)
+            shape = (B, Hkv, start + T, D)
             staging = [torch.empty(shape, dtype=x.dtype, device=x.device) for _ in "kv"]
         end = start + T
         rows = chunk if unit_flops is None else max(16, min(chunk, int(unit_flops / self.flops_per_row())))
-        # Query rows per attention call: all of them, or a block whose scores against every earlier
-        # key (2 dots of G x rows x end x D multiply-adds) stay within unit_flops.
+        spans = [(s, min(s + rows, T)) for s in range(0, T, rows)]  # the projection chunks
+
+        def angles(s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, e - s, D] float32
+            positions = torch.arange(start + s, start + e, device=x.device).expand(B, e - s)
+            return self.rope.cos_sin(positions, seq_len)
+
+        # Every chunk's cos/sin (B x T x D float32 each) made once for all layers where together
+        # they take no more than the one chunk's float64 angles the memory plan counts.
+        hoisted = B * T * D * 8 <= rope_bytes(cfg, min(chunk, T))
+        chunk_angles = [angles(s, e) for s, e in spans] if hoisted else None
+        # KV heads per attention call, each over the whole prompt; under unit_flops no more than a
+        # unit holds (2 dots of G x T x end x D multiply-adds a KV head), and where not even one KV
+        # head's fits, its queries go in blocks whose scores against every earlier key do.
+        heads = prefill_attention_kv_heads(cfg, B, T, end, chunk, x.dtype, backend == "fp8")
+        if unit_flops is not None:
+            heads = max(1, min(heads, int(unit_flops / (4 * G * D * T * end))))
         block = T if unit_flops is None else max(64, int(unit_flops / (4 * G * D * end)))
         pause = between or (lambda flops: None)
         half_row = self.flops_per_row() / 2  # a row through q/k/v, or through o_proj and the MLP (about)
@@ -332,27 +354,24 @@ class Transformer(nn.Module):
             k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
             if quantized and start:
                 _dequantize_prefix(cache.layer(i), staging, start, chunk)
-            for s in range(0, T, rows):
-                e = min(s + rows, T)
-                positions = torch.arange(start + s, start + e, device=x.device).expand(B, e - s)
-                cos, sin = self.rope.cos_sin(positions, seq_len)  # [B, c, D]
+            for j, (s, e) in enumerate(spans):
+                cos, sin = chunk_angles[j] if hoisted else angles(s, e)  # [B, c, D]
                 q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)  # [B, c, H, D]
                 q_all[:, :, s:e] = q.transpose(1, 2)
                 k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
                 v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
                 pause(B * (e - s) * half_row)
-            for h in range(cfg.num_kv_heads):
+            for h in range(0, Hkv, heads):
+                kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
                 for s in range(0, T, block):  # queries s..e-1 see keys 0..start+e-1, causally
                     e = min(s + block, T)
-                    group = q_all[:, h * G : (h + 1) * G, s:e]  # [B, G, e - s, D]
-                    keys = k_cache[:, h : h + 1, : start + e]  # [B, 1, start + e, D]
-                    values = v_cache[:, h : h + 1, : start + e]
-                    group.copy_(causal_attention(group, keys, values, attn.scale, backend))
-                    pause(4 * B * G * D * (e - s) * (start + e))
+                    group = q_all[:, kv.start * G : kv.stop * G, s:e]  # [B, n G, e - s, D], overwritten
+                    keys, values = k_cache[:, kv, : start + e], v_cache[:, kv, : start + e]  # [B, n, .., D]
+                    causal_attention(group, keys, values, attn.scale, backend, out=group)
+                    pause(4 * B * group.shape[1] * D * (e - s) * (start + e))
             if quantized:
                 _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
-            for s in range(0, T, rows):
-                e = min(s + rows, T)
+            for s, e in spans:
                 out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
                 x[:, s:e] += attn.o_proj(out)
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))

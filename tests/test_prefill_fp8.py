@@ -363,9 +363,9 @@ def test_head_offsets_past_2_to_the_31_on_gpu():
 @pytest.mark.gpu
 @NEEDS_CUDA
 def test_fp8_backend_takes_sdpa_for_calls_too_small_to_fill_the_gpu():
-    """One KV head's call of 1000 queries (32 CTAs) goes through SDPA's measured backend, exactly;
-    the same call for all KV heads at once (a whole layer, 8 x 4 x 8 = 256 CTAs) through the kernel,
-    and per KV head when it falls back (here 100 queries of all heads: 32 CTAs)."""
+    """One KV head's call of 1000 queries (4 x 16 = 64 CTAs of 64 rows) goes through SDPA's measured
+    backend, exactly; the same call for all KV heads at once (a whole layer, 8 x 4 x 16 = 512 CTAs)
+    through the kernel, and per KV head when it falls back (here 100 queries of all heads: 64 CTAs)."""
     q, k, v = make_inputs("cuda", 1, 32, 8, 1000, 0, 128, torch.bfloat16, seed=1)
     sdpa = prefill.choose_backend(q.device, 128, 4, q.dtype)
     group = (q[:, :4], k[:, :1], v[:, :1])
