@@ -34,11 +34,12 @@ from .request import DEFAULT_MAX_BATCH, check_int
 from .sampling import SamplingParams, SamplingRows, sample
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
-# The work (FLOPs) of one prefill unit while other sequences decode: a unit plus a decode step is
-# the longest a running stream waits for its next token during another request's prefill. About
-# 6 ms of bf16 tensor-core work on an H100 (the p99 goal, 3x a step, allows about two steps);
-# on the CPU, a few tens of milliseconds.
-INTERLEAVE_FLOPS = {"cuda": 4e12, "cpu": 1e9}
+# The work (FLOPs) of one prefill unit while other sequences decode: the running sequences step
+# once this much has been done since their last step, so a stream waits for its next token about
+# one to two units and a step during another request's prefill. About 6 ms of bf16 tensor-core
+# work on an H100 at the prefill's ~500 TFLOP/s (4e12 made a p99 gap of 3.1x the step for 8 x 4k
+# streams: bench/NOTES-engine.md); on the CPU, a few tens of milliseconds.
+INTERLEAVE_FLOPS = {"cuda": 3e12, "cpu": 1e9}
 
 
 def bucket(n: int) -> int:

@@ -329,7 +329,8 @@ class Transformer(nn.Module):
             shape = (B, Hkv, start + T, D)
             staging = [torch.empty(shape, dtype=x.dtype, device=x.device) for _ in "kv"]
         end = start + T
-        rows = chunk if unit_flops is None else max(16, min(chunk, int(unit_flops / self.flops_per_row())))
+        qkv_row, out_row = self.flops_per_row()  # a row through q/k/v; through o_proj and the MLP
+        rows = chunk if unit_flops is None else max(16, min(chunk, int(unit_flops / out_row)))
         spans = [(s, min(s + rows, T)) for s in range(0, T, rows)]  # the projection chunks
 
         def angles(s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, e - s, D] float32
@@ -348,7 +349,6 @@ class Transformer(nn.Module):
             heads = max(1, min(heads, int(unit_flops / (4 * G * D * T * end))))
         block = T if unit_flops is None else max(64, int(unit_flops / (4 * G * D * end)))
         pause = between or (lambda flops: None)
-        half_row = self.flops_per_row() / 2  # a row through q/k/v, or through o_proj and the MLP (about)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
@@ -360,7 +360,7 @@ class Transformer(nn.Module):
                 q_all[:, :, s:e] = q.transpose(1, 2)
                 k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
                 v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
-                pause(B * (e - s) * half_row)
+                pause(B * (e - s) * qkv_row)
             for h in range(0, Hkv, heads):
                 kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
                 for s in range(0, T, block):  # queries s..e-1 see keys 0..start+e-1, causally
@@ -377,15 +377,18 @@ class Transformer(nn.Module):
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
                 if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
                     on_progress(i * T + e, cfg.num_layers * T)
-                pause(B * (e - s) * half_row)
+                pause(B * (e - s) * out_row)
         return self.model.norm(x[:, -1] if last_only else x)
 
-    def flops_per_row(self) -> float:
-        """Multiply-adds x 2 of one prompt row through one layer's projections and MLP (what a
-        prefill chunk's size is weighed by; attention is weighed by its own blocks)."""
+    def flops_per_row(self) -> tuple[float, float]:
+        """Multiply-adds x 2 of one prompt row through one layer's q/k/v projection, and through its
+        o_proj and MLP: a prefill's two passes over each chunk, weighed apart (8B: 50 and 386
+        MFLOP), so that an interleaved unit's count is its work (attention is weighed by its own
+        blocks)."""
         cfg = self.config
-        qkv_o = cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        return 2.0 * (qkv_o + 3 * cfg.hidden_size * cfg.intermediate_size)
+        qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        out = cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+        return 2.0 * qkv, 2.0 * out
 
     def decode(
         self,
