@@ -39,7 +39,7 @@ import torch
 from timing import time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode import LLM
-from minidecode.bench import measure_ceilings
+from minidecode.bench import measure_ceilings, provenance
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows, quantize_rows, quantize_weight
 from minidecode.kernels.gemv import GemvConfig, default_fp8_config, gemv
@@ -239,6 +239,8 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
 
 def markdown(report: dict) -> str:
     lines = [f"# FP8 weights, {report['device']} ({report['date']})", ""]
+    made = f"Commit {report.get('commit')} · torch {report.get('torch')} · `python bench/fp8_weights.py`"
+    lines += [made, ""]
     lines += [f"Read ceiling (read-only reduction, same run): {report['ceiling_gbs']:,.0f} GB/s.", ""]
     if report.get("gemv"):
         header = ["matrix", "bf16 GEMV us", "GB/s", "FP8 GEMV us", "GB/s", "% of read roofline", "speedup"]
@@ -295,7 +297,10 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
     ceiling = measure_ceilings(torch.device("cuda")).read_bytes_per_s
-    report = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    report = dict(
+        device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=provenance()["commit"],
+        torch=torch.__version__,
+    )  # fmt: skip
     report["ceiling_gbs"] = ceiling / 1e9
     print(f"read ceiling {ceiling / 1e9:,.0f} GB/s on {report['device']}", flush=True)
     if "gemv" not in skip:

@@ -105,7 +105,7 @@ def record(load: Load, lock: threading.Lock, start: float, arrivals: list[float]
 
 
 def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -> Load:
-    """(a client process) One openai client a prompt, made before the start: at time.monotonic()
+    """(a client process) One openai client a prompt, made and used once before the start: at time.monotonic()
     start_at every client sends its streamed request at once; -> the load, `seconds` from start_at
     to its last token."""
     import openai
@@ -113,6 +113,8 @@ def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -
     clients = [
         openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600) for _ in batch
     ]
+    for client in clients:  # each one's connection open and its first-request work done, as a
+        client.models.list()  # client that has talked to the server before
 
     def one(i: int, load: Load, lock: threading.Lock) -> None:
         start, arrivals = time.perf_counter(), []
@@ -365,15 +367,21 @@ def main() -> None:
                 rows.append(json.loads(line))
     import torch
 
+    from minidecode.bench import provenance
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    commit, date = provenance()["commit"], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    head = (
+        f"{device} · {date} · commit {commit} · torch {torch.__version__} · {args.model}, "
+        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each"
+    )
     text = f"{table(rows, tuple(args.clients))}\n\nprefill stall: {json.dumps(stall)}"
-    print(f"{device}, {args.model}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each")
+    print(head)
     print(text)
     if args.out is not None:
-        args.out.with_suffix(".json").write_text(
-            json.dumps({"device": device, "runs": rows, "stall": stall}, indent=1)
-        )
-        args.out.with_suffix(".md").write_text(f"# Serving\n\n{device}, {args.model}\n\n{text}\n")
+        report = {"device": device, "date": date, "commit": commit, "runs": rows, "stall": stall}
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        args.out.with_suffix(".md").write_text(f"# Serving\n\n{head}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -103,16 +103,21 @@ SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=4, w_on_m=True, 
 # shared memory, 120 KiB at 16 rows: one CTA an SM, as DEFAULT_CONFIG (a CTA launched early
 # under PDL must not share an SM with another).
 FP8_CONFIG = GemvConfig(block_n=64, block_k=128, num_stages=13, w_on_m=True)
-# FP8 o_proj / down (4096 outputs of an 8B model: 64 blocks of 64 rows): K split in two, so that
-# as many CTAs as blocks of 32 stream them.
-FP8_SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=128, num_stages=13, w_on_m=True, split_k=2)
+# K split in two, 256-column chunks (16 KiB tiles, 7 stages: one CTA an SM): half the chunks' fixed
+# work (each chunk's dot is waited for and added in float32) per weight byte. Against FP8_CONFIG
+# on an H200 (bench/tune_gemv.py --fp8, bench/NOTES-fp8-weights.md), 1 / 8 / 32 rows: o_proj
+# 1.10 / 1.14 / 1.18x, down 1.14 / 1.19 / 1.23x, gate/up 1.03 / 1.06 / 1.04x; the float64 error
+# is unchanged (the inputs' e4m3 rounding dominates it).
+FP8_SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=7, w_on_m=True, split_k=2)
 
 
 def default_fp8_config(out_features: int, gated: bool, ctas: int) -> GemvConfig:
-    """FP8 weights: K split in two where that still deals at most one item a CTA (a weight of
-    few 64-row blocks, o_proj and down), else one item per block."""
+    """FP8 weights: K split in two where that deals at most one item a CTA (a weight of few 64-row
+    blocks: o_proj and down) and for gate/up (many blocks: a CTA's items queue, but the wider
+    chunks pay); else one item per block (qkv's 96 blocks, whose 192 halves would take two rounds
+    of CTAs: 0.95x at one row, 0.88x at 8)."""
     blocks = triton.cdiv(out_features, FP8_CONFIG.block_n // 2 if gated else FP8_CONFIG.block_n)
-    return FP8_SPLIT_K_CONFIG if FP8_SPLIT_K_CONFIG.split_k * blocks <= ctas else FP8_CONFIG
+    return FP8_SPLIT_K_CONFIG if gated or FP8_SPLIT_K_CONFIG.split_k * blocks <= ctas else FP8_CONFIG
 
 
 def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> GemvConfig:

@@ -17,10 +17,10 @@ chunks stacked on the batch axis of one call, and the chunks' outputs merged by 
 (`past_attention`, bench/prefill_blocks.py --suffix).
 
 Backend "fp8" (opt-in: `check_prefill_attention`) runs the FP8 flash-attention kernel
-(kernels/fp8_prefill.py: Q, K, V and P rounded to e4m3, float32 softmax and accumulation) where a
-call has enough query blocks to fill the GPU once (`fp8_kernel_applies`), and SDPA's measured
-backend where it has not (a short prompt, a short suffix after a cached prefix): there the kernel
-would leave most SMs idle, and attention is a small part of the work anyway.
+(kernels/fp8_prefill.py: Q, K, V and P rounded to e4m3, float32 softmax and accumulation) where it
+beats SDPA: a call over at least FP8_MIN_KEYS keys with enough query blocks to fill the GPU once
+(`fp8_kernel_applies`); elsewhere SDPA's measured backend (a short prompt, where cuDNN is faster,
+or a short suffix after a cached prefix, where the kernel would leave most SMs idle).
 """
 
 from __future__ import annotations
@@ -294,11 +294,17 @@ def check_prefill_attention(name: str, device: torch.device, head_dim: int) -> s
     return name
 
 
+# Keys from which the FP8 kernel beats cuDNN's bf16 attention on a whole layer of Llama-3-8B
+# (H200, bench/results/prefill-attention.md): 0.89x at 4k, 1.01x at 8k, 1.07x at 16k, 1.11-1.20x
+# from 32k to 1M.
+FP8_MIN_KEYS = 16384
+
+
 def fp8_kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether backend "fp8" runs the FP8 kernel for q [B, Hq, T, D] (else SDPA): when its query
-    blocks (B x Hq x ceil(T / block_m) CTAs) fill the GPU's SMs at least once. On an H100 (132 SMs)
-    a whole layer's call of Llama-3-8B (32 query heads, blocks of 64) takes it from T = 257 up, one
-    KV head's (4 query heads) from 2049. On CPU tensors only under the Triton interpreter (tests)."""
+    """Whether backend "fp8" runs the FP8 kernel for q [B, Hq, T, D] against k [B, Hkv, P + T, D]
+    (else SDPA): from FP8_MIN_KEYS keys, when its query blocks (B x Hq x ceil(T / block_m) CTAs)
+    fill the GPU's SMs at least once (a short suffix after a long prefix leaves them idle). On CPU
+    tensors only under the Triton interpreter (tests)."""
     if not q.is_cuda:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(fp8_prefill_problem(q.device, q.shape[-1]))
@@ -306,4 +312,5 @@ def fp8_kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     from .fp8_prefill import default_config
 
     B, Hq, T, D = q.shape
-    return B * Hq * -(-T // default_config(D, q.device).block_m) >= sm_count(q.device)
+    fills = B * Hq * -(-T // default_config(D, q.device).block_m) >= sm_count(q.device)
+    return fills and k.shape[2] >= FP8_MIN_KEYS

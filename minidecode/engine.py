@@ -34,11 +34,11 @@ from .request import DEFAULT_MAX_BATCH, check_int
 from .sampling import SamplingParams, SamplingRows, sample
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
-# The work (FLOPs) of one prefill unit while other sequences decode: the running sequences step
-# once this much has been done since their last step, so a stream waits for its next token about
-# one to two units and a step during another request's prefill. About 6 ms of bf16 tensor-core
-# work on an H100 at the prefill's ~500 TFLOP/s (4e12 made a p99 gap of 3.1x the step for 8 x 4k
-# streams: bench/NOTES-engine.md); on the CPU, a few tens of milliseconds.
+# The prefill work (FLOPs) between two decode steps of the running sequences while another
+# request prefills, in units of at most half of it: a stream waits one step and 1-1.5x this for
+# its next token. About 6 ms of bf16 tensor-core work on an H100 at the prefill's ~500 TFLOP/s
+# (units of the whole 4e12 made a p99 gap of 3.1x the step for 8 x 4k streams on an H100, 3.6x
+# on an H200: bench/NOTES-engine.md); on the CPU, a few tens of milliseconds.
 INTERLEAVE_FLOPS = {"cuda": 3e12, "cpu": 1e9}
 
 
@@ -275,7 +275,8 @@ class Engine:
         """Prefill prompt positions reused.. into the region [start, start + size), whose
         positions 0..reused-1 already hold the prompt's K/V -> float32 logits [1, V] of the last
         position. `between(flops)` runs after each unit of work; `interleave` keeps units within
-        interleave_flops (other sequences decode between them). NaN / inf logits are one UserError
+        half of interleave_flops (the running sequences step once interleave_flops are done: a unit
+        that crosses that mark overshoots it by at most half). NaN / inf logits are one UserError
         naming the first layer that made them."""
         region = self.region(start, size)
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)  # [1, T - reused]
@@ -289,7 +290,7 @@ class Engine:
             )  # fmt: skip
             return self.model.logits(hidden)
 
-        logits = run(between, report, self.interleave_flops if interleave else None)
+        logits = run(between, report, self.interleave_flops / 2 if interleave else None)
         # One check per request (its first token is a host sync anyway); decode steps are not checked.
         if not bool(torch.isfinite(logits).all()):
             raise nonfinite_logits_error(self.model, run)

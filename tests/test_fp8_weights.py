@@ -530,10 +530,10 @@ def _nan_padded(scale: torch.Tensor) -> torch.Tensor:
 
 def test_fp8_gemv_default_config():
     """8B shapes on 132 SMs: K split in two for the 4096-wide o_proj / down (64 blocks of 64
-    rows), not for qkv (96 blocks) or gate/up (448)."""
+    rows) and gate/up (448), not for qkv (96 blocks)."""
     assert default_fp8_config(4096, False, 132) is FP8_SPLIT_K_CONFIG
     assert default_fp8_config(6144, False, 132) is FP8_CONFIG
-    assert default_fp8_config(14336, True, 132) is FP8_CONFIG
+    assert default_fp8_config(14336, True, 132) is FP8_SPLIT_K_CONFIG
 
 
 def _sweep_candidates() -> dict[tuple, GemvConfig]:

@@ -362,17 +362,18 @@ def test_head_offsets_past_2_to_the_31_on_gpu():
 
 @pytest.mark.gpu
 @NEEDS_CUDA
-def test_fp8_backend_takes_sdpa_for_calls_too_small_to_fill_the_gpu():
-    """One KV head's call of 1000 queries (4 x 16 = 64 CTAs of 64 rows) goes through SDPA's measured
-    backend, exactly; the same call for all KV heads at once (a whole layer, 8 x 4 x 16 = 512 CTAs)
-    through the kernel, and per KV head when it falls back (here 100 queries of all heads: 64 CTAs)."""
-    q, k, v = make_inputs("cuda", 1, 32, 8, 1000, 0, 128, torch.bfloat16, seed=1)
+def test_fp8_backend_takes_sdpa_where_the_kernel_does_not_pay():
+    """A whole layer's call over 16k keys (8 x 4 x 256 = 8192 CTAs of 64 rows) goes through the
+    kernel; the same layer's first 1000 rows (fewer keys than FP8_MIN_KEYS) through SDPA's measured
+    backend, exactly, per KV head as SDPA's fallback takes them; and 100 queries after a 16k prefix
+    (8 x 4 x 2 = 64 CTAs: the SMs not filled) through SDPA too."""
+    assert prefill.FP8_MIN_KEYS == 16384
+    q, k, v = make_inputs("cuda", 1, 32, 8, 16384, 0, 128, torch.bfloat16, seed=1)
     sdpa = prefill.choose_backend(q.device, 128, 4, q.dtype)
-    group = (q[:, :4], k[:, :1], v[:, :1])
-    assert torch.equal(
-        prefill.causal_attention(*group, 0.1, "fp8"), prefill.causal_attention(*group, 0.1, sdpa)
-    )
     assert torch.equal(prefill.causal_attention(q, k, v, 0.1, "fp8"), fp8_causal_attention(q, k, v, 0.1))
+    head = (q[:, :, :1000], k[:, :, :1000], v[:, :, :1000])
+    expected = prefill.causal_attention(*head, 0.1, sdpa)
+    assert torch.equal(prefill.causal_attention(*head, 0.1, "fp8"), expected)
     short = (q[:, :, -100:], k, v)
     per_head = [
         prefill.causal_attention(short[0][:, 4 * h : 4 * h + 4], k[:, h : h + 1], v[:, h : h + 1], 0.1, sdpa)
