@@ -295,7 +295,7 @@ def check_prefill_attention(name: str, device: torch.device, head_dim: int) -> s
 
 
 # Keys from which the FP8 kernel beats cuDNN's bf16 attention on a whole layer of Llama-3-8B
-# (H200, bench/results/prefill-attention.md): 0.89x at 4k, 1.01x at 8k, 1.07x at 16k, 1.11-1.20x
+# (H200, bench/results/prefill-attention-h200.md): 0.89x at 4k, 1.01x at 8k, 1.07x at 16k, 1.11-1.20x
 # from 32k to 1M.
 FP8_MIN_KEYS = 16384
 
