@@ -33,6 +33,10 @@ PROMPT_TOKENS = 4096  # defaults of the options below
 NEW_TOKENS = 128
 CLIENTS = (1, 8, 32)
 CLIENTS_PER_PROCESS = 4
+# Seconds from a load's setup to its start, on both paths: the HTTP clients' processes start in
+# it, and the Python API's load waits as long, so each timed load finds the GPU as idle (an idle
+# GPU lowers its clocks, which the first request would pay on one path only).
+START_DELAY_S = 5.0
 
 
 @dataclass
@@ -137,7 +141,7 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
     """`clients` streamed requests through the openai client, CLIENTS_PER_PROCESS a client process
     (one process's interpreter would add its own parsing of every client's chunks to the gaps),
     all sent at one moment; -> the load, its wall time from that moment to the last token."""
-    start_at = time.monotonic() + 5.0  # every process started and its clients made by then
+    start_at = time.monotonic() + START_DELAY_S  # every process started and its clients made by then
     procs = []
     for first in range(0, clients, CLIENTS_PER_PROCESS):
         count = min(CLIENTS_PER_PROCESS, clients - first)
@@ -207,25 +211,31 @@ def server_process(model: str):
         proc.wait(timeout=60)
 
 
+def seeds(level: int) -> tuple[int, int]:
+    """The first prompt seeds of a level's (untimed, timed) loads: every load's prompts its own, so
+    that neither path reuses a cached prefix (the server keeps finished requests' K/V as prefixes,
+    and so does the Python API's engine loop)."""
+    return 1000 * level + 500, 1000 * level + 100
+
+
 def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...]) -> None:
     """One phase in this process: each level of clients untimed (graphs captured, other prompts),
-    then timed; a JSON line per timed run."""
+    then timed; a JSON line per timed run. Both paths keep their cache between loads."""
     if path == "python":
         from minidecode import LLM
 
-        timed, untimed = prompts(model, max(levels), 100, length), prompts(model, max(levels), 500, length)
-
         llm = LLM(model)
         for clients in levels:
-            python_load(llm, untimed[:clients], new=4)
-            llm.release_cache()  # the timed prompts prefill in full
-            print(json.dumps(python_load(llm, timed[:clients], new).summary()), flush=True)
-            llm.release_cache()
+            untimed, timed = (prompts(model, clients, seed, length) for seed in seeds(clients))
+            python_load(llm, untimed, new=4)
+            time.sleep(START_DELAY_S)
+            print(json.dumps(python_load(llm, timed, new).summary()), flush=True)
         return
     with server_process(model) as base:
         for clients in levels:
-            http_load(base, model, 500, length, clients, new=4)
-            print(json.dumps(http_load(base, model, 100, length, clients, new).summary()), flush=True)
+            untimed, timed = seeds(clients)
+            http_load(base, model, untimed, length, clients, new=4)
+            print(json.dumps(http_load(base, model, timed, length, clients, new).summary()), flush=True)
 
 
 def prefill_stall(model: str, long: int, length: int) -> dict:
