@@ -35,10 +35,10 @@ from .sampling import SamplingParams, SamplingRows, sample
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 # The prefill work (FLOPs) between two decode steps of the running sequences while another
-# request prefills, in units of at most half of it: a stream waits one step and 1-1.5x this for
-# its next token. About 6 ms of bf16 tensor-core work on an H100 at the prefill's ~500 TFLOP/s
-# (units of the whole 4e12 made a p99 gap of 3.1x the step for 8 x 4k streams on an H100, 3.6x
-# on an H200: bench/NOTES-engine.md); on the CPU, a few tens of milliseconds.
+# request prefills, in units of at most half of it: a stream waits one step and the time of
+# 1-1.5x this work for its next token. About 6 ms of bf16 tensor-core work on an H100 at the
+# prefill's ~500 TFLOP/s (what the gaps measure: bench/NOTES-engine.md); on the CPU, a few tens
+# of milliseconds.
 INTERLEAVE_FLOPS = {"cuda": 3e12, "cpu": 1e9}
 
 
