@@ -247,10 +247,12 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
     llm = LLM(model)
     arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (stream, event, host time)
     streams = []
-    # Room for 8k new tokens each: the long prefill interleaves some 4,000 of their steps (and the
-    # cache must grow beside them for the long prompt: 8 x 12k + 128k positions).
+    # Room for 8k new tokens each, or the rest of a small model's context: the long prefill of the
+    # 8B interleaves some 2,000 of their steps (and the cache must grow beside them for the long
+    # prompt: 8 x 12k + 128k positions).
+    new = min(8192, llm.config.max_position_embeddings - length)
     for k, ids in enumerate(prompts(model, 8, 100, length)):
-        request = Request(token_ids=ids, max_new_tokens=8192, temperature=0, ignore_eos=True).check()
+        request = Request(token_ids=ids, max_new_tokens=new, temperature=0, ignore_eos=True).check()
         streams.append(llm.submit(request, lambda event, k=k: arrivals.put((k, event, time.perf_counter()))))
     times: dict[int, list[float]] = {k: [] for k in range(8)}
     first = threading.Event()
