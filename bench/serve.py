@@ -137,11 +137,11 @@ def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -
     return load
 
 
-def http_load(base: str, model: str, seed: int, length: int, clients: int, new: int) -> Load:
+def http_load(base: str, model: str, seed: int, length: int, clients: int, new: int, delay: float) -> Load:
     """`clients` streamed requests through the openai client, CLIENTS_PER_PROCESS a client process
     (one process's interpreter would add its own parsing of every client's chunks to the gaps),
     all sent at one moment; -> the load, its wall time from that moment to the last token."""
-    start_at = time.monotonic() + START_DELAY_S  # every process started and its clients made by then
+    start_at = time.monotonic() + delay  # every process started and its clients made by then
     procs = []
     for first in range(0, clients, CLIENTS_PER_PROCESS):
         count = min(CLIENTS_PER_PROCESS, clients - first)
@@ -218,7 +218,7 @@ def seeds(level: int) -> tuple[int, int]:
     return 1000 * level + 500, 1000 * level + 100
 
 
-def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...]) -> None:
+def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...], delay: float) -> None:
     """One phase in this process: each level of clients untimed (graphs captured, other prompts),
     then timed; a JSON line per timed run. Both paths keep their cache between loads."""
     if path == "python":
@@ -228,14 +228,15 @@ def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...])
         for clients in levels:
             untimed, timed = (prompts(model, clients, seed, length) for seed in seeds(clients))
             python_load(llm, untimed, new=4)
-            time.sleep(START_DELAY_S)
+            time.sleep(delay)
             print(json.dumps(python_load(llm, timed, new).summary()), flush=True)
         return
     with server_process(model) as base:
         for clients in levels:
             untimed, timed = seeds(clients)
-            http_load(base, model, untimed, length, clients, new=4)
-            print(json.dumps(http_load(base, model, timed, length, clients, new).summary()), flush=True)
+            http_load(base, model, untimed, length, clients, 4, delay)
+            load = http_load(base, model, timed, length, clients, new, delay)
+            print(json.dumps(load.summary()), flush=True)
 
 
 def prefill_stall(model: str, long: int, length: int) -> dict:
@@ -343,6 +344,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLIENTS))
+    parser.add_argument(
+        "--start-delay", type=float, default=START_DELAY_S, help="seconds from a load's setup to its start"
+    )
     phases = ("python", "http", "stall", "clients")
     parser.add_argument("--phase", choices=phases, help="(internal) run one phase here")
     parser.add_argument("--base", help="(internal) the server's URL, for --phase clients")
@@ -359,13 +363,14 @@ def main() -> None:
         print(json.dumps(prefill_stall(args.model, args.long, args.prompt_tokens)), flush=True)
         return
     if args.phase is not None:
-        phase(args.phase, args.model, args.prompt_tokens, args.new_tokens, tuple(args.clients))
+        levels = tuple(args.clients)
+        phase(args.phase, args.model, args.prompt_tokens, args.new_tokens, levels, args.start_delay)
         return
     rows, stall = [], None
     for name in ("python", "http", "python", "http", "stall"):  # alternating: drift hits both alike
         command = [sys.executable, __file__, "--phase", name, "--model", args.model, "--long", str(args.long)]
         command += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
-        command += ["--clients", *map(str, args.clients)]
+        command += ["--clients", *map(str, args.clients), "--start-delay", str(args.start_delay)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             print(f"!! phase {name} failed: {done.stderr[-1500:]}", flush=True)

@@ -1,0 +1,35 @@
+"""bench/serve.py runs whole on the CPU with the shipped model (its phases in processes of their
+own: the Python API, `minidecode serve` with client processes, the long prefill beside running
+streams), so a broken harness shows here, not on a GPU. Its figures are not checked: timings
+belong to the GPU run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidecode.llm import DEFAULT_MODEL
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
+    out = tmp_path / "serve"
+    command = [sys.executable, str(REPO / "bench" / "serve.py"), "--model", str(DEFAULT_MODEL)]
+    command += ["--prompt-tokens", "64", "--new-tokens", "4", "--clients", "1", "2", "--long", "512"]
+    command += ["--start-delay", "1.5"]
+    done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "!! phase" not in done.stdout, done.stdout
+    report = json.loads(out.with_suffix(".json").read_text())
+    runs = {(r["path"], r["clients"]) for r in report["runs"]}
+    assert runs == {("python", 1), ("python", 2), ("http", 1), ("http", 2)}
+    assert len(report["runs"]) == 8  # each (path, clients) twice
+    for run in report["runs"]:  # every client got its 4 tokens
+        assert run["tokens_per_s"] > 0 and run["ttft_p50_s"] > 0
+    stall = report["stall"]
+    assert stall["long_prompt_tokens"] == 512 and stall["stream_tokens_during_prefill"] > 0
+    assert "| 2 | http / python |" in out.with_suffix(".md").read_text()
