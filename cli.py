@@ -781,7 +781,15 @@ def bench(
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
-    write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file)
+    from minidecode.bench_report import e2e_report, write_e2e
+
+    report = e2e_report(llm, settings, results, ceilings, command)
+    typer.echo(report.header, err=json_output)  # with --json the tables go to stderr
+    typer.echo(report.tables, err=json_output)
+    if json_output:
+        typer.echo(report.json_text)
+    if outputs:
+        write_e2e(report, llm, results, command, outputs, plot_file)
 
 
 def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_dtype, out, command) -> None:
@@ -790,9 +798,6 @@ def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_d
     for path in outputs:
         check_writable(path)
     try:
-        import dataclasses
-        import json
-
         from minidecode import LLM, UserError
         from minidecode.bench_batch import format_batch_table, parse_batch_spec, run_batch_bench
 
@@ -810,18 +815,9 @@ def bench_batches(model, specs, peer, window, repeats, device, dtype, kv_cache_d
     table = format_batch_table(results, ceilings)
     typer.echo(table)
     if outputs:
-        meta = bench_metadata(llm, command)
-        payload = {
-            "metadata": meta,
-            "window": window,
-            "ceiling_read_gb_per_s": ceilings.read_bytes_per_s / 1e9,
-        }
-        payload["results"] = [dataclasses.asdict(r) for r in results]
-        outputs[0].write_text(json.dumps(payload, indent=1) + "\n")
-        header = f"# Batched decode\n\n{meta['device']} · {meta['date']} · commit {meta['commit']}"
-        header += f" · {meta['model']}"
-        header += f" ({meta['dtype']}, KV cache {meta['kv_cache_dtype']}) · command: `{command}`\n\n"
-        outputs[1].write_text(header + table + "\n")
+        from minidecode.bench_report import write_batch
+
+        write_batch(llm, results, ceilings, window, table, command, outputs)
 
 
 def command_line(ctx: typer.Context) -> str:
@@ -858,73 +854,6 @@ def check_writable(path: Path) -> None:
             pass
     except OSError as e:
         fail(f"cannot write {path}: {e.strerror or e}")
-
-
-def write_bench_results(llm, settings, results, ceilings, command, json_output, outputs, plot_file) -> None:
-    """The tables on stdout (or, with --json, the JSON object; the tables then go to stderr), and
-    the OUT.json / OUT.md / OUT.png files, each with device, date, commit, the exact command and
-    the roofline formula."""
-    from minidecode.bench import FORMULA, finite_or_none, format_tables, plot
-
-    about = bench_metadata(llm, command)
-    header = (
-        f"{llm.name} on {about['device']}, {about['dtype']}, KV cache {about['kv_cache_dtype']}, batch 1; "
-        f"{about['date']}, "
-        f"commit {about['commit']}; torch {about['torch']}"
-    )
-    tables = format_tables(results, ceilings)
-    typer.echo(header, err=json_output)
-    typer.echo(tables, err=json_output)
-    data = {
-        **about,
-        "formula": FORMULA,
-        "settings": asdict(settings),
-        "read_ceiling_bytes_per_s": ceilings.read_bytes_per_s,
-        "copy_ceiling_bytes_per_s": ceilings.copy_bytes_per_s,
-        "ceiling_buffer_bytes": ceilings.buffer_bytes,
-        "results": [asdict(r) for r in results],
-    }
-    text = json.dumps(finite_or_none(data), indent=2, allow_nan=False)
-    if json_output:
-        typer.echo(text)
-    if outputs:
-        json_path, markdown_path, plot_path = outputs
-        json_path.write_text(text + "\n")
-        markdown_path.write_text(
-            f"# End-to-end benchmark\n\n{header}\n\ncommand: `{command}`\n\nroofline: {FORMULA}\n\n{tables}\n"
-        )
-        if plot_file:
-            title = f"{llm.name} on {about['device']} ({about['date']}, {about['commit']})"
-            plot(results, str(plot_path), title)
-
-
-def bench_metadata(llm, command: str) -> dict:
-    import datetime
-
-    import torch
-
-    from minidecode.bench import provenance
-    from minidecode.cache import kv_dtype_name
-
-    about = provenance()  # minidecode's own commit, whatever the current folder
-    return {
-        "model": llm.name,
-        "device": torch_device_name(llm.device),
-        "dtype": str(llm.dtype).removeprefix("torch."),
-        "kv_cache_dtype": kv_dtype_name(llm.engine.kv_dtype),
-        "prefill_backend": getattr(llm.engine, "prefill_backend", None),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": about["commit"] or "none",
-        "minidecode_version": about["version"],
-        "torch": torch.__version__,
-        "command": command,
-    }
-
-
-def torch_device_name(device) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 def main() -> None:

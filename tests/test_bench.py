@@ -174,6 +174,17 @@ def test_bench_on_cpu_writes_strict_json(tiny_llama, tmp_path):
     assert "| TTFT - prefill s |" in out.with_suffix(".md").read_text()
 
 
+def test_batch_bench_writes_its_table_and_json(tiny_llama, tmp_path):
+    out = tmp_path / "batch"
+    result = invoke("bench", tiny_llama, "--batch", "2x16", "--new-tokens", 2, "--repeats", 1, "--out", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["metadata"]["model"] and data["metadata"]["commit"] and data["metadata"]["command"]
+    assert len(data["results"]) == 1 and data["ceiling_read_gb_per_s"] > 0
+    markdown = out.with_suffix(".md").read_text()
+    assert markdown.startswith("# Batched decode") and "| 2x16 |" in markdown
+
+
 def test_json_into_a_missing_folder_fails_before_running(tmp_path):
     # synthetic:llama-3-8b would need 15 GiB: the check must come before the model loads
     result = invoke("bench", "synthetic:llama-3-8b", "--out", tmp_path / "missing" / "e2e")
