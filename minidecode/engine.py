@@ -172,8 +172,8 @@ class Engine:
 
     @property
     def prefill_backend(self) -> str:
-        """What prefill attention runs: "fp8" (the e4m3 kernel where a call fills the GPU), else
-        the SDPA backend ("default": PyTorch chooses)."""
+        """What prefill attention runs: "fp8" (the e4m3 kernel where it pays, fp8_kernel_applies in
+        kernels/prefill.py), else the SDPA backend ("default": PyTorch chooses)."""
         return self._backend() or "default"
 
     def _backend(self) -> str | None:
