@@ -42,7 +42,7 @@ from minidecode import LLM
 from minidecode.bench import measure_ceilings, provenance
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows, quantize_rows, quantize_weight
-from minidecode.kernels.gemv import GemvConfig, default_fp8_config, gemv
+from minidecode.kernels.gemv import default_fp8_config, gemv
 from minidecode.models.llama import step_weight_bytes, weights_description
 
 MODEL = "synthetic:llama-3-8b"
@@ -52,11 +52,6 @@ SHAPES = {  # name: (N, K, mode) for Llama-3-8B
     "o_proj + residual": (4096, 4096, "residual"),
     "gate_up + silu*up": (28672, 4096, "gated"),
     "down + residual": (4096, 14336, "residual"),
-}
-# Other FP8 launch configs timed for the notes (the default is default_fp8_config's)
-ALTERNATES = {
-    "N64 K256 s7": GemvConfig(block_n=64, block_k=256, num_stages=7, w_on_m=True),
-    "N128 K128 w8 s8": GemvConfig(block_n=128, block_k=128, num_warps=8, num_stages=8, w_on_m=True),
 }
 
 
@@ -89,7 +84,7 @@ def timed(fn, weights: list) -> dict:
 
 def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     """One projection: the bf16 GEMV, the FP8 GEMV (checked against float64 first), the FP8 GEMV
-    with its input's rounding, and the alternate FP8 configs."""
+    with its input's rounding (other launch configs: bench/tune_gemv.py --fp8)."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
@@ -111,15 +106,11 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     t_op = timed(lambda w: gemv(ops.quantize_input(x, w, pdl=True), w, **kw), fp8)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     default = default_fp8_config(N // 2 if kw["gated"] else N, kw["gated"], sms)
-    alternates = {}
-    for label, config in ALTERNATES.items():
-        config = dataclasses.replace(config, split_k=default.split_k)
-        alternates[label] = timed(lambda w, c=config: gemv(rows, w, config=c, **kw), fp8)["median"]
     bytes_bf16 = N * K * 2 + K * 2 + (N * 2 if residual is not None else 0)  # x (and the residual)
     bytes_fp8 = fp8_gemv_bytes(N, K, 1, residual is not None)
     row = dict(
         matrix=name, N=N, K=K, rel_err=err, default_config=str(default), bf16_us=t_bf16, fp8_us=t_fp8,
-        fp8_op_us=t_op, alternates_us=alternates,
+        fp8_op_us=t_op,
         bf16_gbs=bytes_bf16 / t_bf16["median"] / 1e3, fp8_gbs=bytes_fp8 / t_fp8["median"] / 1e3,
         speedup=t_bf16["median"] / t_fp8["median"], op_speedup=t_bf16["median"] / t_op["median"],
     )  # fmt: skip
@@ -129,7 +120,7 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     )
     print(
         f"  {name}: bf16 {spread(t_bf16)} us, fp8 {spread(t_fp8)} us ({100 * row['fp8_roofline']:.1f}% of "
-        f"the read roofline), fp8 op {spread(t_op)} us; alternates {alternates}",
+        f"the read roofline), fp8 op {spread(t_op)} us",
         flush=True,
     )
     return row

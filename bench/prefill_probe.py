@@ -21,7 +21,7 @@ For each length it measures, in the same process:
 5. one layer's attention alone in each form (per KV head with each backend, all heads in one
    call, the FP8 kernel), and choose_backend's own 16k measurement;
 6. transformers' prefill (generate of one token, as the bench times it) on the same weights
-   (warmed up at 1k and 32k; at 128k one cold run, like the bench's single sample);
+   (warmed up at each length, as minidecode's prefill is);
 7. the allocator: peak memory and cudaMalloc retries during the warm prefill.
 Prints a table per length and writes <out>.md / .json. Each part runs under its own try, so a
 failure is reported and the rest still runs.
@@ -330,12 +330,11 @@ class Probe:
         return result
 
     def transformers(self, hf, ids, n) -> dict:
-        """transformers' prefill as the bench times it (0: a pad id the prompt never holds); warmed
-        up at this length except past 32k (one cold run there, as the bench's single sample)."""
+        """transformers' prefill as the bench times it (0: a pad id the prompt never holds), warmed
+        up at this length as minidecode's prefill is here."""
         from minidecode.bench import peer_generation
 
-        if ids.shape[1] <= 32 * K:
-            peer_generation(hf, ids, 1, 0)
+        peer_generation(hf, ids, 1, 0)
         runs = [peer_generation(hf, ids, 1, 0)[0] for _ in range(n)]
         torch.cuda.empty_cache()
         return {"prefill_s": statistics.median(runs), "runs": runs}

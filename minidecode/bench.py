@@ -39,7 +39,8 @@ from .sequence import GenerationStats
 
 FORMULA = (
     "bytes per decode step = (all weights - embedding table + one embedding row) * dtype bytes "
-    "[tied lm_head: all weights, the table counted once, as lm_head] "
+    "[tied lm_head: all weights, the table counted once, as lm_head; FP8 weights: 1 byte a weight "
+    "plus their float32 scales] "
     "+ KV bytes per token * context (the step's attention length; an fp8_e4m3 cache: 1 byte per "
     "K/V element plus a 2-byte bfloat16 scale per token, KV head and K or V); "
     "roofline tok/s = read ceiling / bytes per step"

@@ -1,6 +1,9 @@
-"""Error measures shared by the tests, computed in float64."""
+"""Error measures shared by the tests, computed in float64; the device parameters of a Triton
+kernel's tests."""
 
+import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -13,3 +16,21 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref|: a worst-element error, scaled by the reference's magnitude."""
     ours, ref = ours.double(), ref.double()
     return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def kernel_devices(kernel) -> tuple[bool, list]:
+    """(interpreted, [cpu, cuda]) for tests of a Triton `kernel`: "cpu" runs where the kernel is
+    interpreted (tests/conftest.py picks the interpreter when no GPU is present), "cuda" (marked
+    gpu) where it is compiled and a GPU is present."""
+    interpreted = isinstance(kernel, InterpretedFunction)
+    cpu = pytest.param(
+        "cpu", marks=pytest.mark.skipif(not interpreted, reason="kernel compiled for the GPU in this process")
+    )
+    cuda = pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(interpreted or not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    )
+    return interpreted, [cpu, cuda]

@@ -11,25 +11,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import rel_err
-from triton.runtime.interpreter import InterpretedFunction
+from helpers import kernel_devices, rel_err
 
 from minidecode.kernels import lean_attention as la
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8
 from minidecode.kernels.reference import decode_attention_reference
 
-INTERPRETED = isinstance(la._lean_decode_kernel, InterpretedFunction)
-CPU = pytest.param(
-    "cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="kernel compiled for the GPU in this process")
-)
-CUDA = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ],
-)
-DEVICES = [CPU, CUDA]
+INTERPRETED, DEVICES = kernel_devices(la._lean_decode_kernel)
 BLOCK = la.DEFAULT_CONFIG.block_n  # positions per tile (fp16 / bf16)
 BLOCK_FP8 = la.FP8_SHORT_CONFIG.block_n  # positions per tile of the FP8 configs' larger tiles
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}  # relative norm error
@@ -305,7 +293,7 @@ def _convert_kernel(X, Y, DEQUANT: tl.constexpr):
     "dequant",
     [
         pytest.param(la.DEQUANT_BITS, id="bits"),
-        pytest.param(la.DEQUANT_CVT, id="cvt", marks=CUDA.marks),
+        pytest.param(la.DEQUANT_CVT, id="cvt", marks=DEVICES[1].marks),  # the "cuda" case's
     ],
 )
 def test_e4m3_to_fp16_every_byte(dequant):

@@ -19,8 +19,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import max_rel_err, rel_err
-from triton.runtime.interpreter import InterpretedFunction
+from helpers import kernel_devices, max_rel_err, rel_err
 
 from minidecode.errors import UserError
 from minidecode.kernels import fp8_prefill as fp
@@ -39,18 +38,7 @@ from minidecode.kernels.fp8_prefill import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import stdlib_corpus  # noqa: E402
 
-INTERPRETED = isinstance(fp._fp8_attention_kernel, InterpretedFunction)
-CPU = pytest.param(
-    "cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="kernel compiled for the GPU in this process")
-)
-CUDA = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ],
-)
-DEVICES = [CPU, CUDA]
+INTERPRETED, DEVICES = kernel_devices(fp._fp8_attention_kernel)
 DTYPE = {"cpu": torch.float16, "cuda": torch.bfloat16}  # the interpreter's bf16 dot is broken
 TWIN_TOL = {"cpu": 1e-4, "cuda": 2e-2}
 OWN_TOL = 5e-2  # against float64 over the kernel's e4m3 operands: P's rounding
