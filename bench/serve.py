@@ -288,6 +288,10 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
     llm.loop.abort([*streams, long_seq])
     if failed:
         raise RuntimeError(f"the long prompt failed: {failed[0]}")
+    # The same length alone (other ids: nothing reused), for what the streams cost the prefill.
+    alone = llm.generate(
+        token_ids=benchmark_prompt(llm.config.vocab_size, long, 8, set()), max_new_tokens=1
+    ).stats.prefill_seconds
 
     def gaps(lo: float, hi: float) -> list[float]:
         out = []
@@ -301,6 +305,7 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
     return {
         "long_prompt_tokens": long,
         "prefill_seconds_with_streams": round(prefilled - submitted, 2),
+        "prefill_seconds_alone": round(alone, 2),
         "steady_itl_p50_ms": round(1e3 * step, 2),
         "steady_itl_p99_ms": round(1e3 * percentile(before, 99), 2),
         "during_itl_p50_ms": round(1e3 * percentile(during, 50), 2),

@@ -34,12 +34,10 @@ from .request import DEFAULT_MAX_BATCH, check_int
 from .sampling import SamplingParams, SamplingRows, sample
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
-# The prefill work (FLOPs) between two decode steps of the running sequences while another
-# request prefills, in units of at most half of it: a stream waits one step and the time of
-# 1-1.5x this work for its next token. About 6 ms of bf16 tensor-core work on an H100 at the
-# prefill's ~500 TFLOP/s (what the gaps measure: bench/NOTES-engine.md); on the CPU, a few tens
-# of milliseconds.
-INTERLEAVE_FLOPS = {"cuda": 3e12, "cpu": 1e9}
+# The most work (FLOPs) in one unit of a prefill that runs beside decoding sequences: they may
+# step after any unit (pacer.py decides when). About 3 ms of bf16 tensor-core work at a prefill's
+# ~500 TFLOP/s on an H100 or H200, short against a step's 4-8 ms; on the CPU, a few milliseconds.
+PREFILL_UNIT_FLOPS = {"cuda": 1.5e12, "cpu": 5e8}
 
 
 def bucket(n: int) -> int:
@@ -142,7 +140,7 @@ class Engine:
         use_cuda_graph: bool = True,
         pdl: bool = True,
         max_batch: int = DEFAULT_MAX_BATCH,
-        interleave_flops: float | None = None,
+        prefill_unit_flops: float | None = None,
         exact: bool = False,
         prefill_attention: str = "auto",
     ):
@@ -159,7 +157,7 @@ class Engine:
         self.exact = exact
         self.prefill_attention = prefill_attention  # "auto": SDPA's faster backend; "fp8": the e4m3 kernel
         self.max_batch = 1 if exact else check_max_batch(max_batch)
-        self.interleave_flops = interleave_flops or INTERLEAVE_FLOPS[device.type]
+        self.prefill_unit_flops = prefill_unit_flops or PREFILL_UNIT_FLOPS[device.type]
         self.weights = weights_description(model)  # "bfloat16", or the FP8 scheme that runs
         self.planner = Planner(
             self.config, dtype, self.kv_dtype, device, self.prefill_chunk, weight_bytes(model)
@@ -275,9 +273,8 @@ class Engine:
         """Prefill prompt positions reused.. into the region [start, start + size), whose
         positions 0..reused-1 already hold the prompt's K/V -> float32 logits [1, V] of the last
         position. `between(flops)` runs after each unit of work; `interleave` keeps units within
-        half of interleave_flops (the running sequences step once interleave_flops are done: a unit
-        that crosses that mark overshoots it by at most half). NaN / inf logits are one UserError
-        naming the first layer that made them."""
+        prefill_unit_flops (the running sequences may step after any unit). NaN / inf logits are
+        one UserError naming the first layer that made them."""
         region = self.region(start, size)
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)  # [1, T - reused]
         new = len(prompt_ids) - reused
@@ -290,7 +287,7 @@ class Engine:
             )  # fmt: skip
             return self.model.logits(hidden)
 
-        logits = run(between, report, self.interleave_flops / 2 if interleave else None)
+        logits = run(between, report, self.prefill_unit_flops if interleave else None)
         # One check per request (its first token is a host sync anyway); decode steps are not checked.
         if not bool(torch.isfinite(logits).all()):
             raise nonfinite_logits_error(self.model, run)

@@ -5,8 +5,9 @@ only its own events from its own queue.
 Each turn of the loop takes what arrived (new sequences, aborts, calls), admits waiting sequences
 while a row and a region are free (scheduler.py) and prefills them, then runs one decode step of
 every running sequence and hands out its tokens. While a prompt prefills, the running sequences
-keep decoding: the prefill stops after each unit of work (a chunk of one layer) for one of their
-steps, so a running stream waits at most one unit between tokens.
+keep decoding: the prefill runs in units of work (a chunk of one layer's projections, an attention
+call), and they step between units once the units since their last step have taken about a
+step's time (pacer.py), so a running stream waits about two steps between tokens.
 
 Each step's tokens are copied to pinned host memory and the next step is launched before the host
 waits for that copy: the device never idles while the host detokenizes and hands out. A request's
@@ -29,6 +30,7 @@ import torch
 
 from .cache import kv_dtype_name
 from .engine import Engine
+from .pacer import Pacer
 from .errors import UserError
 from .sampling import batch_mode
 from .scheduler import Scheduler
@@ -79,14 +81,13 @@ class EngineLoop:
         self.error: BaseException | None = None  # what ended the last loop, if it died
         self._prefilling: Sequence | None = None
         self._interleave = False  # the running sequences decode between the prefill's units
-        self._work = 0.0  # prefill FLOPs since the last decode step between its units
         self._step_kind: tuple[str, bool] | None = None  # the running rows' (sampling mode, log-probs)
         self._stopping = False
         self._at_exit = False
         cuda = engine.device.type == "cuda"
         self._host_tokens = torch.empty(engine.max_batch, dtype=torch.long, pin_memory=cuda)
         self._host_logprobs = torch.empty(engine.max_batch, dtype=torch.float32, pin_memory=cuda)
-        self._copied = torch.cuda.Event() if cuda else None
+        self._pacer = Pacer(engine.device)
 
     # ---- the callers' side (any thread) --------------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
@@ -266,16 +267,12 @@ class EngineLoop:
             self._end([seq])
 
     def _between(self, flops: float) -> None:
-        """Between two units of a prefill (`flops` of work): take new arrivals and aborts, and once
-        a unit's budget of work has been done since the last one, run one decode step of the
-        running sequences (small units, such as one KV head's attention of a short prompt, add up
-        before a step)."""
+        """Between two units of a prefill (`flops` of work): take new arrivals and aborts, and run
+        one decode step of the running sequences when the pacer says it is their turn."""
         self._take_inbox(block=False, calls=False)
         if self._stopping or (self._prefilling is not None and self._prefilling.aborted):
             raise _Aborted
-        self._work += flops
-        if self._interleave and self.scheduler.running and self._work >= self.engine.interleave_flops:
-            self._work = 0.0
+        if self._interleave and self.scheduler.running and self._pacer.unit_done(flops):
             self._round()
 
     def _round(self) -> None:
@@ -289,13 +286,13 @@ class EngineLoop:
         self._host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
         if logprobs:
             self._host_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        pacer = self._pacer
+        copied = pacer.mark()
         engine.step(n, mode, logprobs)  # the next step runs while these tokens are handed out
+        pacer.stepped(copied, pacer.mark())
         for seq in running:
             seq.fed += 1  # the step writes the K/V of the token its row holds
-        if self._copied is not None:
-            self._copied.synchronize()
+        pacer.wait(copied)
         ended = []
         for row, seq in enumerate(running):
             if seq.skip:

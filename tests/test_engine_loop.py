@@ -227,7 +227,7 @@ def test_a_long_prefill_lets_running_streams_decode(llama, greedy, prompt_ids):
     """While a long prompt prefills (in units of a few MFLOPs here), the running stream keeps
     getting tokens; both results equal transformers'."""
     llm = load(llama)
-    llm.engine.interleave_flops = 2e6
+    llm.engine.prefill_unit_flops = 1e6
     short, long = prompt_ids(10, seed=96), prompt_ids(1500, seed=97)
     events: queue.SimpleQueue = queue.SimpleQueue()
     a = llm.submit(

@@ -460,7 +460,6 @@ def test_an_aborted_prefill_after_a_load_leaves_no_load_behind(model_dir, saved,
 
     path, ids, _ = saved
     llm = load(model_dir, prefill_chunk=8)
-    llm.engine.interleave_flops = 1e3  # the prefill checks for aborts after each small unit
     llm.load_cache(path)
     prompt = DOC + QUESTION_B
     started = threading.Event()
