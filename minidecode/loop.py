@@ -30,8 +30,8 @@ import torch
 
 from .cache import kv_dtype_name
 from .engine import Engine
-from .pacer import Pacer
 from .errors import UserError
+from .pacer import Pacer
 from .sampling import batch_mode
 from .scheduler import Scheduler
 from .sequence import Event, GenerationResult, Sequence, TextStream
