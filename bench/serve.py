@@ -311,6 +311,9 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
         "during_itl_p50_ms": round(1e3 * percentile(during, 50), 2),
         "during_itl_p99_ms": round(1e3 * percentile(during, 99), 2),
         "during_p99_over_steady_step": round(percentile(during, 99) / step, 2),
+        "during_itl_max_ms": round(1e3 * max(during), 1),
+        "during_gaps_over_3_steps": sum(gap > 3 * step for gap in during),
+        "during_seconds_in_gaps_over_3_steps": round(sum(gap for gap in during if gap > 3 * step), 2),
         "stream_tokens_during_prefill": len(during),
     }
 

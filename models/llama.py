@@ -24,7 +24,7 @@ from minidecode.cache import KVCache, LayerKV
 from minidecode.config import FP8Scheme, ModelConfig
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, fuse_fp8, quantize_weight
-from minidecode.kernels.prefill import causal_attention
+from minidecode.kernels.prefill import attention_units, causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 from minidecode.memory import prefill_attention_kv_heads, rope_bytes
 
@@ -296,10 +296,10 @@ class Transformer(nn.Module):
         `between(flops)` is called after each unit of work (a chunk of projections, an attention
         call, a chunk of o_proj + MLP) with its FLOPs (about): the engine runs the decode steps of
         other sequences there, or stops an aborted prefill by raising. `unit_flops` bounds a unit's
-        work so that those steps come often: projection chunks shrink below `chunk`, attention calls
-        take the whole prompt of as many KV heads as a unit holds, and where not even one KV head's
-        fits, go per KV head in blocks of query rows (each block against every earlier key); None
-        keeps whole-prompt attention calls.
+        work so that those steps come often: projection chunks shrink below `chunk`, and attention
+        goes one KV head at a time in the units of kernels/prefill.py's attention_units (on cuDNN,
+        calls of fixed shapes, so that no unit waits for a new cuDNN graph); None keeps
+        whole-prompt attention calls.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is square causal
@@ -341,13 +341,9 @@ class Transformer(nn.Module):
         # they take no more than the one chunk's float64 angles the memory plan counts.
         hoisted = B * T * D * 8 <= rope_bytes(cfg, min(chunk, T))
         chunk_angles = [angles(s, e) for s, e in spans] if hoisted else None
-        # KV heads per attention call, each over the whole prompt; under unit_flops no more than a
-        # unit holds (2 dots of G x T x end x D multiply-adds a KV head), and where not even one KV
-        # head's fits, its queries go in blocks whose scores against every earlier key do.
+        # KV heads per attention call, each over the whole prompt (under unit_flops: one KV head at a
+        # time, in units of attention_units).
         heads = prefill_attention_kv_heads(cfg, B, T, end, chunk, x.dtype, backend == "fp8")
-        if unit_flops is not None:
-            heads = max(1, min(heads, int(unit_flops / (4 * G * D * T * end))))
-        block = T if unit_flops is None else max(64, int(unit_flops / (4 * G * D * end)))
         pause = between or (lambda flops: None)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
@@ -361,14 +357,19 @@ class Transformer(nn.Module):
                 k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
                 v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
                 pause(B * (e - s) * qkv_row)
-            for h in range(0, Hkv, heads):
-                kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
-                for s in range(0, T, block):  # queries s..e-1 see keys 0..start+e-1, causally
-                    e = min(s + block, T)
-                    group = q_all[:, kv.start * G : kv.stop * G, s:e]  # [B, n G, e - s, D], overwritten
-                    keys, values = k_cache[:, kv, : start + e], v_cache[:, kv, : start + e]  # [B, n, .., D]
+            if unit_flops is not None:
+                for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit
+                    group, kv = q_all[:, h * G : (h + 1) * G], slice(h, h + 1)
+                    keys, values = k_cache[:, kv], v_cache[:, kv]  # [B, 1, S, D]
+                    for flops in attention_units(group, keys, values, start, attn.scale, backend, unit_flops):
+                        pause(flops)
+            else:
+                for h in range(0, Hkv, heads):
+                    kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
+                    group = q_all[:, kv.start * G : kv.stop * G]  # [B, n G, T, D], overwritten
+                    keys, values = k_cache[:, kv, :end], v_cache[:, kv, :end]
                     causal_attention(group, keys, values, attn.scale, backend, out=group)
-                    pause(4 * B * group.shape[1] * D * (e - s) * (start + e))
+                    pause(4 * B * group.shape[1] * D * T * end)
             if quantized:
                 _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
             for s, e in spans:

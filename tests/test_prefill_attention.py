@@ -69,6 +69,28 @@ def test_suffix_attention_on_each_gpu_backend():
 
 
 @pytest.mark.gpu
+def test_interleaved_units_on_each_gpu_backend():
+    """attention_units of a suffix after a cached prefix that ends inside a tile: on cuDNN tiles of
+    8192 positions (the first starts in the prefix, the last is partial; calls over 1 and 2 earlier
+    tiles), on flash blocks of rows; both against float64."""
+    from minidecode.kernels.prefill import CANDIDATES, attention_units
+
+    torch.manual_seed(0)
+    past, T, G, D = 5000, 12000, 4, 128
+    q = torch.randn(1, G, T, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, past + T, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q_all = torch.cat([torch.zeros(1, G, past, D, device="cuda"), q.float()], 2).double()
+    exact = F.scaled_dot_product_attention(q_all, k.double(), v.double(), is_causal=True, enable_gqa=True)[
+        :, :, past:
+    ]
+    for backend in CANDIDATES:
+        out = q.clone()
+        units = list(attention_units(out, k, v, past, D**-0.5, backend, 1.5e12))
+        assert rel_err(out, exact) < 1e-2 and max(units) <= 1.5e12, backend
+
+
+@pytest.mark.gpu
 def test_blocked_cudnn_equals_one_causal_call():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

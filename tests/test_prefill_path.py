@@ -29,10 +29,11 @@ CFG = ModelConfig(
     head_dim=16,
     max_position_embeddings=4096,
 )
-# One KV head's whole-prompt attention at 300 rows is 4 x 2 x 16 x 300 x 300 = 11.5 MFLOP (15.4 after
-# a prefix of 100): units of 25 MFLOP (35 after the prefix) take two KV heads a call, then the third;
-# units of 1 MFLOP go per KV head in blocks of 64 query rows.
-TWO_HEADS, TWO_HEADS_AFTER_PREFIX, ROW_BLOCKS = 25e6, 35e6, 1e6
+# Interleaved units (attention_units on the CPU): one KV head's tile of t positions against t earlier
+# keys is 4 x G x D x t x t = 128 t^2 FLOPs. Units of 25 MFLOP make tiles of 256 positions; 5 MFLOP,
+# tiles of 128 read by calls of up to 2 earlier tiles; 1 MFLOP, tiles of 64 and one earlier tile a
+# call; 40 MFLOP at 400 positions, one tile of 512.
+TILES_256, TILES_128, TILES_64, ONE_TILE = 25e6, 5e6, 1e6, 40e6
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +129,10 @@ def counted(monkeypatch: pytest.MonkeyPatch, model, events: list | None = None) 
         (0, 90, 2048, None),  # one chunk: a whole layer a call, angles once
         (0, 75, 40, None),  # two chunks: angles still made once
         (0, 90, 40, None),  # three chunks: angles per layer
-        (0, 300, 2048, TWO_HEADS),  # interleaved: KV heads 0-1, then 2
-        (0, 300, 2048, ROW_BLOCKS),  # interleaved: per KV head in blocks of query rows
+        (0, 300, 2048, TILES_256),  # interleaved: per KV head in tiles
+        (0, 300, 2048, TILES_64),
         (100, 40, 32, None),  # a suffix after a cached prefix
-        (100, 300, 2048, TWO_HEADS_AFTER_PREFIX),
+        (100, 300, 2048, TILES_64),
     ],
 )
 def test_several_kv_heads_a_call_equal_one_call_per_kv_head(model, monkeypatch, prefix, T, chunk, unit_flops):
@@ -159,13 +160,15 @@ def test_several_kv_heads_a_call_equal_one_call_per_kv_head(model, monkeypatch, 
     [
         (0, 90, 2048, None),
         (0, 75, 40, None),
-        (0, 300, 2048, TWO_HEADS),
-        (100, 300, 2048, TWO_HEADS_AFTER_PREFIX),
+        (0, 300, 2048, TILES_256),
+        (100, 300, 2048, TILES_64),
+        (100, 300, 2048, ONE_TILE),
     ],
 )
 def test_prefill_against_float64(model, prefix, T, chunk, unit_flops):
-    """A whole layer a call, angles once (one chunk, two chunks), two KV heads a call (a whole
-    prompt, a suffix after a cached prefix): every position against the float64 forward pass."""
+    """A whole layer a call, angles once (one chunk, two chunks), interleaved tiles (a whole prompt,
+    a suffix after a cached prefix: tiles that start inside the prefix, one tile for all):
+    every position against the float64 forward pass."""
     ids = tokens(prefix + T, seed=4)
     cache = new_cache(prefix + T)
     if prefix:
@@ -191,26 +194,40 @@ def test_the_calls_a_prompt_makes(model, monkeypatch, T, chunk, chunks, angles):
     assert torch.equal(hidden, ref)
 
 
-@pytest.mark.parametrize("unit_flops, calls_a_layer", [(TWO_HEADS, 2), (ROW_BLOCKS, 3 * 5)])
-def test_interleaved_units_equal_one_pass(model, monkeypatch, unit_flops, calls_a_layer):
-    """Whole-prompt calls of fewer KV heads give one pass's result bit for bit, each within a unit;
-    blocks of 64 query rows (each against every earlier key, merged by log-sum-exp) within rounding.
-    The units after the attention calls report those calls' FLOPs."""
-    ids = tokens(300, seed=2)
-    whole, _ = prefill(model, ids, new_cache(300), 2048)
-    events: list = []
-    calls = counted(monkeypatch, model, events)
-    split, _ = prefill(model, ids, new_cache(300), 2048, unit_flops=unit_flops, pauses=events)
-    assert calls["attention"] == CFG.num_layers * calls_a_layer
-    reported = [events[i + 1] for i, event in enumerate(events) if event == "attention"]
-    G, D = CFG.group_size, CFG.head_dim
-    if unit_flops == TWO_HEADS:
-        assert torch.equal(split, whole)
-        assert max(reported) <= unit_flops
-        assert sum(reported) == pytest.approx(CFG.num_layers * 4 * CFG.num_heads * D * 300 * 300)
-    else:
-        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
-        assert max(reported) <= 4 * G * D * 64 * 300  # one KV head's 64 rows against every earlier key
+@pytest.mark.parametrize(
+    "prefix, unit_flops, past_calls", [(0, TILES_128, {1, 2}), (0, TILES_64, {1}), (100, TILES_128, {1, 2})]
+)
+def test_interleaved_units_in_calls_of_fixed_shapes(model, monkeypatch, prefix, unit_flops, past_calls):
+    """Units of tiles (each tile's causal square over its own keys, earlier tiles in calls of 1, 2,
+    4 .. of them, merged by log-sum-exp) give the whole pass's result within rounding; every call's
+    operands have the tile's shapes and strides, so a prompt of another length, after another
+    prefix, in a cache of another size makes no call of a new shape (on cuDNN: no new graph); and
+    no unit exceeds unit_flops."""
+    from minidecode.kernels import prefill as kernels
+
+    ids = tokens(prefix + 300, seed=2)
+    whole, _ = prefill(model, ids, new_cache(prefix + 300), 2048)
+    calls: list[set] = []
+    attend = kernels.cpu_flash_with_lse
+
+    def recorded(q, k, v, causal, scale):
+        calls[-1].add((q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal))
+        return attend(q, k, v, causal, scale=scale)
+
+    monkeypatch.setattr(kernels, "cpu_flash_with_lse", recorded)
+    for start, T, room in ((prefix, 300, 0), (prefix // 2 + 7, 229, 50)):  # another prompt, prefix, cache
+        calls.append(set())
+        cache = new_cache(start + T + room)
+        if start:
+            prefill(model, ids[:, :start], cache, 2048)
+        new = ids[:, start : start + T]
+        split, pauses = prefill(model, new, cache, 2048, start=start, unit_flops=unit_flops)
+        if start == prefix:
+            torch.testing.assert_close(split, whole[:, prefix:], rtol=1e-5, atol=1e-5)
+        assert max(pauses) <= unit_flops
+    tile = {q_shape[2] for q_shape, *_ in calls[0]}
+    assert len(tile) == 1 and {q_shape[0] for q_shape, *_, causal in calls[0] if not causal} == past_calls
+    assert calls[1] <= calls[0]
 
 
 def test_kv_heads_a_call_stay_within_the_chunk_temporaries_the_plan_counts():
