@@ -49,6 +49,7 @@ class Load:
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
+    engine_ttft: float = float("nan")  # mean, by the engine's clock: from submission to the first token
 
     def summary(self) -> dict:
         return {
@@ -57,6 +58,7 @@ class Load:
             "tokens_per_s": round(self.tokens / self.seconds, 1),
             "ttft_p50_s": round(percentile(self.ttft, 50), 4),
             "ttft_p99_s": round(percentile(self.ttft, 99), 4),
+            "engine_ttft_mean_s": round(self.engine_ttft, 4),
             "itl_p50_ms": round(1e3 * percentile(self.gaps, 50), 2),
             "itl_p99_ms": round(1e3 * percentile(self.gaps, 99), 2),
         }
@@ -142,6 +144,7 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
     (one process's interpreter would add its own parsing of every client's chunks to the gaps),
     all sent at one moment; -> the load, its wall time from that moment to the last token."""
     start_at = time.monotonic() + delay  # every process started and its clients made by then
+    before = server_ttft(base)
     procs = []
     for first in range(0, clients, CLIENTS_PER_PROCESS):
         count = min(CLIENTS_PER_PROCESS, clients - first)
@@ -159,10 +162,14 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
         load.gaps += part["gaps"]
         load.tokens += part["tokens"]
         load.seconds = max(load.seconds, part["seconds"])
+    after = server_ttft(base)
+    load.engine_ttft = (after[0] - before[0]) / max(after[1] - before[1], 1)
     return load
 
 
 def python_load(llm, batch: list[list[int]], new: int) -> Load:
+    engine_ttft = []
+
     def one(i: int, load: Load, lock: threading.Lock) -> None:
         start, arrivals = time.perf_counter(), []
         stream = llm.stream(token_ids=batch[i], max_new_tokens=new, temperature=0, ignore_eos=True)
@@ -170,8 +177,25 @@ def python_load(llm, batch: list[list[int]], new: int) -> Load:
             if event.token is not None:
                 arrivals.append(time.perf_counter())
         record(load, lock, start, arrivals)
+        engine_ttft.append(stream.result.stats.time_to_first_token)
 
-    return run_clients("python", len(batch), one)
+    load = run_clients("python", len(batch), one)
+    load.engine_ttft = statistics.mean(engine_ttft)
+    return load
+
+
+def server_ttft(base: str) -> tuple[float, float]:
+    """The server's time-to-first-token histogram so far (its own clock: from the request's
+    submission to the engine to its first token): (sum of seconds, count)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    found = {}
+    for line in text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"minidecode_time_to_first_token_seconds_{part} "):
+                found[part] = float(line.split()[-1])
+    return found["sum"], found["count"]
 
 
 @contextmanager
@@ -320,8 +344,9 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
 
 def table(rows: list[dict], levels: tuple[int, ...]) -> str:
     lines = [
-        "| clients | path | tok/s (all clients) | TTFT p50 / p99 s | inter-token p50 / p99 ms |",
-        "| --- | --- | --- | --- | --- |",
+        "| clients | path | tok/s (all clients) | TTFT p50 / p99 s | engine's TTFT, mean s "
+        "| inter-token p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for clients in levels:
         rates = {}
@@ -335,12 +360,13 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
             )
             ttft = statistics.median(r["ttft_p50_s"] for r in mine), max(r["ttft_p99_s"] for r in mine)
             itl = statistics.median(r["itl_p50_ms"] for r in mine), max(r["itl_p99_ms"] for r in mine)
+            engine_ttft = statistics.median(r["engine_ttft_mean_s"] for r in mine)
             lines.append(
                 f"| {clients} | {path} | {rate:,.1f} ({spread}, n={len(mine)}) | "
-                f"{ttft[0]:.3f} / {ttft[1]:.3f} | {itl[0]:.1f} / {itl[1]:.1f} |"
+                f"{ttft[0]:.3f} / {ttft[1]:.3f} | {engine_ttft:.3f} | {itl[0]:.1f} / {itl[1]:.1f} |"
             )
         if len(rates) == 2:
-            lines.append(f"| {clients} | http / python | {rates['http'] / rates['python']:.3f} | | |")
+            lines.append(f"| {clients} | http / python | {rates['http'] / rates['python']:.3f} | | | |")
     return "\n".join(lines)
 
 

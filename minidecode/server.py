@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import sys
 import time
 import uuid
 import weakref
@@ -60,6 +61,9 @@ class APIError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status)
+
+
+SWITCH_INTERVAL_S = 0.0005  # the interpreter's thread switch interval in the server's process
 
 
 @dataclass
@@ -476,4 +480,9 @@ def serve(llm: LLM, settings: ServerSettings, host: str, port: int) -> None:
     import uvicorn
 
     check_int("port", port, 0)
+    # The engine loop's thread holds the interpreter while it queues a prefill's kernels; at the
+    # default 5 ms switch interval the event loop's thread waits up to that long for each of its
+    # turns, so requests that arrive during a prefill reach the engine late (and then prefill
+    # beside decoding sequences, at half speed). The interval bounds that wait.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(create_app(llm, settings), host=host, port=port, log_level="warning", timeout_keep_alive=30)
