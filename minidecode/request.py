@@ -161,19 +161,21 @@ def check_token_id_list(token_ids: Any) -> list[int]:
     """A non-empty list of integer ids (a str is a sequence too, so it is named)."""
     if not isinstance(token_ids, list | tuple):
         raise UserError(f"token_ids must be a list of integers, got {type(token_ids).__name__}")
+    if not token_ids:
+        raise UserError("the prompt is empty (token_ids holds no ids)")
+    if all(type(t) is int for t in token_ids):  # the usual case, without the slow ABC checks below
+        return list(token_ids)
     wrong = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
     if wrong:
         raise UserError(f"token_ids must be integers, got {wrong[0]!r} ({type(wrong[0]).__name__})")
-    if not token_ids:
-        raise UserError("the prompt is empty (token_ids holds no ids)")
     return [int(t) for t in token_ids]
 
 
 def check_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     """Token ids that the model can embed: integers in [0, vocab_size)."""
     ids = check_token_id_list(token_ids)
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         raise UserError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
     return ids
 
