@@ -50,6 +50,7 @@ class Load:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     engine_ttft: float = float("nan")  # mean, by the engine's clock: from submission to the first token
+    stops: dict = field(default_factory=dict)  # the engine's cache reallocations and graph captures in it
 
     def summary(self) -> dict:
         return {
@@ -59,6 +60,7 @@ class Load:
             "ttft_p50_s": round(percentile(self.ttft, 50), 4),
             "ttft_p99_s": round(percentile(self.ttft, 99), 4),
             "engine_ttft_mean_s": round(self.engine_ttft, 4),
+            **self.stops,
             "itl_p50_ms": round(1e3 * percentile(self.gaps, 50), 2),
             "itl_p99_ms": round(1e3 * percentile(self.gaps, 99), 2),
         }
@@ -144,7 +146,7 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
     (one process's interpreter would add its own parsing of every client's chunks to the gaps),
     all sent at one moment; -> the load, its wall time from that moment to the last token."""
     start_at = time.monotonic() + delay  # every process started and its clients made by then
-    before = server_ttft(base)
+    before = server_metrics(base)
     procs = []
     for first in range(0, clients, CLIENTS_PER_PROCESS):
         count = min(CLIENTS_PER_PROCESS, clients - first)
@@ -162,13 +164,28 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
         load.gaps += part["gaps"]
         load.tokens += part["tokens"]
         load.seconds = max(load.seconds, part["seconds"])
-    after = server_ttft(base)
-    load.engine_ttft = (after[0] - before[0]) / max(after[1] - before[1], 1)
+    after = server_metrics(base)
+    requests = max(after["ttft_count"] - before["ttft_count"], 1)
+    load.engine_ttft = (after["ttft_sum"] - before["ttft_sum"]) / requests
+    load.stops = stops_in(before, after)
     return load
+
+
+STOPS = ("cache_reallocations", "graph_captures", "graph_capture_seconds")
+
+
+def engine_stops(engine) -> dict:
+    """The engine's counts of work outside prefill and decode so far (the server's /metrics)."""
+    return dict(zip(STOPS, (engine.resizes, engine.captures, engine.capture_seconds), strict=True))
+
+
+def stops_in(before: dict, after: dict) -> dict:
+    return {name: round(after[name] - before[name], 3) for name in STOPS}
 
 
 def python_load(llm, batch: list[list[int]], new: int) -> Load:
     engine_ttft = []
+    before = engine_stops(llm.engine)
 
     def one(i: int, load: Load, lock: threading.Lock) -> None:
         start, arrivals = time.perf_counter(), []
@@ -181,21 +198,21 @@ def python_load(llm, batch: list[list[int]], new: int) -> Load:
 
     load = run_clients("python", len(batch), one)
     load.engine_ttft = statistics.mean(engine_ttft)
+    load.stops = stops_in(before, engine_stops(llm.engine))
     return load
 
 
-def server_ttft(base: str) -> tuple[float, float]:
-    """The server's time-to-first-token histogram so far (its own clock: from the request's
-    submission to the engine to its first token): (sum of seconds, count)."""
+def server_metrics(base: str) -> dict:
+    """From the server's /metrics so far: its time-to-first-token histogram's sum and count (its own
+    clock: from a request's submission to the engine to its first token), and the engine's stops."""
     import urllib.request
 
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    found = {}
-    for line in text.splitlines():
-        for part in ("sum", "count"):
-            if line.startswith(f"minidecode_time_to_first_token_seconds_{part} "):
-                found[part] = float(line.split()[-1])
-    return found["sum"], found["count"]
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    found = {name: float(values[f"minidecode_{name}_total"]) for name in STOPS}
+    found["ttft_sum"] = float(values["minidecode_time_to_first_token_seconds_sum"])
+    found["ttft_count"] = float(values["minidecode_time_to_first_token_seconds_count"])
+    return found
 
 
 @contextmanager
@@ -345,8 +362,8 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
 def table(rows: list[dict], levels: tuple[int, ...]) -> str:
     lines = [
         "| clients | path | tok/s (all clients) | TTFT p50 / p99 s | engine's TTFT, mean s "
-        "| inter-token p50 / p99 ms |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| inter-token p50 / p99 ms | cache reallocations, graph captures (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for clients in levels:
         rates = {}
@@ -361,12 +378,16 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
             ttft = statistics.median(r["ttft_p50_s"] for r in mine), max(r["ttft_p99_s"] for r in mine)
             itl = statistics.median(r["itl_p50_ms"] for r in mine), max(r["itl_p99_ms"] for r in mine)
             engine_ttft = statistics.median(r["engine_ttft_mean_s"] for r in mine)
+            stops = "; ".join(
+                f"{r['cache_reallocations']:g}, {r['graph_captures']:g} ({r['graph_capture_seconds']:.2f})"
+                for r in mine
+            )  # each run's
             lines.append(
                 f"| {clients} | {path} | {rate:,.1f} ({spread}, n={len(mine)}) | "
-                f"{ttft[0]:.3f} / {ttft[1]:.3f} | {engine_ttft:.3f} | {itl[0]:.1f} / {itl[1]:.1f} |"
+                f"{ttft[0]:.3f} / {ttft[1]:.3f} | {engine_ttft:.3f} | {itl[0]:.1f} / {itl[1]:.1f} | {stops} |"
             )
         if len(rates) == 2:
-            lines.append(f"| {clients} | http / python | {rates['http'] / rates['python']:.3f} | | | |")
+            lines.append(f"| {clients} | http / python | {rates['http'] / rates['python']:.3f} | | | | |")
     return "\n".join(lines)
 
 

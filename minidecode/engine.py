@@ -17,6 +17,7 @@ every step of every mix of sequences; the graphs are captured once per cache all
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -166,6 +167,9 @@ class Engine:
         self.cache: KVCache | None = None  # [layers, 1, Hkv, capacity + granule, D]
         self.capacity = 0  # positions for regions; the spare granule follows them
         self.state = DecodeState.zeros(self.max_batch, device)
+        # Work that stops the loop outside prefill and decode (monitoring: the server's /metrics):
+        # cache reallocations (each also drops the decode graphs), and graph captures with their time.
+        self.resizes, self.captures, self.capture_seconds = 0, 0, 0.0
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
     @property
@@ -218,6 +222,7 @@ class Engine:
             for name, t in new.tensors().items():
                 t[:, :, :, : copied[name]] = old.tensors()[name][:, :, :, : copied[name]]
         self.cache, self.capacity, self._graphs = new, capacity, {}
+        self.resizes += 1
         self.state.starts.masked_fill_(self.state.active == 0, self.spare)  # idle rows: the new spare
 
     def release(self) -> None:
@@ -339,7 +344,10 @@ class Engine:
         idle = DecodeState.zeros(b, self.device)  # the warm-up writes only the spare granule
         idle.starts.fill_(self.spare)
         warm_up = functools.partial(decode_step, self.model, cache, idle, mode, logprobs, self.pdl)
+        t0 = time.perf_counter()
         self._graphs[key] = capture(step, warm_up)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
 
     def _decoded(self) -> KVCache:
         """What the decode step reads: the whole cache row, or (exact) the one region."""

@@ -96,12 +96,12 @@ class Metrics:
 
     def collect(self):
         loop = self.llm.loop
-        stats, scheduler = loop.stats, loop.scheduler
+        stats, scheduler, engine = loop.stats, loop.scheduler, self.llm.engine
         running, waiting = loop.counts()
         yield GaugeMetricFamily("minidecode_requests_running", "Sequences decoding", value=running)
         yield GaugeMetricFamily("minidecode_requests_waiting", "Requests queued", value=waiting)
-        capacity = max(self.llm.engine.capacity, 1)
-        usage = scheduler.used_positions / capacity if self.llm.engine.capacity else 0.0
+        capacity = max(engine.capacity, 1)
+        usage = scheduler.used_positions / capacity if engine.capacity else 0.0
         yield GaugeMetricFamily(
             "minidecode_kv_cache_usage_ratio", "Cache positions held by running sequences", value=usage
         )
@@ -111,6 +111,9 @@ class Metrics:
             "minidecode_requests_finished": ("Requests that ended", stats.requests_finished),
             "minidecode_prefix_cache_queries": ("Requests that looked up a cached prefix", scheduler.queries),
             "minidecode_prefix_cache_hits": ("Requests that reused a cached prefix", scheduler.hits),
+            "minidecode_cache_reallocations": ("KV cache reallocations", engine.resizes),
+            "minidecode_graph_captures": ("Decode-step CUDA graphs captured", engine.captures),
+            "minidecode_graph_capture_seconds": ("Time spent capturing them", engine.capture_seconds),
         }  # fmt: skip
         for name, (help_text, value) in counters.items():
             yield CounterMetricFamily(name, help_text, value=value)

@@ -31,6 +31,7 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
     for run in report["runs"]:  # every client got its 4 tokens
         assert run["tokens_per_s"] > 0 and run["ttft_p50_s"] > 0
         assert 0 < run["engine_ttft_mean_s"] <= run["ttft_p99_s"]  # the engine's part of the wait
+        assert run["graph_captures"] == 0 and run["cache_reallocations"] >= 0  # (no CUDA graphs on the CPU)
     stall = report["stall"]
     assert stall["long_prompt_tokens"] == 512 and stall["stream_tokens_during_prefill"] > 0
     assert "| 2 | http / python |" in out.with_suffix(".md").read_text()

@@ -290,10 +290,13 @@ def test_metrics_parse_and_count(chat):
     assert after["minidecode_requests_finished_total"] == before["minidecode_requests_finished_total"] + 1
     assert after["minidecode_prompt_tokens_total"] > before["minidecode_prompt_tokens_total"]
     assert after["minidecode_time_to_first_token_seconds_count"] >= 1
+    assert after["minidecode_cache_reallocations_total"] >= 1  # the cache was made for the first request
     for name in (
         "minidecode_requests_waiting",
         "minidecode_kv_cache_usage_ratio",
         "minidecode_prefix_cache_hits_total",
+        "minidecode_graph_captures_total",  # (none on the CPU: no CUDA graphs)
+        "minidecode_graph_capture_seconds_total",
     ):
         assert name in after
 
