@@ -55,11 +55,11 @@ CPU_BLOCK = 4096
 # output and log-sum-exp stay a few percent of streaming its 2 x 4096 x D keys and values.
 ROW_TILE = 128
 SPLIT_MIN_KEYS = 4096
-# Interleaved prefill on cuDNN: positions per tile (a call of 4 x 64 CTAs for one KV head of
-# Llama-3-8B, two waves of 132 SMs; a tile's past call takes ~0.25 ms on an H200, longer than the
-# host needs to queue it), and the most earlier tiles one call reads (8: 1.1e12 FLOPs, ~2 ms;
-# temporaries of 8 x G x TILE x D x 8 bytes, 268 MB, within a prefill chunk's). Shapes: causal
-# [1, G, TILE, D] (or the power of two above a shorter prompt), full [n, G, TILE, D], n = 1, 2, 4, 8.
+# Interleaved prefill on cuDNN: positions per tile (for one KV head of Llama-3-8B a call of
+# 4 x 64 CTAs, two waves of 132 SMs, and 1.4e11 FLOPs against one earlier tile: few enough calls
+# that the host keeps ahead of them), and the most earlier tiles one call reads (8: 1.1e12 FLOPs,
+# within a unit; temporaries of 8 x G x TILE x D x 8 bytes, 268 MB). Shapes: causal [1, G, TILE, D]
+# (or the power of two above a shorter prompt), full [n, G, TILE, D] for n = 1, 2, 4, 8.
 TILE_ROWS = 8192
 TILES_A_CALL = 8
 
