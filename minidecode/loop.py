@@ -287,9 +287,9 @@ class EngineLoop:
         if logprobs:
             self._host_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
         pacer = self._pacer
-        copied = pacer.mark()
+        copied = pacer.step_started()
         engine.step(n, mode, logprobs)  # the next step runs while these tokens are handed out
-        pacer.stepped(copied, pacer.mark())
+        pacer.step_ended()
         for seq in running:
             seq.fed += 1  # the step writes the K/V of the token its row holds
         pacer.wait(copied)

@@ -23,23 +23,31 @@ import torch
 PREFILL_SHARE = 1.0
 
 
-class Pacer:
-    """Decides after each prefill unit whether the running sequences step now. `stepped` is told
-    each step's start and end marks; `unit_done(flops)` after each unit is queued."""
+# Slots of the pacer's CUDA events, recorded again and again (no allocation per step): three for
+# units (the one queued, the one before it, and the one before that, whose end is the start of the
+# one before), and the last step's start and end.
+UNIT_SLOTS, STEP_START, STEP_END = 3, 3, 4
 
-    def __init__(self, device: torch.device, share: float = PREFILL_SHARE):
+
+class Pacer:
+    """Decides after each prefill unit whether the running sequences step now. The loop marks each
+    decode step (`step_started`, `step_ended`) and calls `unit_done(flops)` after each unit."""
+
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.share = share
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(5)] if self.cuda else []
+        self._units = 0  # units marked so far: the next one's slot
         self._step_marks = None  # (start, end) of the last step
         self._step_seconds: float | None = None  # its device time, once it has run
         self._pending = None  # (start, end, flops) of the last thing queued: a unit, or the step (0)
         self._rate: float | None = None  # FLOP/s of the last unit timed (kept across steps)
 
-    def mark(self):
-        """A point in the device's queue: a recorded CUDA event, or the host clock on the CPU."""
+    def mark(self, slot: int):
+        """A point in the device's queue: the event of `slot` recorded now, or the host clock on
+        the CPU."""
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._events[slot]
         event.record()
         return event
 
@@ -52,10 +60,16 @@ class Pacer:
         """Device time from mark a to mark b (both reached)."""
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
-    def stepped(self, start, end) -> None:
-        """A decode step of the running sequences was queued between marks start and end."""
-        self._step_marks, self._step_seconds = (start, end), None
-        self._pending = (start, end, 0.0)
+    def step_started(self):
+        """A decode step is about to be queued -> its start mark (the host may wait for it)."""
+        self._step_marks = (self.mark(STEP_START), None)
+        return self._step_marks[0]
+
+    def step_ended(self) -> None:
+        """The decode step was queued."""
+        start = self._step_marks[0]
+        self._step_marks, self._step_seconds = (start, self.mark(STEP_END)), None
+        self._pending = (*self._step_marks, 0.0)
 
     def unit_done(self, flops: float) -> bool:
         """A prefill unit of `flops` was just queued -> whether the running sequences step after it:
@@ -63,7 +77,8 @@ class Pacer:
         the step (the next unit is taken to be as long as this one)."""
         if self._pending is None:  # no step yet
             return False
-        end = self.mark()
+        end = self.mark(self._units % UNIT_SLOTS)  # (not a slot the two marks below still use)
+        self._units += 1
         start, prev_end, prev_flops = self._pending
         self._pending = (prev_end, end, flops)
         self.wait(prev_end)  # the unit before this one (or the step) has run; this one is queued
@@ -76,4 +91,4 @@ class Pacer:
             self._step_seconds = self.seconds(*self._step_marks)
         done = self.seconds(self._step_marks[1], prev_end)  # the units before this one
         this = flops / self._rate  # this unit's time, at the last one's rate
-        return done + 1.5 * this >= self.share * self._step_seconds
+        return done + 1.5 * this >= PREFILL_SHARE * self._step_seconds

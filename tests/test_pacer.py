@@ -9,17 +9,28 @@ from minidecode.pacer import PREFILL_SHARE, Pacer
 
 
 def gaps(units: list[tuple[float, float]], step_seconds: float) -> list[float]:
-    """Units of (flops, seconds) run one after another on a simulated device (the CPU's semantics:
-    a mark is taken once the work before it ran); the sequences step whenever the pacer says so.
+    """Units of (flops, seconds) run one after another on a simulated device (an event is recorded
+    once the work before it ran); the sequences step whenever the pacer says so.
     -> the prefill time between consecutive steps."""
     clock = [0.0]
+
+    class Event:  # a CUDA event of the simulated device (the pacer records each of its few again and again)
+        def record(self) -> None:
+            self.at = clock[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, later: "Event") -> float:  # ms
+            return 1e3 * (later.at - self.at)
+
     pacer = Pacer(torch.device("cpu"))
-    pacer.mark = lambda: clock[0]
+    pacer.cuda, pacer._events = True, [Event() for _ in range(5)]
 
     def step() -> None:
-        start = clock[0]
+        pacer.step_started()
         clock[0] += step_seconds
-        pacer.stepped(start, clock[0])
+        pacer.step_ended()
 
     step()
     found, since = [], clock[0]

@@ -51,19 +51,24 @@ def test_suffix_after_cached_keys_equals_the_full_causal_rows(past, T):
     torch.testing.assert_close(blocked.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
-def test_suffix_attention_on_each_gpu_backend():
-    from minidecode.kernels.prefill import CANDIDATES
-
+def gpu_suffix(past: int, T: int, G: int = 4, D: int = 128):
+    """Random bf16 q [1, G, T, D] at the last T of past + T positions of k/v [1, 1, past + T, D] on
+    the GPU -> (q, k, v, the float64 causal attention of those rows)."""
     torch.manual_seed(0)
-    past, T, G, D = 3000, 700, 4, 128
     q = torch.randn(1, G, T, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 1, past + T, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q_all = torch.cat([torch.zeros(1, G, past, D, device="cuda"), q.float()], 2).double()
-    exact = F.scaled_dot_product_attention(q_all, k.double(), v.double(), is_causal=True, enable_gqa=True)[
-        :, :, past:
-    ]
+    exact = F.scaled_dot_product_attention(q_all, k.double(), v.double(), is_causal=True, enable_gqa=True)
+    return q, k, v, exact[:, :, past:]
+
+
+@pytest.mark.gpu
+def test_suffix_attention_on_each_gpu_backend():
+    from minidecode.kernels.prefill import CANDIDATES
+
+    D = 128
+    q, k, v, exact = gpu_suffix(3000, 700, D=D)
     for backend in CANDIDATES:
         assert rel_err(causal_attention(q, k, v, D**-0.5, backend), exact) < 1e-2, backend
 
@@ -75,15 +80,8 @@ def test_interleaved_units_on_each_gpu_backend():
     tiles), on flash blocks of rows; both against float64."""
     from minidecode.kernels.prefill import CANDIDATES, attention_units
 
-    torch.manual_seed(0)
-    past, T, G, D = 5000, 12000, 4, 128
-    q = torch.randn(1, G, T, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 1, past + T, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q_all = torch.cat([torch.zeros(1, G, past, D, device="cuda"), q.float()], 2).double()
-    exact = F.scaled_dot_product_attention(q_all, k.double(), v.double(), is_causal=True, enable_gqa=True)[
-        :, :, past:
-    ]
+    past, D = 5000, 128
+    q, k, v, exact = gpu_suffix(past, 12000, D=D)
     for backend in CANDIDATES:
         out = q.clone()
         units = list(attention_units(out, k, v, past, D**-0.5, backend, 1.5e12))
