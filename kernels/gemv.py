@@ -85,6 +85,11 @@ class GemvConfig:
     # epilogue. Meant for one item a CTA: a CTA's later tickets wait for its whole loop (a batch's
     # gate/up split in four, 7 items a CTA, was 10-30% slower; bench/NOTES-attention.md).
     split_k: int = 1
+    # FP8 weights: the e4m3 tiles (weights and x) widened to fp16 in registers for fp16 tensor-core
+    # dots that sum in float32 throughout (exact: every e4m3 value is an fp16, every product of two
+    # a float32), instead of e4m3 dots whose ~14-bit sums are waited for and promoted every chunk.
+    # Either orientation: x's rows on M (mma.sync) needs no warpgroup MMA.
+    widen: bool = False
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -209,43 +214,49 @@ def _store_block(
 @triton.jit
 def _tile_dot(
     X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION: tl.constexpr, W_ON_M: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, WIDEN: tl.constexpr,
 ):  # fmt: skip
     """acc + one K chunk's products: x [M_PAD, BLOCK_K] . w^T -> [M_PAD, BLOCK_N], or with W_ON_M
     w . x^T -> [BLOCK_N, M_PAD] (acc None: the first chunk). FP8: w and x are e4m3 (or their
-    bits: the bitcast is a no-op on e4m3 tensors), multiplied on e4m3 tensor cores (W_ON_M), the
-    chunk's sum times `scale` [BLOCK_N, M_PAD] if given (_chunk_scales), then added to acc in
-    float32."""
+    bits: the bitcast is a no-op on e4m3 tensors), multiplied on e4m3 tensor cores, or WIDEN on
+    fp16 ones; where the chunk has scales (`scale`, _chunk_scales, oriented as the result) or the
+    dot is e4m3 (short sums), the chunk's dot starts from zero and is added to acc in float32."""
     if W_ON_M:
         mask = row_ok[None, :] & (k < K)[:, None]
-        xt = tl.load(X + offs_m[None, :] * stride_xb + k[:, None], mask=mask, other=0.0)  # [BLOCK_K, M_PAD]
-        if FP8:
-            part = tl.dot(w.to(tl.float8e4nv, bitcast=True), xt.to(tl.float8e4nv, bitcast=True))
-            if scale is not None:
-                part = part * scale
-        else:
-            part = tl.dot(w, xt, input_precision=PRECISION)
+        a = w
+        b = tl.load(X + offs_m[None, :] * stride_xb + k[:, None], mask=mask, other=0.0)  # [BLOCK_K, M_PAD]
     else:
         mask = row_ok[:, None] & (k < K)[None, :]
-        x = tl.load(X + offs_m[:, None] * stride_xb + k[None, :], mask=mask, other=0.0)
-        part = tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    return part if acc is None else acc + part
+        a = tl.load(X + offs_m[:, None] * stride_xb + k[None, :], mask=mask, other=0.0)  # [M_PAD, BLOCK_K]
+        b = tl.trans(w)
+    if FP8:
+        a, b = a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True)
+        if WIDEN:
+            a, b = a.to(tl.float16), b.to(tl.float16)
+    if FP8 and (scale is not None or not WIDEN):
+        part = tl.dot(a, b)
+        if scale is not None:
+            part = part * scale
+        return part if acc is None else acc + part
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
 def _chunk_scales(
     XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows, scale_cols,
-    x_group, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_group, GATED: tl.constexpr, BLOCK_N: tl.constexpr, W_ON_M: tl.constexpr,
 ):  # fmt: skip
-    """FP8 scales that vary along K: [BLOCK_N, M_PAD], the tile's weight rows' scales times x's
-    rows' scales for the chunk that starts at column k0 (inside one block of each). A chunk past K
-    (a split's last part may run past it) reads the last column's scales, which exist, for its
-    products of zeros."""
+    """FP8 scales that vary along K: [BLOCK_N, M_PAD] (W_ON_M, else [M_PAD, BLOCK_N]), the tile's
+    weight rows' scales times x's rows' scales for the chunk that starts at column k0 (inside one
+    block of each). A chunk past K (a split's last part may run past it) reads the last column's
+    scales, which exist, for its products of zeros."""
     rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
     k0 = tl.minimum(k0, K - 1)
     sw = tl.load(WScale + (rows // scale_rows) * stride_ws + k0 // scale_cols, mask=ok, other=0.0)
     sx = tl.load(XScale + offs_m * stride_xs + k0 // x_group, mask=row_ok, other=0.0)
-    return sw[:, None] * sx[None, :]
+    if W_ON_M:
+        return sw[:, None] * sx[None, :]
+    return sx[:, None] * sw[None, :]
 
 
 @triton.jit
@@ -361,6 +372,7 @@ def _gemv_kernel(
     W_ON_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FP8: tl.constexpr,
+    WIDEN: tl.constexpr,  # FP8: fp16 dots of the widened tiles (GemvConfig.widen)
     K_SCALED: tl.constexpr,  # FP8 scales that vary along K: applied per chunk
     EPILOGUE_SCALES: tl.constexpr,  # FP8 scales constant along K: applied to the sums
 ):
@@ -392,16 +404,16 @@ def _gemv_kernel(
     if K_SCALED:
         scale = _chunk_scales(
             XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
-            scale_cols, x_group, GATED, BLOCK_N,
+            scale_cols, x_group, GATED, BLOCK_N, W_ON_M,
         )  # fmt: skip
-    acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, scale, PRECISION, W_ON_M, FP8)
+    acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, scale, PRECISION, W_ON_M, FP8, WIDEN)
     if EARLY_TILES == 2:
         if K_SCALED:
             scale = _chunk_scales(
                 XScale, WScale, block, offs_j, offs_m, row_ok, k0 + BLOCK_K, N, K, stride_xs, stride_ws,
-                scale_rows, scale_cols, x_group, GATED, BLOCK_N,
+                scale_rows, scale_cols, x_group, GATED, BLOCK_N, W_ON_M,
             )  # fmt: skip
-        acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)
+        acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8, WIDEN)
     for i in range(EARLY_TILES, n_iters):  # software-pipelined: num_stages tiles in flight
         item, chunk = cta + (i // k_iters) * n_ctas, i % k_iters
         if chunk == 0:  # a new item begins: the previous one is complete
@@ -419,9 +431,9 @@ def _gemv_kernel(
         if K_SCALED:
             scale = _chunk_scales(
                 XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
-                scale_cols, x_group, GATED, BLOCK_N,
+                scale_cols, x_group, GATED, BLOCK_N, W_ON_M,
             )  # fmt: skip
-        acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)
+        acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8, WIDEN)
     last = cta + ((n_iters - 1) // k_iters) * n_ctas
     _finish_item(
         Out, Bias, Part, XScale, WScale, _rows_first(acc, W_ON_M), offs_m, last, offs_j, row_ok, N,
@@ -470,8 +482,8 @@ def gemv(
         max_ctas = sm_count(xv.device) if xv.is_cuda else INTERPRETER_CTAS
     if fp8:
         config = config or default_fp8_config(out_features, gated, max_ctas)
-        if not config.w_on_m:
-            raise ValueError("gemv: FP8 weights need weight rows on the dot's M axis (w_on_m)")
+        if not (config.w_on_m or config.widen):
+            raise ValueError("gemv: e4m3 dots need weight rows on the dot's M axis (w_on_m) or widen")
         # K chunks inside one scale block of the weight and of x wherever the scales vary along K
         varying = [n for n in (weight.block_k, x.group) if n < K]
         block_k = min([config.block_k] + [n & -n for n in varying])  # largest power of two dividing each
@@ -523,6 +535,7 @@ def gemv(
         W_ON_M=config.w_on_m,
         SPLIT_K=config.split_k,
         FP8=fp8,
+        WIDEN=fp8 and config.widen,
         K_SCALED=bool(varying),
         EPILOGUE_SCALES=fp8 and not varying,
         num_warps=config.num_warps,

@@ -548,7 +548,7 @@ def _sweep_candidates() -> dict[tuple, GemvConfig]:
         for N, K, mode in SHAPES.values():
             gated = mode == "gated"
             for c in tune_gemv.fp8_candidates(N // 2 if gated else N, K, gated, sms):
-                configs.setdefault((c.block_n, c.block_k, c.split_k, c.early_tiles), c)
+                configs.setdefault((c.block_n, c.block_k, c.split_k, c.early_tiles, c.w_on_m, c.widen), c)
     return configs
 
 
