@@ -15,9 +15,3 @@ INTERPRETER_CTAS = 4
 def sm_count(device: torch.device) -> int:
     """The SMs of a CUDA device (looked up once per device: launches read it every step)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
-def hopper_or_later(device: torch.device) -> bool:
-    """Compute capability 9.0 or later (Hopper's bulk-copy instructions)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9

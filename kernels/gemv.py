@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import INTERPRETER_CTAS, hopper_or_later, sm_count
+from .device import INTERPRETER_CTAS, sm_count
 from .fp8_weights import FP8Weight, QuantizedRows
 
 # x's rows, padded to 16 or (from 17 rows) 32, are the dot's M or N axis; larger batches go to
@@ -90,10 +90,6 @@ class GemvConfig:
     # a float32), instead of e4m3 dots whose ~14-bit sums are waited for and promoted every chunk.
     # Either orientation: x's rows on M (mma.sync) needs no warpgroup MMA.
     widen: bool = False
-    # Weight columns of each row of a CTA's first item (past its early tiles) that it asks the L2 to
-    # fetch before the PDL wait (Hopper's bulk L2 prefetch, one instruction a row): DRAM streams
-    # those weights while the previous kernel finishes, and the loop then finds them in L2. 0: none.
-    prefetch_k: int = 0
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -169,28 +165,6 @@ def _weight_rows(W, block, offs_j, stride_wn, N, GATED: tl.constexpr, BLOCK_N: t
     exist [BLOCK_N, 1]."""
     rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
     return W + rows.to(tl.int64)[:, None] * stride_wn, ok[:, None]
-
-
-@triton.jit
-def _prefetch_rows(
-    W, block, offs_j, stride_wn, N, start, stop, PREFETCH_K: tl.constexpr, W_BYTES: tl.constexpr,
-    GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Ask the L2 for columns start..min(stop, start + PREFETCH_K) of a block's weight rows: one
-    `cp.async.bulk.prefetch.L2` a row (sm_90; fire and forget: nothing waits for it). The host
-    keeps every row's start 16-byte aligned; the length is cut to whole 16 bytes."""
-    rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
-    nbytes = (tl.minimum(stop, start + PREFETCH_K) - start) * W_BYTES // 16 * 16
-    if nbytes > 0:
-        ptrs = W + tl.where(ok, rows, 0).to(tl.int64) * stride_wn + start  # [BLOCK_N]
-        tl.inline_asm_elementwise(
-            "{ cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptrs, tl.zeros_like(rows) + nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -401,8 +375,6 @@ def _gemv_kernel(
     WIDEN: tl.constexpr,  # FP8: fp16 dots of the widened tiles (GemvConfig.widen)
     K_SCALED: tl.constexpr,  # FP8 scales that vary along K: applied per chunk
     EPILOGUE_SCALES: tl.constexpr,  # FP8 scales constant along K: applied to the sums
-    PREFETCH_K: tl.constexpr,  # GemvConfig.prefetch_k (0: none)
-    W_BYTES: tl.constexpr,  # bytes a weight
 ):
     # CTA c owns the work items c, c + grid, c + 2 grid, ... (item = block * SPLIT_K + part of K);
     # its (item, K chunk) pairs run as one flat loop, so the software pipeline streams on across an
@@ -425,10 +397,6 @@ def _gemv_kernel(
     w0 = tl.load(w_rows + k_first[None, :], mask=n_ok & (k_first < K)[None, :], other=0.0)
     if EARLY_TILES == 2:
         w1 = tl.load(w_rows + k1[None, :], mask=n_ok & (k1 < K)[None, :], other=0.0)
-    if PREFETCH_K > 0:
-        start = k0 + EARLY_TILES * BLOCK_K
-        stop = tl.minimum(k0 + k_iters * BLOCK_K, K)  # the end of our first item's part of K
-        _prefetch_rows(W, block, offs_j, stride_wn, N, start, stop, PREFETCH_K, W_BYTES, GATED, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernels' results
         tl.extra.cuda.gdc_launch_dependents()
@@ -570,19 +538,11 @@ def gemv(
         WIDEN=fp8 and config.widen,
         K_SCALED=bool(varying),
         EPILOGUE_SCALES=fp8 and not varying,
-        PREFETCH_K=config.prefetch_k if _can_prefetch(wv) else 0,
-        W_BYTES=wv.element_size(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
-
-
-def _can_prefetch(w: torch.Tensor) -> bool:
-    """Bulk L2 prefetches need sm_90 and 16-byte aligned row starts."""
-    aligned = w.data_ptr() % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0
-    return w.is_cuda and aligned and hopper_or_later(w.device)
 
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

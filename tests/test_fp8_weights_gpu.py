@@ -7,7 +7,6 @@ eager decoding over 256 steps, and a batch equal to each of its requests alone.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -18,7 +17,7 @@ from test_fp8_weights import build_fp8_checkpoint, exact
 from minidecode import LLM, Request
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, quantize_rows
-from minidecode.kernels.gemv import FP8_CONFIG, FP8_SPLIT_K_CONFIG, GemvConfig, default_fp8_config, gemv
+from minidecode.kernels.gemv import FP8_CONFIG, FP8_SPLIT_K_CONFIG, GemvConfig, gemv
 from minidecode.models.llama import weights_description
 
 pytestmark = pytest.mark.gpu
@@ -122,26 +121,6 @@ def test_fp8_gemv_split_k_repeats_bitwise(config):
     outs = [gemv(rows_q, w, residual=residual.clone(), config=config) for _ in range(5)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert rel_err(outs[0], exact(rows_q, w) + residual.double()) < TOL[torch.bfloat16]
-
-
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
-@pytest.mark.parametrize("config", [None, WIDENED[0]], ids=["default", "x-on-m"])
-def test_l2_prefetch_changes_no_bit(fp8, config):
-    """The prefetch only warms the L2: every shape's result is bitwise the one without it."""
-    for N, K, mode in SHAPES:
-        w = weight(N, K, "channel")
-        x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
-        if not fp8:
-            w = w.dequantize(torch.bfloat16)
-        rows = quantize_rows(x, w) if fp8 else x
-        gated = mode == "gated"
-        base = config or (default_fp8_config(N // 2 if gated else N, gated, 132) if fp8 else GemvConfig())
-        outs = []
-        for prefetch_k in (0, 64, 100000):
-            residual = torch.ones(1, N, dtype=torch.bfloat16, device="cuda") if mode == "residual" else None
-            cfg = dataclasses.replace(base, prefetch_k=prefetch_k)
-            outs.append(gemv(rows, w, residual=residual, gated=gated, use_pdl=True, config=cfg))
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (N, K, mode)
 
 
 @pytest.mark.parametrize("layout", ["channel", "block128"])
