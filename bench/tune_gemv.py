@@ -103,24 +103,19 @@ def tune_shape(N: int, K: int, fusion: str, rows: int) -> dict[str, float]:
 
 
 # ---- FP8 weights -----------------------------------------------------------------------------------------
-# Tiles swept: (block_n, block_k, num_warps, num_stages, how many K splits, w_on_m, widen). e4m3
-# dots need warpgroup MMA (weight rows on M, M = block_n >= 64, a warpgroup of 4 warps a 64-row
-# tile); widened tiles (fp16 dots, float32 sums throughout) take either orientation. The default's
-# tile gets the two best-balanced K splits (fp8_candidates), the others the best one. Shared
-# memory (offline sm_90 compile, 16 / 32 rows; an H100 block gets at most 227 KiB): 64 x 128 s10
-# ~102 / ~122 KiB (two CTAs could share an SM under PDL), s13 132 / 158 (the default), s16 162 /
-# 194; 64 x 256 s7 (256-column chunks: 256 e4m3 products a float32 promotion) 142 / 170; 128 x 128
-# w8 s8 148 / 164. Widened, x's rows on M: 32 x 256 s10 (8 KiB of weights and 4 KiB of x a stage
-# at 16 rows) ~120 / ~160 KiB, 32 x 512 s6 ~144 / ~192.
+# Tiles swept: (block_n, block_k, num_warps, num_stages, how many K splits, weight rows on M). Weight
+# rows on M: warpgroup e4m3 dots (M = block_n >= 64, a warpgroup of 4 warps a 64-row tile), each
+# chunk's sums promoted to float32; x's rows on M: mma.sync e4m3 dots, float32 sums across chunks.
+# The defaults' tiles get the two best-balanced K splits (fp8_candidates), the others the best
+# one. 512-column chunks at 4 stages keep 96-144 KiB of tiles in flight at 16-32 rows (one CTA
+# an SM); 64 x 128 s13 ~130 / ~156 KiB, 64 x 256 s7 ~140 / ~170.
 FP8_TILES = [
-    (64, 128, 4, 13, 2, True, False),
-    (64, 128, 4, 10, 1, True, False),
-    (64, 128, 4, 16, 1, True, False),
-    (64, 256, 4, 7, 1, True, False),
-    (128, 128, 8, 8, 1, True, False),
-    (64, 256, 4, 7, 2, True, True),
-    (32, 256, 4, 10, 2, False, True),
-    (32, 512, 4, 6, 2, False, True),
+    (64, 512, 4, 4, 2, True),
+    (64, 512, 4, 4, 2, False),
+    (64, 128, 4, 13, 1, True),
+    (64, 256, 4, 7, 1, True),
+    (32, 512, 4, 6, 1, False),
+    (128, 256, 8, 4, 1, True),
 ]
 FP8_SPLITS = (1, 2, 3, 4, 6, 8)  # K split over CTAs (GemvConfig.split_k)
 MAX_REL_ERR = 5e-3  # against the default's output (both bf16: a sum order moves a last bit or so)
@@ -135,8 +130,7 @@ SMOKE_SHAPES = {
 
 
 def fp8_name(c: GemvConfig) -> str:
-    dot = ("fp16" if c.widen else "e4m3") + (" W on M" if c.w_on_m else " x on M")
-    return f"{name(c)} split{c.split_k} {dot}"
+    return f"{name(c)} split{c.split_k} " + ("W on M" if c.w_on_m else "x on M")
 
 
 def busiest_cta_bytes(c: GemvConfig, out_features: int, K: int, gated: bool, ctas: int) -> int:
@@ -153,8 +147,8 @@ def fp8_candidates(out_features: int, K: int, gated: bool, ctas: int) -> list[Ge
     """The default config first, then for each tile (FP8_TILES) the K splits whose busiest CTA
     streams the fewest bytes (fewer parts first on a tie: each part adds a partial and a ticket)."""
     configs = [default_fp8_config(out_features, gated, ctas)]
-    for block_n, block_k, warps, stages, n_splits, w_on_m, widen in FP8_TILES:
-        tile = GemvConfig(block_n, block_k, warps, stages, w_on_m=w_on_m, widen=widen)
+    for block_n, block_k, warps, stages, n_splits, w_on_m in FP8_TILES:
+        tile = GemvConfig(block_n, block_k, warps, stages, w_on_m=w_on_m)
         splits = [dataclasses.replace(tile, split_k=s) for s in FP8_SPLITS]
         splits.sort(key=lambda c: (busiest_cta_bytes(c, out_features, K, gated, ctas), c.split_k))
         configs += [c for c in splits[:n_splits] if c not in configs]

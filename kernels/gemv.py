@@ -22,11 +22,13 @@ FP8 weights (kernels/fp8_weights.py: e4m3 values, float32 scales per output chan
 take e4m3 x rows (the layer's input rounded by kernels/fp8_activations.py): the tiles enter e4m3
 tensor-core dots as stored, one byte a weight, and the scales multiply the float32 sums, in the
 epilogue (per channel and per token) or per K chunk (block scales, or x scaled per group of
-columns: a chunk then lies inside one scale block). Hopper's e4m3 dots accumulate with less than
-float32 precision (about 14 bits kept), so each chunk's dot starts from zero and is added to the
-float32 accumulator (Triton does not fold that add into the dot for e4m3 operands on sm_90):
-128 products per chunk, as DeepSeek-V3 promotes FP8 GEMM sums. e4m3 dots need Hopper's
-warpgroup MMA, i.e. weight rows on the dot's M axis (64 a block).
+columns: a chunk then lies inside one scale block). Hopper's warpgroup e4m3 dots (weight rows on
+M) accumulate with less than float32 precision (about 14 bits kept), so each chunk's dot starts
+from zero and is added to the float32 accumulator (Triton does not fold that add into the dot for
+e4m3 operands on sm_90): 512 products a promotion, where DeepSeek-V3 promotes every 128 (float64
+error of a float32 result 3.4e-4 against 1.3e-4; a bf16 result's own rounding is ~2e-3). With x's
+rows on M the e4m3 dots are mma.sync ones, whose float32 sums are exact to float32 rounding: they
+accumulate across chunks in the dot.
 The RMSNorm in front of qkv and gate/up stays a separate launch: folding it into the loop (x
 scaled by the norm weight, x^2 summed alongside) made those GEMVs 3-6x slower, because elementwise
 work on x in the loop stops its loads from being pipelined; with the rms computed first, x tiles
@@ -85,11 +87,6 @@ class GemvConfig:
     # epilogue. Meant for one item a CTA: a CTA's later tickets wait for its whole loop (a batch's
     # gate/up split in four, 7 items a CTA, was 10-30% slower; bench/NOTES-attention.md).
     split_k: int = 1
-    # FP8 weights: the e4m3 tiles (weights and x) widened to fp16 in registers for fp16 tensor-core
-    # dots that sum in float32 throughout (exact: every e4m3 value is an fp16, every product of two
-    # a float32), instead of e4m3 dots whose ~14-bit sums are waited for and promoted every chunk.
-    # Either orientation: x's rows on M (mma.sync) needs no warpgroup MMA.
-    widen: bool = False
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -103,26 +100,30 @@ GATED_BATCH_CONFIG = GemvConfig(block_n=128, block_k=128, num_stages=4, w_on_m=T
 SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=4, w_on_m=True, split_k=2)
 
 
-# FP8 weights: 64 weight rows on M (warpgroup MMA), 128-column chunks (the e4m3 dot's sums go to
-# float32 every 128 products), 8 KiB weight tiles; 13 stages keep 12 tiles and their x tiles in
-# shared memory, 120 KiB at 16 rows: one CTA an SM, as DEFAULT_CONFIG (a CTA launched early
-# under PDL must not share an SM with another).
-FP8_CONFIG = GemvConfig(block_n=64, block_k=128, num_stages=13, w_on_m=True)
-# K split in two, 256-column chunks (16 KiB tiles, 7 stages: one CTA an SM): half the chunks' fixed
-# work (each chunk's dot is waited for and added in float32) per weight byte. Against FP8_CONFIG
-# on an H200 (bench/tune_gemv.py --fp8, bench/NOTES-fp8-weights.md), 1 / 8 / 32 rows: o_proj
-# 1.10 / 1.14 / 1.18x, down 1.14 / 1.19 / 1.23x, gate/up 1.03 / 1.06 / 1.04x; the float64 error
-# is unchanged (the inputs' e4m3 rounding dominates it).
-FP8_SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=7, w_on_m=True, split_k=2)
+# FP8 weights (bench/tune_gemv.py --fp8, bench/NOTES-fp8-weights.md): 512-column chunks, 32 KiB
+# weight tiles of 64 rows, 4 stages (one CTA an SM at 16 and at 32 rows). Weight rows on M
+# (warpgroup MMA, each chunk's sums promoted to float32), one item per block: qkv (96 blocks,
+# whose 192 halves would take two rounds of CTAs). Against 128-column chunks at 13 stages at one
+# row on an H100: 1.18x.
+FP8_CONFIG = GemvConfig(block_n=64, block_k=512, num_stages=4, w_on_m=True)
+# The same, K split in two: a weight of few 64-row blocks (o_proj, down), at most one item a CTA.
+# o_proj: 1.07x the 256-column chunks at 7 stages (one row, H100).
+FP8_SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=512, num_stages=4, w_on_m=True, split_k=2)
+# gate/up: x's rows on M (mma.sync e4m3, float32 sums across chunks), 64 weight rows (32 features)
+# a block, no split: 1.16x the weight-rows-on-M split at one row (H100), 87% of the read roofline.
+FP8_GATED_CONFIG = GemvConfig(block_n=64, block_k=512, num_stages=4)
+# Block scales cut a chunk to the scale block (128 columns on the hub's checkpoints): the stages
+# grow to keep as many weight bytes in flight, up to this many.
+FP8_MAX_STAGES = 13
 
 
 def default_fp8_config(out_features: int, gated: bool, ctas: int) -> GemvConfig:
-    """FP8 weights: K split in two where that deals at most one item a CTA (a weight of few 64-row
-    blocks: o_proj and down) and for gate/up (many blocks: a CTA's items queue, but the wider
-    chunks pay); else one item per block (qkv's 96 blocks, whose 192 halves would take two rounds
-    of CTAs: 0.95x at one row, 0.88x at 8)."""
-    blocks = triton.cdiv(out_features, FP8_CONFIG.block_n // 2 if gated else FP8_CONFIG.block_n)
-    return FP8_SPLIT_K_CONFIG if gated or FP8_SPLIT_K_CONFIG.split_k * blocks <= ctas else FP8_CONFIG
+    """FP8 weights: gate/up FP8_GATED_CONFIG; else K split in two where that deals at most one item
+    a CTA (a weight of few 64-row blocks: o_proj and down), one item per block otherwise (qkv)."""
+    if gated:
+        return FP8_GATED_CONFIG
+    blocks = triton.cdiv(out_features, FP8_CONFIG.block_n)
+    return FP8_SPLIT_K_CONFIG if FP8_SPLIT_K_CONFIG.split_k * blocks <= ctas else FP8_CONFIG
 
 
 def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> GemvConfig:
@@ -214,13 +215,13 @@ def _store_block(
 @triton.jit
 def _tile_dot(
     X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION: tl.constexpr, W_ON_M: tl.constexpr,
-    FP8: tl.constexpr, WIDEN: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     """acc + one K chunk's products: x [M_PAD, BLOCK_K] . w^T -> [M_PAD, BLOCK_N], or with W_ON_M
     w . x^T -> [BLOCK_N, M_PAD] (acc None: the first chunk). FP8: w and x are e4m3 (or their
-    bits: the bitcast is a no-op on e4m3 tensors), multiplied on e4m3 tensor cores, or WIDEN on
-    fp16 ones; where the chunk has scales (`scale`, _chunk_scales, oriented as the result) or the
-    dot is e4m3 (short sums), the chunk's dot starts from zero and is added to acc in float32."""
+    bits: the bitcast is a no-op on e4m3 tensors), multiplied on e4m3 tensor cores; where the
+    chunk has scales (`scale`, _chunk_scales, oriented as the result) or the dot is a warpgroup one
+    (W_ON_M: short sums), the chunk's dot starts from zero and is added to acc in float32."""
     if W_ON_M:
         mask = row_ok[None, :] & (k < K)[:, None]
         a = w
@@ -231,9 +232,7 @@ def _tile_dot(
         b = tl.trans(w)
     if FP8:
         a, b = a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True)
-        if WIDEN:
-            a, b = a.to(tl.float16), b.to(tl.float16)
-    if FP8 and (scale is not None or not WIDEN):
+    if FP8 and (W_ON_M or scale is not None):  # the chunk's sum on its own: promoted, or scaled
         part = tl.dot(a, b)
         if scale is not None:
             part = part * scale
@@ -246,7 +245,7 @@ def _chunk_scales(
     XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows, scale_cols,
     x_group, GATED: tl.constexpr, BLOCK_N: tl.constexpr, W_ON_M: tl.constexpr,
 ):  # fmt: skip
-    """FP8 scales that vary along K: [BLOCK_N, M_PAD] (W_ON_M, else [M_PAD, BLOCK_N]), the tile's
+    """FP8 scales that vary along K: [BLOCK_N, M_PAD] (W_ON_M; else [M_PAD, BLOCK_N]), the tile's
     weight rows' scales times x's rows' scales for the chunk that starts at column k0 (inside one
     block of each). A chunk past K (a split's last part may run past it) reads the last column's
     scales, which exist, for its products of zeros."""
@@ -372,7 +371,6 @@ def _gemv_kernel(
     W_ON_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FP8: tl.constexpr,
-    WIDEN: tl.constexpr,  # FP8: fp16 dots of the widened tiles (GemvConfig.widen)
     K_SCALED: tl.constexpr,  # FP8 scales that vary along K: applied per chunk
     EPILOGUE_SCALES: tl.constexpr,  # FP8 scales constant along K: applied to the sums
 ):
@@ -406,14 +404,14 @@ def _gemv_kernel(
             XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
             scale_cols, x_group, GATED, BLOCK_N, W_ON_M,
         )  # fmt: skip
-    acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, scale, PRECISION, W_ON_M, FP8, WIDEN)
+    acc = _tile_dot(X, w0, offs_m, k_first, row_ok, K, stride_xb, None, scale, PRECISION, W_ON_M, FP8)
     if EARLY_TILES == 2:
         if K_SCALED:
             scale = _chunk_scales(
                 XScale, WScale, block, offs_j, offs_m, row_ok, k0 + BLOCK_K, N, K, stride_xs, stride_ws,
                 scale_rows, scale_cols, x_group, GATED, BLOCK_N, W_ON_M,
             )  # fmt: skip
-        acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8, WIDEN)
+        acc = _tile_dot(X, w1, offs_m, k1, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)
     for i in range(EARLY_TILES, n_iters):  # software-pipelined: num_stages tiles in flight
         item, chunk = cta + (i // k_iters) * n_ctas, i % k_iters
         if chunk == 0:  # a new item begins: the previous one is complete
@@ -433,7 +431,7 @@ def _gemv_kernel(
                 XScale, WScale, block, offs_j, offs_m, row_ok, k0, N, K, stride_xs, stride_ws, scale_rows,
                 scale_cols, x_group, GATED, BLOCK_N, W_ON_M,
             )  # fmt: skip
-        acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8, WIDEN)
+        acc = _tile_dot(X, w, offs_m, k, row_ok, K, stride_xb, acc, scale, PRECISION, W_ON_M, FP8)
     last = cta + ((n_iters - 1) // k_iters) * n_ctas
     _finish_item(
         Out, Bias, Part, XScale, WScale, _rows_first(acc, W_ON_M), offs_m, last, offs_j, row_ok, N,
@@ -482,11 +480,10 @@ def gemv(
         max_ctas = sm_count(xv.device) if xv.is_cuda else INTERPRETER_CTAS
     if fp8:
         config = config or default_fp8_config(out_features, gated, max_ctas)
-        if not (config.w_on_m or config.widen):
-            raise ValueError("gemv: e4m3 dots need weight rows on the dot's M axis (w_on_m) or widen")
         # K chunks inside one scale block of the weight and of x wherever the scales vary along K
         varying = [n for n in (weight.block_k, x.group) if n < K]
         block_k = min([config.block_k] + [n & -n for n in varying])  # largest power of two dividing each
+        stages = min(max(config.num_stages, config.num_stages * config.block_k // block_k), FP8_MAX_STAGES)
         x_scale, w_scale = x.scale, weight.scale
         scale_args = (x_scale.stride(0), w_scale.stride(0), weight.block_n, min(weight.block_k, K), x.group)
         if not xv.is_cuda:  # the interpreter has no float8 tensors: their bits (the kernel bitcasts them)
@@ -494,6 +491,7 @@ def gemv(
     else:
         config = config or default_config(B, out_features, gated, max_ctas)
         block_k = config.block_k // 2 if xv.dtype == torch.float32 else config.block_k  # fp32: 2x the bytes
+        stages = config.num_stages
         x_scale = w_scale = out  # unused
         scale_args, varying = (0, 0, 1, K, K), []
     # a gated block is block_n weight rows too: block_n / 2 features' gate and up rows
@@ -535,11 +533,10 @@ def gemv(
         W_ON_M=config.w_on_m,
         SPLIT_K=config.split_k,
         FP8=fp8,
-        WIDEN=fp8 and config.widen,
         K_SCALED=bool(varying),
         EPILOGUE_SCALES=fp8 and not varying,
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

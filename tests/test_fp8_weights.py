@@ -29,7 +29,14 @@ from minidecode.kernels.fp8_weights import (
     quantize_rows,
     quantize_weight,
 )
-from minidecode.kernels.gemv import FP8_CONFIG, FP8_SPLIT_K_CONFIG, GemvConfig, default_fp8_config, gemv
+from minidecode.kernels.gemv import (
+    FP8_CONFIG,
+    FP8_GATED_CONFIG,
+    FP8_SPLIT_K_CONFIG,
+    GemvConfig,
+    default_fp8_config,
+    gemv,
+)
 from minidecode.loading import build_model, weight_plan
 from minidecode.models.llama import FP8Linear, step_weight_bytes, weight_bytes, weights_description
 from minidecode_cli.cli import app
@@ -497,10 +504,13 @@ def test_fp8_gemv_against_float64(dtype, layout, B, N, K, mode):
 
 
 SPLIT3_CONFIG = GemvConfig(64, 64, 4, 3, w_on_m=True, split_k=3)
+X_ON_M_SPLIT3_CONFIG = GemvConfig(32, 64, 4, 3, split_k=3)  # x's rows on M (mma.sync e4m3 dots)
 
 
 @pytest.mark.parametrize(
-    "config", [FP8_CONFIG, FP8_SPLIT_K_CONFIG, SPLIT3_CONFIG], ids=["one-part", "split2", "split3"]
+    "config",
+    [FP8_CONFIG, FP8_SPLIT_K_CONFIG, SPLIT3_CONFIG, FP8_GATED_CONFIG, X_ON_M_SPLIT3_CONFIG],
+    ids=["one-part", "split2", "split3", "x-on-m", "x-on-m-split3"],
 )
 @pytest.mark.parametrize("layout", ["channel", "block"])
 def test_fp8_gemv_configs_and_split_k_repeat(config, layout):
@@ -530,10 +540,10 @@ def _nan_padded(scale: torch.Tensor) -> torch.Tensor:
 
 def test_fp8_gemv_default_config():
     """8B shapes on 132 SMs: K split in two for the 4096-wide o_proj / down (64 blocks of 64
-    rows) and gate/up (448), not for qkv (96 blocks)."""
+    rows), not for qkv (96 blocks); gate/up with x's rows on M."""
     assert default_fp8_config(4096, False, 132) is FP8_SPLIT_K_CONFIG
     assert default_fp8_config(6144, False, 132) is FP8_CONFIG
-    assert default_fp8_config(14336, True, 132) is FP8_SPLIT_K_CONFIG
+    assert default_fp8_config(14336, True, 132) is FP8_GATED_CONFIG
 
 
 def _sweep_candidates() -> dict[tuple, GemvConfig]:
@@ -548,12 +558,14 @@ def _sweep_candidates() -> dict[tuple, GemvConfig]:
         for N, K, mode in SHAPES.values():
             gated = mode == "gated"
             for c in tune_gemv.fp8_candidates(N // 2 if gated else N, K, gated, sms):
-                configs.setdefault((c.block_n, c.block_k, c.split_k, c.early_tiles, c.w_on_m, c.widen), c)
+                configs.setdefault((c.block_n, c.block_k, c.split_k, c.early_tiles, c.w_on_m), c)
     return configs
 
 
 @pytest.mark.parametrize(
-    "config", list(_sweep_candidates().values()), ids=lambda c: f"N{c.block_n}K{c.block_k}x{c.split_k}"
+    "config",
+    list(_sweep_candidates().values()),
+    ids=lambda c: f"N{c.block_n}K{c.block_k}x{c.split_k}" + ("w" if c.w_on_m else "x"),
 )
 def test_fp8_gemv_sweep_candidates_against_the_reference(config):
     """Any config the GEMV sweep may pick computes W8A8 as fp8_linear_reference does, in each
@@ -594,8 +606,6 @@ def test_fp8_gemv_refuses_mixed_operands():
     w = random_fp8_weight(64, 64, "channel")
     with pytest.raises(ValueError, match="QuantizedRows"):
         gemv(torch.randn(1, 64, device=DEVICE), w)
-    with pytest.raises(ValueError, match="w_on_m"):
-        gemv(quantize_rows(torch.randn(1, 64, device=DEVICE), w), w, config=GemvConfig())
 
 
 @pytest.mark.parametrize("op", ["linear", "linear_residual", "gate_up_silu"])
