@@ -236,8 +236,10 @@ def _tile_dot(
         part = tl.dot(a, b)
         if scale is not None:
             part = part * scale
-        return part if acc is None else acc + part
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = part if acc is None else acc + part
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -253,9 +255,11 @@ def _chunk_scales(
     k0 = tl.minimum(k0, K - 1)
     sw = tl.load(WScale + (rows // scale_rows) * stride_ws + k0 // scale_cols, mask=ok, other=0.0)
     sx = tl.load(XScale + offs_m * stride_xs + k0 // x_group, mask=row_ok, other=0.0)
-    if W_ON_M:
-        return sw[:, None] * sx[None, :]
-    return sx[:, None] * sw[None, :]
+    if W_ON_M:  # one return: Triton 3.6 compiles every return of a function, constexpr branches too
+        scale = sw[:, None] * sx[None, :]
+    else:
+        scale = sx[:, None] * sw[None, :]
+    return scale
 
 
 @triton.jit
