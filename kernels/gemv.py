@@ -487,7 +487,7 @@ def gemv(
         # K chunks inside one scale block of the weight and of x wherever the scales vary along K
         varying = [n for n in (weight.block_k, x.group) if n < K]
         block_k = min([config.block_k] + [n & -n for n in varying])  # largest power of two dividing each
-        stages = min(max(config.num_stages, config.num_stages * config.block_k // block_k), FP8_MAX_STAGES)
+        stages = max(config.num_stages, min(config.num_stages * config.block_k // block_k, FP8_MAX_STAGES))
         x_scale, w_scale = x.scale, weight.scale
         scale_args = (x_scale.stride(0), w_scale.stride(0), weight.block_n, min(weight.block_k, K), x.group)
         if not xv.is_cuda:  # the interpreter has no float8 tensors: their bits (the kernel bitcasts them)
