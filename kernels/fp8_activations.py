@@ -48,7 +48,8 @@ def round_row(
     HW: tl.constexpr,  # the hardware e4m3 cast (else integer rounding: the interpreter)
 ):
     """One row rounded to e4m3 as fp8_weights.quantize_rows rounds it (RMSNorm first with NORM):
-    scale = largest |x| (of the row, or of each group of GROUP columns) / 448, or the static one."""
+    scale = largest |x| (of the row, or of each group of GROUP columns) / 448, or the static one;
+    the values x * (1 / scale) (a multiply a value: the row's cost is its loads)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(X + offs, mask=mask, other=0.0)
@@ -59,13 +60,13 @@ def round_row(
         x = ((xf * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w).to(X.dtype.element_ty)
     if STATIC:
         scale = tl.load(Static)
-        y = tl.math.div_rn(x.to(tl.float32), scale)
+        y = x.to(tl.float32) * tl.math.div_rn(1.0, scale)
         tl.store(S, scale)
     else:  # the largest |x| of the model-dtype values (a max is exact in any dtype and order)
         groups = tl.reshape(x, [BLOCK // GROUP, GROUP])
         amax = tl.max(tl.abs(groups), axis=1).to(tl.float32)
         scale = tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _SCALE_FLOOR)
-        y = tl.reshape(tl.math.div_rn(groups.to(tl.float32), scale[:, None]), [BLOCK])
+        y = tl.reshape(groups.to(tl.float32) * tl.math.div_rn(1.0, scale)[:, None], [BLOCK])
         offs_g = tl.arange(0, BLOCK // GROUP)
         tl.store(S + offs_g, scale, mask=offs_g < n_groups)
     y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)  # a static scale saturates

@@ -13,7 +13,8 @@ compressed-tensors forward and vLLM on Hopper do:
 - x is rounded to e4m3 with a scale per token (s_x = its largest |x| / 448: the largest value
   lands on e4m3's largest, nothing overflows), per token and group of `act_group` columns (block
   checkpoints: the group is the block's columns), or the checkpoint's static per-tensor scale
-  (values beyond 448 s_x saturate). e4m3 x e4m3 products are exact; the sums are float32.
+  (values beyond 448 s_x saturate); the values are e4m3(x * (1 / s_x)), as vLLM rounds them.
+  e4m3 x e4m3 products are exact; the sums are float32.
 
 The CPU dequantizes both operands to float32 and multiplies; the GPU's decode GEMV multiplies the
 e4m3 values on tensor cores and applies the scales to the float32 sums (kernels/gemv.py); its
@@ -139,14 +140,16 @@ class QuantizedRows(NamedTuple):
 
 def quantize_rows(x: torch.Tensor, weight: FP8Weight) -> QuantizedRows:
     """x [..., K] -> its rows [R, K] rounded to e4m3 as `weight`'s input: per token, per token and
-    group, or with the static scale. The division is IEEE and the cast rounds to nearest even, as
-    the Triton kernel (kernels/fp8_activations.py) does."""
+    group, or with the static scale. Each value is x times the scale's reciprocal, as vLLM's
+    quantization kernels compute it (one multiply a value, where a division costs the rounding
+    kernels several times more); the reciprocal and scale = amax / 448 are IEEE divisions, the
+    cast rounds to nearest even: the Triton kernel's bits (kernels/fp8_activations.py)."""
     K = x.shape[-1]
     xf = x.reshape(-1, K).float()
     R = xf.shape[0]
     if weight.input_scale is not None:
         scale = weight.input_scale.float().reshape(1, 1).expand(R, 1).contiguous()
-        values = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        values = (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return QuantizedRows(values, scale, K, x.dtype)
     group = min(weight.act_group or K, K)
     groups = -(-K // group)
@@ -155,7 +158,8 @@ def quantize_rows(x: torch.Tensor, weight: FP8Weight) -> QuantizedRows:
     # number instead (one ulp off now and then), so 448 goes in as a device tensor.
     amax = padded.abs().amax(dim=2)
     scale = (amax / amax.new_full((), FP8_MAX)).clamp_min(SCALE_FLOOR)  # [R, groups]
-    values = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(R, -1)[:, :K].to(FP8_DTYPE)
+    values = (padded * scale.reciprocal()[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    values = values.view(R, -1)[:, :K].to(FP8_DTYPE)
     return QuantizedRows(values, scale, group, x.dtype)
 
 

@@ -663,8 +663,9 @@ def test_fp8_gemv_rounds_its_own_rows(scheme, norm, config):
             scales.fill_(float("nan"))
         folded = gemv(x, w, residual=res[0], norm=norm_args, **kw)
         assert torch.equal(folded, gemv(rows, w, residual=res[1], **kw)), mode
-        if mode == "plain":  # float64 of the same e4m3 rows and weights
-            assert rel_err(folded, exact(rows, w)) < 2e-6
+        if mode == "plain":  # float64 of the same e4m3 rows and weights (a GPU's warpgroup dots keep
+            # about 14 bits of each chunk's sum: kernels/gemv.py)
+            assert rel_err(folded, exact(rows, w)) < (3e-3 if CUDA else 2e-6)
     normed = ops.rms_norm(x, *norm_args, triton=False) if norm else x
     assert rel_err(rows.dequantize(), quantize_rows(normed, w).dequantize()) < 1e-3  # the twin's rounding
 
