@@ -9,10 +9,9 @@ one CUDA graph (each read cold from HBM, as in a decode step), calls chained wit
 step chains them. Bytes = what a call must read: the weights (1 byte an e4m3 weight plus its
 float32 scale; 2 bytes a bf16 weight), x and the residual. Read ceiling: a read-only reduction
 over 2 GiB measured in the same run. Peers: the bf16 GEMV (the step's kernel for bf16 weights);
-"op" is what the step runs for the projection: the RMSNorm in front (qkv, gate/up), the input's
-e4m3 rounding (FP8) and the GEMV; the FP8 GEMV rounds its input itself (and applies the norm) up
-to gemv.ROUND_ROWS rows, more rows get a rounding launch of their own (both timed). Median of 15
-replays (min-max).
+"op" is what the step launches for the projection: the RMSNorm in front (qkv, gate/up; FP8: the
+norm and the input's e4m3 rounding in one launch), or the input's rounding (FP8 o_proj, down),
+and the GEMV. Median of 15 replays (min-max).
 
 End to end: `LLM("synthetic:llama-3-8b", quantization=...)`, bf16 weights then FP8 weights, no
 prefix reuse; per length, 3 requests of a random prompt + 128 new tokens (greedy, eos ignored):
@@ -43,7 +42,7 @@ from minidecode import LLM
 from minidecode.bench import measure_ceilings, provenance
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows, quantize_rows, quantize_weight
-from minidecode.kernels.gemv import ROUND_ROWS, default_fp8_config, gemv
+from minidecode.kernels.gemv import default_fp8_config, gemv
 from minidecode.models.llama import step_weight_bytes, weights_description
 
 MODEL = "synthetic:llama-3-8b"
@@ -85,8 +84,8 @@ def timed(fn, weights: list) -> dict:
 
 def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     """One projection: the bf16 GEMV, the FP8 GEMV on rounded rows (checked against float64
-    first), and the step's op for each: the RMSNorm in front (qkv, gate/up) and the input's
-    e4m3 rounding with the GEMV, the rounding as a launch of its own or in the GEMV (other launch
+    first), and the step's op for each: the RMSNorm in front (qkv, gate/up; FP8: with the input's
+    e4m3 rounding, one launch) or the input's rounding (o_proj, down) and the GEMV (other launch
     configs: bench/tune_gemv.py --fp8)."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -111,17 +110,19 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     err = ((got.double() - exact).norm() / exact.norm()).item()
     assert err < 1e-2, f"{name}: FP8 GEMV relative error {err}"
     t_fp8 = timed(lambda w: gemv(rows, w, **kw), fp8)
-    t_launch = timed(lambda w: gemv(ops.quantize_input(x, w, pdl=True, norm=norm), w, **kw), fp8)
-    t_fold = timed(lambda w: gemv(x, w, norm=norm, **kw), fp8)
+    if norm is None:
+        t_op = timed(lambda w: gemv(ops.quantize_input(x, w, pdl=True), w, **kw), fp8)
+    else:
+        t_op = timed(lambda w: gemv(ops.rms_norm(x, *norm, pdl=True, quantize_for=w), w, **kw), fp8)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     default = default_fp8_config(N // 2 if kw["gated"] else N, kw["gated"], sms)
     bytes_bf16 = N * K * 2 + K * 2 + (N * 2 if residual is not None else 0)  # x (and the residual)
     bytes_fp8 = fp8_gemv_bytes(N, K, 1, residual is not None)
     row = dict(
         matrix=name, N=N, K=K, rel_err=err, default_config=str(default), bf16_us=t_bf16, fp8_us=t_fp8,
-        norm=norm is not None, bf16_op_us=t_bf16_op, fp8_launch_op_us=t_launch, fp8_op_us=t_fold,
+        norm=norm is not None, bf16_op_us=t_bf16_op, fp8_op_us=t_op,
         bf16_gbs=bytes_bf16 / t_bf16["median"] / 1e3, fp8_gbs=bytes_fp8 / t_fp8["median"] / 1e3,
-        speedup=t_bf16["median"] / t_fp8["median"], op_speedup=t_bf16_op["median"] / t_fold["median"],
+        speedup=t_bf16["median"] / t_fp8["median"], op_speedup=t_bf16_op["median"] / t_op["median"],
     )  # fmt: skip
     row["bf16_roofline"], row["fp8_roofline"] = (
         row["bf16_gbs"] * 1e9 / ceiling,
@@ -129,8 +130,7 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
     )
     print(
         f"  {name}: bf16 {spread(t_bf16)} us, fp8 {spread(t_fp8)} us ({100 * row['fp8_roofline']:.1f}% of "
-        f"the read roofline); op: bf16 {spread(t_bf16_op)}, fp8 with a rounding launch {spread(t_launch)}, "
-        f"rounding in the GEMV {spread(t_fold)} us",
+        f"the read roofline); op: bf16 {spread(t_bf16_op)}, fp8 {spread(t_op)} us",
         flush=True,
     )
     return row
@@ -245,21 +245,19 @@ def markdown(report: dict) -> str:
     lines += [f"Read ceiling (read-only reduction, same run): {report['ceiling_gbs']:,.0f} GB/s.", ""]
     if report.get("gemv"):
         header = ["matrix", "bf16 GEMV us", "GB/s", "FP8 GEMV us", "GB/s", "% of read roofline", "speedup"]
-        header += ["op: bf16 us", "op: FP8, rounding launch us", "op: FP8, rounding in the GEMV us"]
+        header += ["op: bf16 us", "op: FP8 us"]
         rows = [
             [r["matrix"], spread(r["bf16_us"]), f"{r['bf16_gbs']:,.0f}", spread(r["fp8_us"]),
              f"{r['fp8_gbs']:,.0f}", f"{100 * r['fp8_roofline']:.1f}%", f"{r['speedup']:.2f}x",
-             spread(r["bf16_op_us"]), spread(r["fp8_launch_op_us"]),
-             f"{spread(r['fp8_op_us'])} ({r['op_speedup']:.2f}x)"]
+             spread(r["bf16_op_us"]), f"{spread(r['fp8_op_us'])} ({r['op_speedup']:.2f}x)"]
             for r in report["gemv"]
         ]  # fmt: skip
         title = "## Decode GEMV, 1 row, Llama-3-8B shapes (us per call: median (min-max) of 15 graph replays)"
         lines += table(title, header, rows)
         lines += [
-            "op: what the decode step runs for the projection: the RMSNorm in front (qkv, gate_up), the"
-            " input's e4m3 rounding (FP8) and the GEMV; bf16: the norm's launch and the GEMV. FP8 up to"
-            f" {ROUND_ROWS} rows: the GEMV rounds its input (and applies the norm) itself; the rounding"
-            " launch is the path of more rows. (x): bf16 op / FP8 op.",
+            "op: what the decode step launches for the projection: the RMSNorm in front (qkv, gate_up;"
+            " FP8: normalised and rounded to e4m3 in one launch), or the input's rounding (FP8 o_proj,"
+            " down), then the GEMV. (x): bf16 op / FP8 op.",
             "",
         ]
     if report.get("e2e"):

@@ -45,8 +45,7 @@ import triton
 import triton.language as tl
 
 from .device import INTERPRETER_CTAS, sm_count
-from .fp8_activations import round_row, scheme
-from .fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows
+from .fp8_weights import FP8Weight, QuantizedRows
 
 # x's rows, padded to 16 or (from 17 rows) 32, are the dot's M or N axis; larger batches go to
 # cuBLAS. At 32 rows this beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80
@@ -55,10 +54,6 @@ MAX_ROWS = 32
 # Wider weights go to cuBLAS, except the fused gate/up (gated). lm_head (128,256 wide) through
 # WIDE_CONFIG was 0.2-0.3% faster a step: not worth routing the logits through here.
 MAX_OUTPUTS = 16384
-# FP8 weights: up to this many rows of x the GEMV rounds them to e4m3 itself (and applies the
-# RMSNorm in front, for qkv and gate/up), in its prologue, instead of a launch of its own before
-# it: every CTA reads every row, so more rows go through fp8_activations.quantize_rows first.
-ROUND_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -356,11 +351,6 @@ def _gemv_kernel(
     Counters,  # SPLIT_K > 1: [n_blocks * COUNTER_STRIDE] int32 tickets, zero between launches
     XScale,  # FP8: [B, ceil(K / x_group)] float32 scales of x's rows (else a dummy)
     WScale,  # FP8: [ceil(N / scale_rows), ceil(K / scale_cols)] float32 weight scales (else a dummy)
-    XRaw,  # ROUND_X: [B, K] x's rows in the model dtype; X and XScale are then [grid, B, ...] scratch
-    NormW,  # ROUND_X with NORM: [K] the RMSNorm's weight (else a dummy)
-    Static,  # ROUND_X with STATIC_X: [1] float32, the checkpoint's input scale (else a dummy)
-    eps,  # NORM: the RMSNorm's epsilon
-    stride_xr,
     B,
     N,
     K,
@@ -387,12 +377,6 @@ def _gemv_kernel(
     FP8: tl.constexpr,
     K_SCALED: tl.constexpr,  # FP8 scales that vary along K: applied per chunk
     EPILOGUE_SCALES: tl.constexpr,  # FP8 scales constant along K: applied to the sums
-    ROUND_X: tl.constexpr,  # FP8: round XRaw's rows to e4m3 here (fp8_activations.round_row)
-    NORM: tl.constexpr,  # ROUND_X: RMSNorm first
-    STATIC_X: tl.constexpr,
-    X_BLOCK: tl.constexpr,  # ROUND_X: K padded to a power of two
-    X_GROUP: tl.constexpr,  # ROUND_X: x's columns per scale (X_BLOCK: one a row)
-    HW: tl.constexpr,  # a GPU: the hardware e4m3 cast (the interpreter rounds with integer ops)
 ):
     # CTA c owns the work items c, c + grid, c + 2 grid, ... (item = block * SPLIT_K + part of K);
     # its (item, K chunk) pairs run as one flat loop, so the software pipeline streams on across an
@@ -418,21 +402,6 @@ def _gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) are the previous kernels' results
         tl.extra.cuda.gdc_launch_dependents()
-    if ROUND_X:  # each CTA rounds x's rows into its own scratch: the columns its items read
-        X += cta.to(tl.int64) * B * stride_xb
-        XScale += cta * B * stride_xs
-        k_lo, k_hi = 0, K
-        if n_ctas % SPLIT_K == 0:  # then all our items are the same part of K
-            k_lo = (cta % SPLIT_K) * k_iters * BLOCK_K
-            k_hi = k_lo + k_iters * BLOCK_K
-        # Every scale of a row is stored (a part past K reads column K - 1's); the scratch holds
-        # n_groups = stride_xs scales a row.
-        for r in range(B):
-            round_row(
-                XRaw + r * stride_xr, NormW, Static, X + r * stride_xb, XScale + r * stride_xs, K, k_lo, k_hi,
-                stride_xs, eps, X_BLOCK, X_GROUP, NORM, STATIC_X, HW,
-            )  # fmt: skip
-        tl.debug_barrier()  # our stores before our loads of them (bar.sync orders the CTA's memory)
     scale = None
     if K_SCALED:
         scale = _chunk_scales(
@@ -482,57 +451,53 @@ def _gemv_kernel(
 
 
 def gemv(
-    x: torch.Tensor | QuantizedRows,  # [B, K], B <= MAX_ROWS (FP8 weights: rounded rows, or B <= ROUND_ROWS)
+    x: torch.Tensor | QuantizedRows,  # [B, K], B <= MAX_ROWS; FP8 weights: the rows rounded to e4m3
     weight: torch.Tensor | FP8Weight,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     *,
     residual: torch.Tensor | None = None,  # [B, N]: residual += result, in place, and returned
     gated: bool = False,  # weight is [gate; up] (N = 2 I): the result is silu(gate) * up [B, I]
-    norm: tuple[torch.Tensor, float] | None = None,  # FP8, x unrounded: (RMSNorm weight [K], eps) first
     use_pdl: bool = False,
     config: GemvConfig | None = None,  # default: default_config(...) (FP8: default_fp8_config)
     max_ctas: int | None = None,  # default: the SM count (the interpreter: INTERPRETER_CTAS)
 ) -> torch.Tensor:  # [B, N] (gated: [B, N / 2]) in x's dtype (FP8: the dtype the rows were)
     """x @ weight^T + bias (added into residual in place, if given; gated: silu(gate) * up of the
-    fused gate/up projection) in one Triton launch. FP8 weights (an FP8Weight) compute W8A8
-    (kernels/fp8_weights.py) on x's rows rounded to e4m3: QuantizedRows
-    (fp8_activations.quantize_rows), or up to ROUND_ROWS model-dtype rows that the kernel rounds
-    itself (RMSNorm'd first with `norm`). A split-K config, and the kernel's rounding, use
-    workspaces cached per device and shape: calls that share one must be ordered on one stream
-    (as the decode step's are)."""
-    fp8, rounded = isinstance(weight, FP8Weight), isinstance(x, QuantizedRows)
-    if rounded and not fp8:
-        raise ValueError("gemv: e4m3 rows (QuantizedRows) take FP8 weights")
-    if norm is not None and (rounded or not fp8):
-        raise ValueError("gemv: `norm` comes with an FP8 weight's unrounded rows")
-    xv, wv = (x.values if rounded else x), (weight.values if fp8 else weight)
+    fused gate/up projection) in one Triton launch. FP8 weights (an FP8Weight) take x as
+    QuantizedRows (kernels/fp8_activations.py) and compute W8A8 (kernels/fp8_weights.py). A
+    split-K config uses a workspace cached per device and shape: calls that share one must be
+    ordered on one stream (as the decode step's are)."""
+    fp8 = isinstance(weight, FP8Weight)
+    if fp8 != isinstance(x, QuantizedRows):
+        raise ValueError("gemv: FP8 weights take e4m3 rows (QuantizedRows), and only they do")
+    xv, wv = (x.values, weight.values) if fp8 else (x, weight)
     B, K = xv.shape
     N = wv.shape[0]
     fits = wv.shape[1] == K and B <= MAX_ROWS and xv.stride(-1) == 1 and wv.stride(-1) == 1
-    if not fits or (gated and (N % 2 or residual is not None)) or (fp8 and not rounded and B > ROUND_ROWS):
+    if not fits or (gated and (N % 2 or residual is not None)):
         raise ValueError(
             f"gemv: x {tuple(xv.shape)} and weight {tuple(wv.shape)} do not fit (contiguous K"
-            + (", an even number of gate/up rows, no residual" if gated else "")
-            + (f"; FP8 weights round up to {ROUND_ROWS} rows themselves)" if fp8 and not rounded else ")")
+            + (", an even number of gate/up rows, no residual)" if gated else ")")
         )
     out_features = N // 2 if gated else N
     out = residual if residual is not None else torch.empty(B, out_features, dtype=x.dtype, device=xv.device)
     if max_ctas is None:
         max_ctas = sm_count(xv.device) if xv.is_cuda else INTERPRETER_CTAS
-    x_block, x_group_cols, n_x_groups, static = scheme(weight, K) if fp8 and not rounded else (1, 1, 1, False)
     if fp8:
         config = config or default_fp8_config(out_features, gated, max_ctas)
-        x_group = x.group if rounded else (K if n_x_groups == 1 else x_group_cols)
         # K chunks inside one scale block of the weight and of x wherever the scales vary along K
-        varying = [n for n in (weight.block_k, x_group) if n < K]
+        varying = [n for n in (weight.block_k, x.group) if n < K]
         block_k = min([config.block_k] + [n & -n for n in varying])  # largest power of two dividing each
         stages = max(config.num_stages, min(config.num_stages * config.block_k // block_k, FP8_MAX_STAGES))
-        scale_cols = min(weight.block_k, K)
+        x_scale, w_scale = x.scale, weight.scale
+        scale_args = (x_scale.stride(0), w_scale.stride(0), weight.block_n, min(weight.block_k, K), x.group)
+        if not xv.is_cuda:  # the interpreter has no float8 tensors: their bits (the kernel bitcasts them)
+            xv, wv = xv.view(torch.uint8), wv.view(torch.uint8)
     else:
         config = config or default_config(B, out_features, gated, max_ctas)
         block_k = config.block_k // 2 if xv.dtype == torch.float32 else config.block_k  # fp32: 2x the bytes
         stages = config.num_stages
-        varying, x_group, scale_cols = [], K, K
+        x_scale = w_scale = out  # unused
+        scale_args, varying = (0, 0, 1, K, K), []
     # a gated block is block_n weight rows too: block_n / 2 features' gate and up rows
     n_blocks = triton.cdiv(out_features, config.block_n // 2 if gated else config.block_n)
     items = n_blocks * config.split_k
@@ -543,16 +508,6 @@ def gemv(
         part, counters = _workspace(xv.device, n_blocks, config.split_k, m_pad, config.block_n)
     else:
         part = counters = out  # unused
-    raw = dummy = out
-    if fp8 and not rounded:  # x's rows go into each CTA's scratch, rounded, and are read from there
-        raw, (xv, x_scale) = xv, _round_scratch(xv.device, grid, B, K, n_x_groups)
-    elif fp8:
-        x_scale = x.scale
-    else:
-        x_scale = dummy
-    w_scale = weight.scale if fp8 else dummy
-    if fp8 and not xv.is_cuda:  # the interpreter has no float8 tensors: their bits (the kernel bitcasts them)
-        xv, wv = xv.view(torch.uint8), wv.view(torch.uint8)
     _gemv_kernel[(grid,)](
         xv,
         wv,
@@ -562,23 +517,14 @@ def gemv(
         counters,
         x_scale,
         w_scale,
-        raw,
-        dummy if norm is None else norm[0],
-        weight.input_scale if static else dummy,
-        0.0 if norm is None else norm[1],
-        raw.stride(0),
         B,
         N,
         K,
         n_blocks,
-        xv.stride(-2),
+        xv.stride(0),
         wv.stride(0),
         out.stride(0),
-        x_scale.stride(-2) if fp8 else 0,
-        w_scale.stride(0) if fp8 else 0,
-        weight.block_n if fp8 else 1,
-        scale_cols,
-        x_group,
+        *scale_args,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         GATED=gated,
@@ -593,12 +539,6 @@ def gemv(
         FP8=fp8,
         K_SCALED=bool(varying),
         EPILOGUE_SCALES=fp8 and not varying,
-        ROUND_X=fp8 and not rounded,
-        NORM=norm is not None,
-        STATIC_X=static,
-        X_BLOCK=x_block,
-        X_GROUP=x_group_cols,
-        HW=xv.is_cuda,
         num_warps=config.num_warps,
         num_stages=stages,
         **({"launch_pdl": True} if use_pdl else {}),
@@ -620,17 +560,3 @@ def _workspace(device: torch.device, n_blocks: int, split_k: int, m_pad: int, bl
             torch.zeros(n_blocks * COUNTER_STRIDE.value, dtype=torch.int32, device=device),
         )
     return _WORKSPACES[key]
-
-
-_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _round_scratch(device: torch.device, ctas: int, B: int, K: int, n_groups: int):
-    """Each CTA's e4m3 copy of x's rows [ctas, B, K] (uint8 bits under the interpreter) and their
-    scales [ctas, B, n_groups] float32, cached per (device, shape) as _workspace is."""
-    key = (device, ctas, B, K, n_groups)
-    if key not in _SCRATCH:
-        dtype = FP8_DTYPE if device.type == "cuda" else torch.uint8
-        values = torch.empty(ctas, B, K, dtype=dtype, device=device)
-        _SCRATCH[key] = (values, torch.empty(ctas, B, n_groups, dtype=torch.float32, device=device))
-    return _SCRATCH[key]

@@ -17,8 +17,7 @@ silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_t
 FP8 weights: `weight` may be an FP8Weight (kernels/fp8_weights.py: e4m3 values and float32 scales),
 whose layer computes W8A8: its input is rounded to e4m3 first (QuantizedRows: per token, per token
 and group, or a static scale; fp8_activations, fused with rms_norm where the norm's output is that
-input: `quantize_for`; up to gemv.ROUND_ROWS rows the GEMV rounds x and applies the norm itself:
-`norm`), then the GEMV multiplies e4m3 tiles (gemv) up to MAX_ROWS rows, and larger
+input: `quantize_for`), then the GEMV multiplies e4m3 tiles (gemv) up to MAX_ROWS rows, and larger
 inputs (prefill) go through torch._scaled_mm on Hopper (per-channel weights, per-token inputs) or a
 dequantized GEMM. The twin dequantizes both operands to float32 (fp8_weights.fp8_linear_reference).
 
@@ -85,18 +84,12 @@ def rms_norm(
 
 
 def quantize_input(
-    x: torch.Tensor | QuantizedRows,
-    weight: FP8Weight,
-    triton: bool | None = None,
-    pdl: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
+    x: torch.Tensor | QuantizedRows, weight: FP8Weight, triton: bool | None = None, pdl: bool = False
 ) -> QuantizedRows:
-    """x [..., K] -> its rows [R, K] rounded to e4m3 as the FP8 `weight`'s input (RMSNorm'd first
-    with `norm`: (weight [K], eps); as they are if already rounded)."""
+    """x [..., K] -> its rows [R, K] rounded to e4m3 as the FP8 `weight`'s input (as they are if
+    already rounded)."""
     if isinstance(x, QuantizedRows):
         return x
-    if norm is not None:
-        return rms_norm(x, *norm, triton, pdl, quantize_for=weight)
     if _triton(x, triton):
         from . import fp8_activations
 
@@ -144,25 +137,20 @@ def _fp8_linear(
     pdl: bool,
     residual: torch.Tensor | None = None,
     gated: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:
-    """linear / linear_residual / gate_up_silu with an FP8 weight: x [..., K] (RMSNorm'd first with
-    `norm`) -> [..., N] (gated: silu(gate) * up, [..., N / 2]; residual: added into it in place,
-    None returned). Up to gemv.ROUND_ROWS rows the GEMV rounds x (and applies the norm) itself."""
+    """linear / linear_residual / gate_up_silu with an FP8 weight: x [..., K] -> [..., N] (gated:
+    silu(gate) * up, [..., N / 2]; residual: added into it in place, None returned)."""
     values = x.values if isinstance(x, QuantizedRows) else x
     lead = values.shape[:-1]
     if _fp8_gemv_fits(x, triton) and (residual is None or residual.stride(-1) == 1):
-        from .gemv import ROUND_ROWS, gemv
+        from .gemv import gemv
 
-        if isinstance(x, QuantizedRows) or x.shape[0] > ROUND_ROWS or x.stride(-1) != 1:
-            x, norm = quantize_input(x, weight, triton, pdl, norm), None
-        out = gemv(x, weight, bias, residual=residual, gated=gated, norm=norm, use_pdl=_pdl(values, pdl))
+        rows = quantize_input(x, weight, triton, pdl)
+        out = gemv(rows, weight, bias, residual=residual, gated=gated, use_pdl=_pdl(values, pdl))
         return None if residual is not None else out
     if _triton(values, triton) and values.is_cuda:
-        y = _fp8_matmul(quantize_input(x, weight, triton, norm=norm), weight, bias).view(*lead, -1)
+        y = _fp8_matmul(quantize_input(x, weight, triton), weight, bias).view(*lead, -1)
     else:  # the CPU (and the interpreter's larger inputs): float32 math, rounded once
-        if norm is not None:
-            x = rms_norm(x, *norm, triton=False)
         y = fp8_linear_reference(x, weight, bias).view(*lead, -1)
     if gated:
         y = silu_mul(y, triton, pdl)
@@ -190,15 +178,11 @@ def linear(
     bias: torch.Tensor | None,
     triton: bool | None = None,
     pdl: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """F.linear: x [B, K] (a decode step; or [..., K]: prefill), weight [N, K], bias [N] ->
-    [..., N]; `norm` (RMSNorm weight [K], eps): of rms_norm(x) instead. An FP8 weight takes x, or x
-    already rounded to its input (QuantizedRows)."""
+    [..., N]. An FP8 weight takes x, or x already rounded to its input (QuantizedRows)."""
     if isinstance(weight, FP8Weight):
-        return _fp8_linear(x, weight, bias, triton, pdl, norm=norm)
-    if norm is not None:
-        x = rms_norm(x, *norm, triton, pdl)
+        return _fp8_linear(x, weight, bias, triton, pdl)
     if _use_gemv(x, weight, triton):
         from .gemv import gemv
 
@@ -373,15 +357,12 @@ def gate_up_silu(
     bias: torch.Tensor | None,
     triton: bool | None = None,
     pdl: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The MLP's inner activation: x [B, K], weight [2 I, K] (gate rows, then up rows), bias [2 I]
-    -> silu(gate) * up [B, I], rounded as transformers does; `norm` as linear's. Up to MAX_ROWS
-    rows it is one GEMV launch with silu * up in its epilogue; above, cuBLAS then silu_mul."""
+    -> silu(gate) * up [B, I], rounded as transformers does. Up to MAX_ROWS rows it is one GEMV
+    launch with silu * up in its epilogue; above, cuBLAS then silu_mul."""
     if isinstance(weight, FP8Weight):
-        return _fp8_linear(x, weight, bias, triton, pdl, gated=True, norm=norm)
-    if norm is not None:
-        x = rms_norm(x, *norm, triton, pdl)
+        return _fp8_linear(x, weight, bias, triton, pdl, gated=True)
     if _use_gemv(x, weight, triton, gated=True):
         from .gemv import gemv
 

@@ -37,14 +37,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """x [..., dim] normalised."""
-        return ops.rms_norm(x, self.weight, self.eps, pdl=pdl)
-
-    @property
-    def args(self) -> tuple[torch.Tensor, float]:
-        """(weight, eps): the norm in front of a decode step's projection (ops.linear's `norm`)."""
-        return self.weight, self.eps
+    def forward(self, x: torch.Tensor, pdl: bool = False, feeds: torch.Tensor | FP8Weight | None = None):
+        """x [..., dim] normalised; `feeds`: the weight the result goes into (an FP8 weight makes the
+        result its e4m3 input rows, normalised and rounded in one launch)."""
+        return ops.rms_norm(x, self.weight, self.eps, pdl=pdl, quantize_for=feeds)
 
 
 class Projection(nn.Linear):
@@ -155,7 +151,7 @@ class Attention(nn.Module):
     def decode(
         self,
         x: torch.Tensor,
-        norm: RMSNorm,
+        h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         written: torch.Tensor,
@@ -164,15 +160,14 @@ class Attention(nn.Module):
         pdl: bool,
         starts: torch.Tensor | None = None,
     ) -> None:
-        """x [B, hidden] is the residual stream, `norm` the input_layernorm: x +=
-        o_proj(attention(norm(x))) in place (the qkv op applies the norm: FP8 weights fold it into
-        their GEMV). cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to
-        (region start + position in a batch); lengths [B] int32 = positions + 1 (0: an idle batch
-        slot); starts [B] int64: where each sequence's region begins in a cache of one shared row
-        (kv [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
+        """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
+        in place. cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to (region
+        start + position in a batch); lengths [B] int32 = positions + 1 (0: an idle batch slot);
+        starts [B] int64: where each sequence's region begins in a cache of one shared row (kv
+        [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
         B = x.shape[0]
         k_cache, v_cache, kv_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S, 2]
-        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias, pdl=pdl, norm=norm.args)  # [B, (Hq + 2 Hkv) * D]
+        qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         q = ops.rope_and_cache(
             qkv, cos, sin, written, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
@@ -200,10 +195,10 @@ class MLP(nn.Module):
         """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
         return self.down_proj(ops.silu_mul(ops.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
-    def decode(self, x: torch.Tensor, norm: RMSNorm, pdl: bool) -> None:
-        """x [B, hidden] is the residual stream, `norm` the post_attention_layernorm: x +=
-        mlp(norm(x)) in place (the norm applied by the gate/up op)."""
-        inner = ops.gate_up_silu(x, self.gate_up_weight, self.gate_up_bias, pdl=pdl, norm=norm.args)  # [B, I]
+    def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool) -> None:
+        """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
+        in place."""
+        inner = ops.gate_up_silu(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, I]
         self.down_proj.add_to(x, inner, pdl)
 
 
@@ -441,8 +436,9 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            attn.decode(x, layer.input_layernorm, cos, sin, written, lengths, cache.layer(i), pdl, starts)
-            mlp.decode(x, layer.post_attention_layernorm, pdl)
+            h = layer.input_layernorm(x, pdl, attn.qkv_weight)  # FP8 weights: h rounded to e4m3
+            attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, starts)
+            mlp.decode(x, layer.post_attention_layernorm(x, pdl, mlp.gate_up_weight), pdl)
         return self.model.norm(x, pdl)
 
     def fuse_projections(self) -> None:

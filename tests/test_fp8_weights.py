@@ -33,7 +33,6 @@ from minidecode.kernels.gemv import (
     FP8_CONFIG,
     FP8_GATED_CONFIG,
     FP8_SPLIT_K_CONFIG,
-    ROUND_ROWS,
     GemvConfig,
     default_fp8_config,
     gemv,
@@ -605,69 +604,8 @@ def test_tune_gemv_fp8_smoke_runs_on_the_interpreter(tmp_path):
 
 def test_fp8_gemv_refuses_mixed_operands():
     w = random_fp8_weight(64, 64, "channel")
-    x = torch.randn(5, 64, device=DEVICE)
     with pytest.raises(ValueError, match="QuantizedRows"):
-        gemv(quantize_rows(x, w), torch.randn(64, 64, device=DEVICE))
-    with pytest.raises(ValueError, match="norm"):
-        gemv(x, torch.randn(64, 64, device=DEVICE), norm=(torch.ones(64, device=DEVICE), 1e-6))
-    with pytest.raises(ValueError, match=f"up to {ROUND_ROWS} rows"):
-        gemv(x, w)  # more rows than the kernel rounds itself
-
-
-ROUNDING = {  # (weight layout, activation group, static input scale)
-    "token": ("channel", None, None),
-    "group": ("channel", 64, None),
-    "block": ((48, 96), 64, None),
-    "static": ("channel", None, 0.01),
-}
-
-
-# (config, CTAs): K in parts on as many CTAs as parts divide (each CTA rounds its part's columns
-# only), or not (each CTA rounds every column).
-CONFIGS = {
-    "default": (None, 3),
-    "split2": (FP8_SPLIT_K_CONFIG, 4),
-    "split2-all-columns": (FP8_SPLIT_K_CONFIG, 3),
-    "x-on-m-split3": (X_ON_M_SPLIT3_CONFIG, 3),
-}
-
-
-@pytest.mark.parametrize(
-    "scheme, norm, config",
-    [(s, n, "default") for s in ROUNDING for n in (False, True)]
-    + [(s, True, c) for s in ("token", "block") for c in list(CONFIGS)[1:]],
-)
-def test_fp8_gemv_rounds_its_own_rows(scheme, norm, config):
-    """Up to ROUND_ROWS rows in the model dtype: the GEMV rounds them itself (RMSNorm first with
-    `norm`), each CTA the columns of its part of K, and gives what the rows rounded by their own
-    launch give, bit for bit (the same rounding and dots), in each mode; and W8A8 of the rounded
-    rows against float64. K = 1000: a partial last scale group and chunk, a split's parts ending
-    mid-group."""
-    from minidecode.kernels.gemv import _SCRATCH
-
-    torch.manual_seed(6)
-    layout, group, static = ROUNDING[scheme]
-    N, K = 200, 1000
-    w = random_fp8_weight(N, K, layout, act_group=group, static=static, seed=7)
-    x = torch.randn(ROUND_ROWS, K, device=DEVICE)
-    x[1] = 0  # an all-zero row: zeros of the floor scale
-    x[2, 7] = 1e3  # static: saturates at 448 * scale
-    norm_args = (torch.randn(K, device=DEVICE), 1e-6) if norm else None
-    rows = quantize_rows_triton(x, w, norm_args)  # the rows rounded by their own launch
-    residual = torch.randn(ROUND_ROWS, N, device=DEVICE)
-    for mode in ("plain", "residual", "gated"):
-        kw = dict(gated=mode == "gated", config=CONFIGS[config][0], max_ctas=CONFIGS[config][1])
-        res = [residual.clone() if mode == "residual" else None for _ in range(2)]
-        for values, scales in _SCRATCH.values():  # NaN: a column read and not rounded this call shows
-            values.view(torch.uint8).fill_(0x7F)
-            scales.fill_(float("nan"))
-        folded = gemv(x, w, residual=res[0], norm=norm_args, **kw)
-        assert torch.equal(folded, gemv(rows, w, residual=res[1], **kw)), mode
-        if mode == "plain":  # float64 of the same e4m3 rows and weights (a GPU's warpgroup dots keep
-            # about 14 bits of each chunk's sum: kernels/gemv.py)
-            assert rel_err(folded, exact(rows, w)) < (3e-3 if CUDA else 2e-6)
-    normed = ops.rms_norm(x, *norm_args, triton=False) if norm else x
-    assert rel_err(rows.dequantize(), quantize_rows(normed, w).dequantize()) < 1e-3  # the twin's rounding
+        gemv(torch.randn(1, 64, device=DEVICE), w)
 
 
 @pytest.mark.parametrize("op", ["linear", "linear_residual", "gate_up_silu"])
