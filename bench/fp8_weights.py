@@ -2,7 +2,8 @@
 decode and prefill with FP8 weights against bf16 weights (synthetic Llama-3-8B, same process),
 and the FP8-weight logits against bf16's.
 
-    python bench/fp8_weights.py [--out DIR] [--lengths 1024 32768] [--skip gemv,e2e,accuracy]
+    python bench/fp8_weights.py [--out DIR] [--lengths 1024 32768] [--filled 131072 524288 1048576]
+                                [--skip gemv,e2e,filled,accuracy]
 
 GEMV (one decode row): Llama-3-8B's four projections, 32 distinct weight copies cycled inside
 one CUDA graph (each read cold from HBM, as in a decode step), calls chained with PDL as the
@@ -17,6 +18,11 @@ End to end: `LLM("synthetic:llama-3-8b", quantization=...)`, bf16 weights then F
 prefix reuse; per length, 3 requests of a random prompt + 128 new tokens (greedy, eos ignored):
 decode tok/s (the engine's stats: first to last new token) and prefill seconds, median (min-max).
 Roofline: read ceiling / (the weight bytes a step reads + the KV bytes at the window's context).
+
+Filled-cache decode (FP8 weights + FP8 cache, no prefill): row 0 of a cache filled with random
+e4m3 values decodes from each context the memory plan allows (a refused one gets the plan's line),
+tok/s per window of 32 graph-replayed steps (CUDA events), 5 windows after 8 warm-up steps; the
+plan's longest prompt on this GPU is reported too.
 
 Accuracy: a 4096-token random prompt prefilled by both models (every position's logits), then 64
 decode steps fed the bf16 model's greedy tokens (teacher-forced): KL(bf16 || fp8) mean and max,
@@ -38,12 +44,13 @@ from pathlib import Path
 import torch
 from timing import time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
 
-from minidecode import LLM
+from minidecode import LLM, UserError
 from minidecode.bench import measure_ceilings, provenance
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows, quantize_rows, quantize_weight
 from minidecode.kernels.gemv import default_fp8_config, gemv
 from minidecode.models.llama import step_weight_bytes, weights_description
+from minidecode.sampling import GREEDY
 
 MODEL = "synthetic:llama-3-8b"
 COPIES = 32
@@ -134,6 +141,62 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
         flush=True,
     )
     return row
+
+
+# ---- filled-cache decode: FP8 weights + FP8 cache -----------------------------------------------------
+FILLED_WARMUP, FILLED_WINDOWS, FILLED_STEPS = 8, 5, 32
+
+
+@torch.inference_mode()
+def filled(contexts: list[int], ceiling: float) -> dict:
+    """Decode from position `context` of a cache filled with random e4m3 values (no prefill), FP8
+    weights + FP8 cache: tok/s per window of graph replays, against the read roofline; a context
+    the memory plan refuses is reported with its one line. Also the plan's longest prompt."""
+    llm = LLM(MODEL, quantization="fp8", kv_cache_dtype="fp8", prefix_reuse=False)
+    engine = llm.engine
+    weights, kv = step_weight_bytes(llm.model), engine.planner.kv_bytes_per_token
+    report = dict(weights=weights_description(llm.model), step_weight_bytes=weights, kv_bytes_per_token=kv)
+    report["fit_tokens"] = engine.planner.fit_tokens(engine.free_bytes() + engine.cache_bytes)
+    print(f"  the memory plan fits a prompt of {report['fit_tokens']:,} tokens", flush=True)
+    rows = []
+    margin = FILLED_WARMUP + FILLED_WINDOWS * FILLED_STEPS
+    for context in contexts:
+        try:
+            llm.check_fits(context + margin, 1)
+        except UserError as refusal:
+            rows.append(dict(context=context, refused=str(refusal)))
+            print(f"  {context:,}: {refusal}", flush=True)
+            continue
+        cache = engine.start_filled(context, margin)
+        for t in (cache.k, cache.v):
+            for layer in t:  # a layer at a time: no cache-sized temporary
+                layer.view(torch.uint8).random_(0, 0x7E)  # finite positive e4m3 values (0x7F is NaN)
+        cache.kv_scale.fill_(0.01)
+        for _ in range(FILLED_WARMUP):  # the first captures the step's graph
+            engine.step(1, GREEDY, False)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        tok_s = []
+        for _ in range(FILLED_WINDOWS):
+            start.record()
+            for _ in range(FILLED_STEPS):
+                engine.step(1, GREEDY, False)
+            end.record()
+            end.synchronize()
+            tok_s.append(FILLED_STEPS * 1e3 / start.elapsed_time(end))
+        roofline = ceiling / (weights + kv * (context + margin - FILLED_WINDOWS * FILLED_STEPS / 2))
+        row = dict(
+            context=context, decode_tok_s=statistics.median(tok_s), decode_min=min(tok_s),
+            decode_max=max(tok_s), roofline_tok_s=roofline, n=FILLED_WINDOWS,
+        )  # fmt: skip
+        rows.append(row)
+        print(f"  {context:,}: {row['decode_tok_s']:.1f} tok/s ({min(tok_s):.1f}-{max(tok_s):.1f}), "
+              f"{100 * row['decode_tok_s'] / roofline:.1f}% of {roofline:.1f}", flush=True)  # fmt: skip
+        llm.release_cache()
+    report["rows"] = rows
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return report
 
 
 # ---- end to end --------------------------------------------------------------------------------------
@@ -276,6 +339,25 @@ def markdown(report: dict) -> str:
         header.append("prefill speed vs bf16")
         n = report["e2e"][0]["n"]
         lines += table(f"## End to end, {MODEL}, batch 1 (median (min-max) of {n})", header, rows)
+    if report.get("filled"):
+        f = report["filled"]
+        rows = [
+            [f"{r['context']:,}", "refused: " + r["refused"]] + [""] * 2 if "refused" in r else
+            [f"{r['context']:,}", f"{r['decode_tok_s']:.1f} ({r['decode_min']:.1f}-{r['decode_max']:.1f})",
+             f"{r['roofline_tok_s']:.1f}", f"{100 * r['decode_tok_s'] / r['roofline_tok_s']:.1f}%"]
+            for r in f["rows"]
+        ]  # fmt: skip
+        title = (
+            f"## Filled-cache decode, {MODEL}, FP8 weights + FP8 cache, batch 1 (median (min-max) of"
+            f" {FILLED_WINDOWS} windows of {FILLED_STEPS} steps)"
+        )
+        lines += table(title, ["context", "decode tok/s", "read roofline tok/s", "% of read roofline"], rows)
+        lines += [
+            f"Weights: {f['weights']}; a step reads {f['step_weight_bytes'] / 1e9:.2f} GB of weights and"
+            f" {f['kv_bytes_per_token']:,} bytes of cache a position. The memory plan fits a prompt of"
+            f" {f['fit_tokens']:,} tokens on this GPU (its cache and prefill beside the weights).",
+            "",
+        ]
     if report.get("accuracy"):
         a = report["accuracy"]
         rows = [
@@ -297,7 +379,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--accuracy-context", type=int, default=4096)
-    parser.add_argument("--skip", default="", help="comma-separated: gemv, e2e, accuracy")
+    parser.add_argument("--filled", type=int, nargs="+", default=[131072, 524288, 1048576])
+    parser.add_argument("--skip", default="", help="comma-separated: gemv, e2e, filled, accuracy")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -317,6 +400,9 @@ def main() -> None:
     if "e2e" not in skip:
         print("end to end:", flush=True)
         report["e2e"] = e2e(args.lengths, args.new_tokens, args.repeats, ceiling)
+    if "filled" not in skip:
+        print("filled-cache decode, FP8 weights + FP8 cache:", flush=True)
+        report["filled"] = filled(args.filled, ceiling)
     if "accuracy" not in skip:
         print("accuracy:", flush=True)
         report["accuracy_context"] = args.accuracy_context
