@@ -191,7 +191,10 @@ def filled(contexts: list[int], ceiling: float) -> dict:
         rows.append(row)
         print(f"  {context:,}: {row['decode_tok_s']:.1f} tok/s ({min(tok_s):.1f}-{max(tok_s):.1f}), "
               f"{100 * row['decode_tok_s'] / roofline:.1f}% of {roofline:.1f}", flush=True)  # fmt: skip
-        llm.release_cache()
+        del cache
+        llm.release_cache()  # the cache and its graphs: the device's free memory is what the next plan counts
+        gc.collect()
+        torch.cuda.empty_cache()
     report["rows"] = rows
     del llm, engine
     gc.collect()
