@@ -160,7 +160,7 @@ def filled(contexts: list[int], ceiling: float) -> dict:
     print(f"  the memory plan fits a prompt of {report['fit_tokens']:,} tokens", flush=True)
     rows = []
     margin = FILLED_WARMUP + FILLED_WINDOWS * FILLED_STEPS
-    for context in contexts:
+    for context in sorted(contexts, reverse=True):  # the longest first, on a device nothing else has used
         try:
             llm.check_fits(context + margin, 1)
         except UserError as refusal:
@@ -195,7 +195,7 @@ def filled(contexts: list[int], ceiling: float) -> dict:
         llm.release_cache()  # the cache and its graphs: the device's free memory is what the next plan counts
         gc.collect()
         torch.cuda.empty_cache()
-    report["rows"] = rows
+    report["rows"] = sorted(rows, key=lambda r: r["context"])
     del llm, engine
     gc.collect()
     torch.cuda.empty_cache()
