@@ -467,6 +467,19 @@ def test_quantize_rows_kernel_writes_the_twins_bits(dtype, scheme, norm):
     )
 
 
+def test_activation_rounding_multiplies_by_the_reciprocal():
+    """The Triton kernel and its twin round e4m3(x * (1 / s)), as vLLM's kernels do, not
+    e4m3(x / s): in a row whose largest |x| is 3.0, x = -2.892857... is a value where they differ."""
+    w = random_fp8_weight(8, 64, "channel")
+    x = torch.zeros(1, 64, device=DEVICE)
+    x[0, 0], x[0, 1] = 3.0, -2.892857074737549
+    s = torch.tensor(3.0) / torch.tensor(448.0)
+    by_division, by_reciprocal = (x[0, 1].cpu() / s).to(E4M3), (x[0, 1].cpu() * s.reciprocal()).to(E4M3)
+    assert by_division.float() != by_reciprocal.float()  # the input still tells the two apart
+    for rows in (quantize_rows(x, w), quantize_rows_triton(x, w)):
+        assert rows.values[0, 1].float().cpu() == by_reciprocal.float()
+
+
 # Shapes off every block multiple; 200 outputs are several 64-row blocks for the interpreter's 4
 # CTAs; 17 and 32 rows pad x to 32.
 GEMV_SHAPES = [(1, 200, 384), (3, 72, 256), (17, 136, 520), (32, 64, 192)]
