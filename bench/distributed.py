@@ -47,10 +47,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from timing import fill_cache  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode import LLM
 from minidecode.bench import measure_ceilings, provenance
-from minidecode.cache import FP8, kv_dtype_name
+from minidecode.cache import kv_dtype_name
 from minidecode.sampling import GREEDY
 
 EIGHT_B, SEVENTY_B = "synthetic:llama-3-8b", "synthetic:llama-3-70b"
@@ -240,15 +241,7 @@ def every_rank(llm: LLM, value):
 
 def fill(llm: LLM, context: int) -> None:
     """The rank's cache, sized for `context` + MARGIN, filled with random values."""
-    cache = llm.engine.start_filled(context, MARGIN)  # row 0 decodes from `context`, no prefill
-    for t in (cache.k, cache.v):
-        for layer in t:  # a layer at a time: no cache-sized temporary
-            if cache.dtype == FP8:
-                layer.view(torch.uint8).random_(0, 0x7E)  # finite positive e4m3 values (0x7F is NaN)
-            else:
-                layer.normal_()
-    if cache.dtype == FP8:
-        cache.kv_scale.fill_(0.01)
+    fill_cache(llm.engine.start_filled(context, MARGIN))  # row 0 decodes from `context`, no prefill
 
 
 @torch.inference_mode()

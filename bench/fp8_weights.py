@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 import torch
-from timing import time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
+from timing import fill_cache, time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode import LLM, UserError
 from minidecode.bench import measure_ceilings, provenance
@@ -167,11 +167,7 @@ def filled(contexts: list[int], ceiling: float) -> dict:
             rows.append(dict(context=context, refused=str(refusal)))
             print(f"  {context:,}: {refusal}", flush=True)
             continue
-        cache = engine.start_filled(context, margin)
-        for t in (cache.k, cache.v):
-            for layer in t:  # a layer at a time: no cache-sized temporary
-                layer.view(torch.uint8).random_(0, 0x7E)  # finite positive e4m3 values (0x7F is NaN)
-        cache.kv_scale.fill_(0.01)
+        fill_cache(engine.start_filled(context, margin))
         for _ in range(FILLED_WARMUP):  # the first captures the step's graph
             engine.step(1, GREEDY, False)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -191,7 +187,6 @@ def filled(contexts: list[int], ceiling: float) -> dict:
         rows.append(row)
         print(f"  {context:,}: {row['decode_tok_s']:.1f} tok/s ({min(tok_s):.1f}-{max(tok_s):.1f}), "
               f"{100 * row['decode_tok_s'] / roofline:.1f}% of {roofline:.1f}", flush=True)  # fmt: skip
-        del cache
         llm.release_cache()  # the cache and its graphs: the device's free memory is what the next plan counts
         gc.collect()
         torch.cuda.empty_cache()

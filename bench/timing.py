@@ -68,3 +68,18 @@ def event_ms(fn: Callable[[], object], repeats: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def fill_cache(cache) -> None:
+    """A decode benchmark's cache (minidecode.cache.KVCache) filled with random values, a layer
+    at a time (no cache-sized temporary): normal values, or for an FP8 cache finite positive e4m3
+    bit patterns (0x7F is NaN) with every scale 0.01."""
+    fp8 = cache.kv_scale is not None
+    for t in (cache.k, cache.v):
+        for layer in t:
+            if fp8:
+                layer.view(torch.uint8).random_(0, 0x7E)
+            else:
+                layer.normal_()
+    if fp8:
+        cache.kv_scale.fill_(0.01)
