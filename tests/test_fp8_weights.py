@@ -638,7 +638,10 @@ def test_ops_take_fp8_weights(op, rows):
         else:
             out = getattr(ops, op)(x, w, bias, triton=triton)
         results.append(out)
-    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+    if CUDA:  # the GEMV's warpgroup e4m3 dots keep about 14 bits of each chunk's sum (kernels/gemv.py)
+        assert rel_err(results[1], results[0]) < 3e-3
+    else:
+        torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
     y = exact(quantize_rows(x, w), w) + bias.double()
     if op == "gate_up_silu":
         gate, up = y.chunk(2, -1)
