@@ -21,7 +21,7 @@ Roofline: read ceiling / (the weight bytes a step reads + the KV bytes at the wi
 
 Filled-cache decode (FP8 weights + FP8 cache, no prefill): row 0 of a cache filled with random
 e4m3 values decodes from each context the memory plan allows (a refused one gets the plan's line),
-tok/s per window of 32 graph-replayed steps (CUDA events), 5 windows after 8 warm-up steps; the
+tok/s per window of 32 graph-replayed steps (CUDA events), 5 windows after a warm-up one; the
 plan's longest prompt on this GPU is reported too.
 
 Accuracy: a 4096-token random prompt prefilled by both models (every position's logits), then 64
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 import torch
-from timing import fill_cache, time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
+from timing import event_ms, fill_cache, time_graph  # bench/timing.py (bench/ is on the import path)
 
 from minidecode import LLM, UserError
 from minidecode.bench import measure_ceilings, provenance
@@ -144,7 +144,7 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
 
 
 # ---- filled-cache decode: FP8 weights + FP8 cache -----------------------------------------------------
-FILLED_WARMUP, FILLED_WINDOWS, FILLED_STEPS = 8, 5, 32
+FILLED_WINDOWS, FILLED_STEPS = 5, 32
 
 
 @torch.inference_mode()
@@ -159,7 +159,7 @@ def filled(contexts: list[int], ceiling: float) -> dict:
     report["fit_tokens"] = engine.planner.fit_tokens(engine.free_bytes() + engine.cache_bytes)
     print(f"  the memory plan fits a prompt of {report['fit_tokens']:,} tokens", flush=True)
     rows = []
-    margin = FILLED_WARMUP + FILLED_WINDOWS * FILLED_STEPS
+    margin = (1 + FILLED_WINDOWS) * FILLED_STEPS  # the warm-up window and the timed ones
     for context in sorted(contexts, reverse=True):  # the longest first, on a device nothing else has used
         try:
             llm.check_fits(context + margin, 1)
@@ -168,17 +168,9 @@ def filled(contexts: list[int], ceiling: float) -> dict:
             print(f"  {context:,}: {refusal}", flush=True)
             continue
         fill_cache(engine.start_filled(context, margin))
-        for _ in range(FILLED_WARMUP):  # the first captures the step's graph
-            engine.step(1, GREEDY, False)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        tok_s = []
-        for _ in range(FILLED_WINDOWS):
-            start.record()
-            for _ in range(FILLED_STEPS):
-                engine.step(1, GREEDY, False)
-            end.record()
-            end.synchronize()
-            tok_s.append(FILLED_STEPS * 1e3 / start.elapsed_time(end))
+        window = lambda e=engine: [e.step(1, GREEDY, False) for _ in range(FILLED_STEPS)]  # noqa: E731
+        # a warm-up window (its first step captures the graph), then the timed ones
+        tok_s = [FILLED_STEPS * 1e3 / ms for ms in event_ms(window, FILLED_WINDOWS)]
         roofline = ceiling / (weights + kv * (context + margin - FILLED_WINDOWS * FILLED_STEPS / 2))
         row = dict(
             context=context, decode_tok_s=statistics.median(tok_s), decode_min=min(tok_s),
