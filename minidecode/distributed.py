@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .errors import UserError
+from .kernels import collectives
 from .validate import check_parallel
 
 # NVLink multicast (NVLS) stays off on the machines this runs on: forced in every process before the
@@ -41,16 +42,10 @@ NO_MULTICAST = {
     "NVSHMEM_DISABLE_NVLS": "1",
     "TORCH_SYMMMEM": "CUDA",
 }
-# The largest collective (bytes of the summed or gathered tensor) that runs as a one-shot kernel over
-# symmetric memory; larger ones (prefill's activations) go through NCCL, whose ring and tree
-# algorithms move large messages at link bandwidth. The decode step's are far below: a [1, hidden]
-# all-reduce is 8 KiB (8B model) or 16 KiB (70B), the context-parallel merge gathers 16.5 KiB a rank
-# (32 heads x 129 floats), the logits 251 KiB in all (128,256 bfloat16).
-ONE_SHOT_MAX_BYTES = 512 * 1024
-# Gather shapes that get a one-shot staging buffer (each at most ONE_SHOT_MAX_BYTES, kept while the
-# process lives because a captured graph may read it): the decode step has one or two; a shape past
-# the limit (a scored prompt of yet another length) goes through NCCL.
-ONE_SHOT_GATHER_SHAPES = 16
+# The decode step's small collectives (a [1, hidden] all-reduce is 8 KiB for an 8B model, 16 KiB
+# for 70B; the context-parallel merge gathers 16.5 KiB a rank, the logits 251 KiB in all) run as
+# one-shot kernels (OneShot) up to collectives.MAX_BYTES (512 KiB) a rank; larger ones (prefill's
+# activations) go through NCCL, whose ring and tree algorithms move large messages at link bandwidth.
 
 T = TypeVar("T")
 
@@ -158,10 +153,9 @@ class Parallel:
         return cp_rank * self.tp + self.tp_rank
 
     # ---- collectives over model tensors (ordered on the current stream: graph-capturable) ------
-    def one_shot_tp(self, x: torch.Tensor, parts: int = 1) -> OneShot | None:
-        """The tensor-parallel group's one-shot collectives if they take x (parts: how many x-sized
-        parts the result holds), else None: NCCL."""
-        return self._one_shot(self.tp_one_shot, x, parts)
+    def one_shot_tp(self, x: torch.Tensor) -> OneShot | None:
+        """The tensor-parallel group's one-shot collectives if they take x, else None: NCCL."""
+        return self._one_shot(self.tp_one_shot, x)
 
     def all_reduce_tp(self, x: torch.Tensor) -> None:
         """x += every tensor-parallel peer's x, in place (the row-split projections' sum)."""
@@ -172,19 +166,18 @@ class Parallel:
 
     def all_gather_tp(self, x: torch.Tensor) -> torch.Tensor:
         """[tp, *x.shape]: every tensor-parallel rank's x, in tp-rank order."""
-        if (one_shot := self.one_shot_tp(x, self.tp)) is not None and one_shot.can_gather(x):
+        if (one_shot := self.one_shot_tp(x)) is not None:
             return one_shot.gather(x)
         return _all_gather(x, self.tp, self.tp_group)
 
     def all_gather_cp(self, x: torch.Tensor) -> torch.Tensor:
         """[cp, *x.shape]: every context-parallel rank's x, in cp-rank order."""
-        one_shot = self._one_shot(self.cp_one_shot, x, self.cp)
-        if one_shot is not None and one_shot.can_gather(x):
+        if (one_shot := self._one_shot(self.cp_one_shot, x)) is not None:
             return one_shot.gather(x)
         return _all_gather(x, self.cp, self.cp_group)
 
-    def _one_shot(self, one_shot: OneShot | None, x: torch.Tensor, parts: int) -> OneShot | None:
-        return one_shot if self.use_one_shot and one_shot is not None and one_shot.fits(x, parts) else None
+    def _one_shot(self, one_shot: OneShot | None, x: torch.Tensor) -> OneShot | None:
+        return one_shot if self.use_one_shot and one_shot is not None and one_shot.fits(x) else None
 
     def broadcast_cp(self, x: torch.Tensor, cp_rank: int) -> None:
         """x (contiguous) := the x of context-parallel rank cp_rank, in place on every peer."""
@@ -252,56 +245,46 @@ def _all_gather(x: torch.Tensor, n: int, group: Any) -> torch.Tensor:
 
 
 class OneShot:
-    """Small collectives over one process group as single kernels on symmetric memory (PyTorch's
-    symm_mem ops, peer-to-peer over NVLink; no multicast).
-
-    Every rank of the group allocates a buffer that every peer maps (a collective rendezvous, once).
-    A sum is one kernel, `one_shot_all_reduce_copy_out`: each rank copies its tensor into its own
-    buffer, all meet at a barrier of flags in each other's memory, then each reads every peer's copy
-    and sums them in rank order (the same sum on every rank, bit for bit), and a last barrier keeps
-    the buffer until every peer has read it. NCCL spends ~15 us on an 8 KiB all-reduce in a CUDA
-    graph on 2 H100s (a quarter of a tensor-parallel 8B step at 1k); this needs one launch and two
-    flag round trips. A gather is that sum over a [ranks, *shape] staging tensor holding zeros
-    except this rank's part (x + 0 is exact, so each part arrives unchanged)."""
+    """Small collectives over one process group as single Triton kernels over symmetric memory
+    (kernels/collectives.py: each rank pushes its part into every peer's buffer over NVLink and
+    raises a flag there, then reads the peers' parts from its own memory; one flag round trip a
+    call, and the next kernel launches while the flags travel). PyTorch's symm_mem allocates the
+    buffers and maps every peer's into each process (a collective rendezvous, once); no multicast.
+    Every rank sums in rank order in float32, so the sum is the same bit for bit on every rank."""
 
     def __init__(self, group: Any, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name, self.size, self.rank = group.group_name, group.size(), group.rank()
+        self.device = device
+        if self.size > collectives.MAX_RANKS:
+            raise ValueError(f"one-shot collectives take up to {collectives.MAX_RANKS} ranks")
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older PyTorch, deprecated later
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
-        self.staging: dict[tuple, torch.Tensor] = {}  # (shape, dtype) -> [size, *shape] zeros but ours
+        self.buffer = symm_mem.empty(collectives.buffer_bytes(self.size), dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        offset = getattr(handle, "offset", 0)  # where the tensor starts in its allocation (newer PyTorch)
+        addresses = [int(p) + offset for p in handle.buffer_ptrs]
+        self.ends = collectives.RankBuffers.of(self.buffer, addresses, self.rank)
+        self.use_pdl = torch.cuda.get_device_capability(device)[0] >= 9
+        self.buffer.zero_()  # the flags start at 0 on every rank before any peer raises one
+        dist.all_reduce(torch.zeros(1, device=device), group=group)  # after every rank's zeroing
+        torch.cuda.synchronize(device)
 
-    @staticmethod
-    def fits(x: torch.Tensor, parts: int = 1) -> bool:
-        """The kernel sums bfloat16 and float32 in 16-byte vectors, up to the buffer's size."""
-        nbytes = x.numel() * x.element_size() * parts
-        return (
-            x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous()
-            and 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes % 16 == 0
-        )  # fmt: skip
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether the kernel takes x: on this device, contiguous, bf16 / fp16 / fp32, <= 512 KiB."""
+        return x.device == self.device and collectives.fits(x)
 
     def sum(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out := the sum of every rank's x (out may be x: each element is copied into the buffer
-        before the thread that copied it writes its sum)."""
-        mine = self.buffer.view(x.dtype)[: x.numel()].view_as(x)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(mine, x, "sum", self.group_name, out)
-
-    def can_gather(self, x: torch.Tensor) -> bool:
-        return (tuple(x.shape), x.dtype) in self.staging or len(self.staging) < ONE_SHOT_GATHER_SHAPES
+        """out := the sum of every rank's x (out may be x)."""
+        return collectives.one_shot(x, out, self.ends, False, self.use_pdl)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in group-rank order."""
-        key = (tuple(x.shape), x.dtype)
-        if key not in self.staging:  # the other ranks' rows stay zero for good
-            self.staging[key] = torch.zeros(self.size, *x.shape, dtype=x.dtype, device=x.device)
-        staging = self.staging[key]
-        staging[self.rank].copy_(x)
-        return self.sum(staging, torch.empty_like(staging))
+        out = torch.empty(self.size, *x.shape, dtype=x.dtype, device=x.device)
+        return collectives.one_shot(x, out, self.ends, True, self.use_pdl)
 
 
 def init_parallel(tp: int, cp: int, device: str | torch.device | None, one_shot: bool = True) -> Parallel:
@@ -363,8 +346,6 @@ def _one_shot_problem(parallel: Parallel) -> str | None:
     """Why this rank cannot take part in the one-shot collectives (None: it can)."""
     if parallel.device.type != "cuda":
         return "CPU ranks (gloo)"
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-        return f"PyTorch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy_out"
     world = parallel.world_size
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
         return "ranks on several hosts (symmetric memory maps GPUs of one host)"

@@ -24,8 +24,8 @@ from ranks import run_ranks
 from minidecode import LLM, UserError
 from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
-from minidecode.distributed import ONE_SHOT_MAX_BYTES, OneShot, merge_partials, shard_plan
-from minidecode.kernels import ops
+from minidecode.distributed import OneShot, merge_partials, shard_plan
+from minidecode.kernels import collectives, ops
 from minidecode.kernels.reference import decode_attention_reference
 from minidecode.models.presets import PRESETS
 from minidecode.validate import check_parallel
@@ -128,23 +128,27 @@ def run_job(job: dict) -> dict:
 
 
 class GlooOneShot(OneShot):
-    """OneShot's logic on CPU ranks (the tp 2 residual fold, gathers through zero-padded staging,
-    the size limit), with its GPU kernel stood in for by gloo's all-reduce of a copy."""
+    """OneShot's place in the model on CPU ranks (the tp 2 residual fold, which collectives take it,
+    the size limit), with its kernel (tests/test_collectives.py) stood in for by gloo's all-reduce
+    and all-gather."""
 
     def __init__(self, group):
-        self.group, self.size, self.rank = group, group.size(), group.rank()
-        self.staging, self.calls = {}, 0
+        self.group, self.size, self.rank, self.calls = group, group.size(), group.rank(), 0
 
-    @staticmethod
-    def fits(x: torch.Tensor, parts: int = 1) -> bool:
-        nbytes = x.numel() * x.element_size() * parts
-        return x.dtype == torch.float32 and x.is_contiguous() and 0 < nbytes <= ONE_SHOT_MAX_BYTES
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and collectives.fits(x)
 
     def sum(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         total = x.clone()
         torch.distributed.all_reduce(total, group=self.group)  # 2 ranks: the same sum on both
         self.calls += 1
         return out.copy_(total)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(self.size, *x.shape)
+        torch.distributed.all_gather(list(out.unbind(0)), x, group=self.group)
+        self.calls += 1
+        return out
 
 
 @pytest.fixture(scope="module")

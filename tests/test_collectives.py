@@ -1,0 +1,97 @@
+"""The one-shot collectives' kernel (kernels/collectives.py) with real ranks on the CPU: one process
+per rank under the Triton interpreter, their buffers in shared memory (each process maps them at
+addresses of its own, as GPUs map each other's), so pushes, flags and waits cross processes as they
+cross GPUs. Each rank makes the decode step's pattern of calls (small sums, a multi-CTA gather, a
+float32 gather, a sum in place) many times over, through both slots and across the call counts'
+wrap, and checks every result against float64 sums of what each rank gave."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from minidecode.kernels import collectives
+
+ROUNDS = 3
+START = 2**31 - 3  # the call counts start just below int32's wrap: compared as differences
+
+
+def messages(rank: int, call: int) -> list[tuple[str, torch.Tensor]]:
+    """What rank `rank` contributes to its calls of round `call`: distinct values per rank and round.
+    The half-precision sum is fp16: the interpreter rounds float32 to bf16 by truncation (the GPU
+    rounds to nearest), so a bf16 sum would differ from float64's in the last place there."""
+    gen = torch.Generator().manual_seed(1000 * call + rank)
+    return [
+        ("sum", torch.randn(4096, generator=gen).to(torch.float16)),  # a [1, 4096] hidden state
+        ("gather", torch.randn(3, 7000, generator=gen).to(torch.bfloat16)),  # 41 KiB: 3 CTAs
+        ("gather", torch.randn(2, 4, 33, generator=gen)),  # float32 partials, as context parallel
+        ("sum_in_place", torch.randn(2, 4100, generator=gen)),  # float32, 2 CTAs, out is x
+    ]
+
+
+def expected(size: int, call: int) -> list[torch.Tensor]:
+    per_rank = [messages(r, call) for r in range(size)]
+    out = []
+    for i, (kind, x) in enumerate(per_rank[0]):
+        parts = [per_rank[r][i][1] for r in range(size)]
+        if kind == "gather":
+            out.append(torch.stack(parts))
+        else:  # the kernel's contract: float32 accumulation in rank order, then the dtype
+            total = torch.zeros(x.shape)
+            for p in parts:
+                total += p.float()
+            out.append(total.to(x.dtype))
+    return out
+
+
+def rank_main(rank: int, size: int, buffers: list[torch.Tensor], results) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        ends = collectives.RankBuffers.of(buffers[rank], [b.data_ptr() for b in buffers], rank)
+        ends.calls.fill_(START)
+        errors = []
+        for call in range(ROUNDS):
+            for (kind, x), want in zip(messages(rank, call), expected(size, call), strict=True):
+                if kind == "gather":
+                    got = collectives.one_shot(x, x.new_empty(size, *x.shape), ends, True)
+                elif kind == "sum":
+                    got = collectives.one_shot(x, torch.empty_like(x), ends, False)
+                else:
+                    got = collectives.one_shot(x, x, ends, False)
+                if not torch.equal(got, want):
+                    diff = (got.double() - want.double()).abs().max()
+                    errors.append(f"round {call} {kind}: max diff {diff}")
+        results[rank] = errors
+    except Exception as e:  # reported to the test, not lost in the child
+        results[rank] = [repr(e)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_in_processes_sum_and_gather_exactly(size):
+    ctx = mp.get_context("spawn")
+    nbytes = collectives.buffer_bytes(size)
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(size)]
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        ranks = [ctx.Process(target=rank_main, args=(r, size, buffers, results)) for r in range(size)]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(timeout=300)
+        hung = [r for r, p in enumerate(ranks) if p.is_alive()]
+        for p in ranks:
+            p.kill()
+        assert not hung, f"ranks {hung} still waiting"
+        assert dict(results) == {r: [] for r in range(size)}
+
+
+def test_fits():
+    assert collectives.fits(torch.zeros(1, 4096, dtype=torch.bfloat16))
+    assert collectives.fits(torch.zeros(collectives.MAX_BYTES // 4))
+    assert not collectives.fits(torch.zeros(collectives.MAX_BYTES // 4 + 1))
+    assert not collectives.fits(torch.zeros(2, 8)[:, ::2])  # not contiguous
+    assert not collectives.fits(torch.zeros(8, dtype=torch.int64))
+    assert not collectives.fits(torch.zeros(0))
