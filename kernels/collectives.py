@@ -2,30 +2,31 @@
 GPUs of one host, as one kernel over buffers every rank maps (symmetric memory; set up by
 minidecode/distributed.py's OneShot).
 
-Each rank's buffer holds a flag per (peer, CTA) and, per CTA, a chunk per (slot, source rank):
+The message travels as 8-byte words, each 4 bytes of data (two bf16 / fp16 values or one fp32)
+and a 4-byte tag: the call's count + 1 (NCCL's "LL" protocol). A word is written and read whole
+(8-byte accesses are single-copy atomic, over NVLink too), so a word that carries this call's tag
+carries this call's data: no flag, no memory fence, no acknowledgement; one one-way trip a call.
+Each rank's buffer holds, per CTA, a chunk of words per (slot, source rank):
 
-    flags [size, MAX_CTAS] int32 | data [2 slots, size, MAX_CTAS, CHUNK_BYTES]
+    [2 slots, size, MAX_CTAS, CHUNK_BYTES / 4] int64
 
-CTA c of a call takes elements [c * block, (c + 1) * block) (CHUNK_BYTES of them) and:
-1. pushes this rank's chunk into every peer's buffer (slot = its call count's parity, source =
-   this rank): stores over NVLink, which nobody waits for one by one;
-2. raises its flag in every peer's buffer to its call count + 1, a release at system scope after a
-   CTA barrier, so the peer that sees the flag sees the chunk;
-3. waits for every peer's flag in its own buffer to reach that count (acquire), then reads the
-   peers' chunks from its own memory and sums them in rank order in float32 (every rank computes
-   the same sum bit for bit), or writes them in rank order (gather).
+CTA c of a call takes CHUNK_BYTES of the message and:
+1. pushes its words, tagged, into every peer's buffer (slot = its call count's parity, source =
+   this rank): stores over NVLink, which nobody waits for;
+2. reads every peer's chunk from its own buffer until all its words carry the tag (polling),
+   then sums the values in rank order in float32 (every rank computes the same sum bit for bit),
+   or writes them in rank order (gather).
 
-One flag round trip a call, against two for a pull (signal "ready", read remote, signal "done"):
-the two slots make the second barrier unnecessary. A peer can be at most one call ahead of us on a
-CTA (it needs our flag of the call before to pass its wait), so its next push goes to the other
-slot, and the push after that only once we raised our flag for the next call, which we do after
-reading this one. That holds per CTA because a CTA's chunk sits at the same place in every call,
-whatever the message's size, and the call counts (one per CTA, in this rank's memory) advance the
-same way on every rank because all ranks make the same calls in the same order. The counts compare
-modulo 2^32 (a difference, not an order), so they may wrap.
+Why two slots suffice: a peer can be at most one call ahead of us on a CTA (to finish a call it
+needs our words of that call), so its next push goes to the other slot, and the push after that
+only once it has our words of the next call, which we push after reading this one. That holds per
+CTA because a CTA's chunk sits at the same place in every call, whatever the message's size, and
+the call counts (one per CTA, in this rank's memory) advance the same way on every rank because
+all ranks make the same calls in the same order. Tags are compared for equality: a slot's stale
+words carry the tag of two calls before, so the counts may wrap.
 
 The kernel launches under programmatic dependent launch on Hopper: it lets the next kernel launch
-as soon as it starts (a GEMV then issues its first weight tiles while the flags travel), and waits
+as soon as it starts (a GEMV then issues its first weight tiles while the words travel), and waits
 for the previous kernel's output before reading it.
 """
 
@@ -37,87 +38,94 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK_BYTES = 16384  # a CTA's share of a message
-MAX_CTAS = 32  # so a message is at most 512 KiB
+CHUNK_BYTES = 8192  # of data a CTA takes from a message (16 KiB of tagged words)
+MAX_CTAS = 64  # so a message is at most 512 KiB
 MAX_BYTES = CHUNK_BYTES * MAX_CTAS
-DATA_OFFSET = 4096  # bytes before the data: the flags (size x MAX_CTAS int32, size <= 32)
-MAX_RANKS = DATA_OFFSET // (4 * MAX_CTAS)
+MAX_RANKS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def buffer_bytes(size: int) -> int:
     """Bytes of each rank's buffer for a group of `size` ranks."""
-    return DATA_OFFSET + 2 * size * MAX_CTAS * CHUNK_BYTES
+    return 2 * size * MAX_CTAS * 2 * CHUNK_BYTES
 
 
-def fits(x: torch.Tensor, parts: int = 1) -> bool:
-    """Whether x (or `parts` x-sized pieces of one message) fits the kernel: a contiguous tensor of
-    a dtype it takes, at most MAX_BYTES."""
-    nbytes = x.numel() * x.element_size() * parts
-    return x.dtype in DTYPES and x.is_contiguous() and 0 < nbytes <= MAX_BYTES
+def fits(x: torch.Tensor) -> bool:
+    """Whether the kernel takes x: a contiguous tensor of a dtype it takes, whole 4-byte words, at
+    most MAX_BYTES."""
+    nbytes = x.numel() * x.element_size()
+    return x.dtype in DTYPES and x.is_contiguous() and 0 < nbytes <= MAX_BYTES and nbytes % 4 == 0
+
+
+@triton.jit
+def _values(words, HALF: tl.constexpr, dtype: tl.constexpr):
+    """int32 words [W] -> their values: [2 W] (HALF: two 16-bit values a word, the low one first,
+    as memory holds them) or [W]."""
+    if HALF:
+        low = words.to(tl.int16).to(dtype, bitcast=True)
+        high = (words >> 16).to(tl.int16).to(dtype, bitcast=True)
+        values = tl.interleave(low, high)
+    else:
+        values = words.to(dtype, bitcast=True)
+    return values
 
 
 @triton.jit
 def _one_shot_kernel(
-    X,  # [n]: this rank's part
-    Out,  # [n] (sum; may be X) or [SIZE, n] (gather)
-    Data,  # this rank's buffer, as X's dtype
-    Flags,  # this rank's buffer, as int32
+    X,  # [n_words] int32: this rank's part, as words
+    Out,  # sum: [n] of the message's dtype (may be X); gather: [SIZE, n_words] int32
+    Buffer,  # this rank's buffer: [2, SIZE, CTAS, WORDS] int64
     Peers,  # [SIZE] int64: each rank's buffer minus ours, in 16-byte units (0 for us)
-    Calls,  # [MAX_CTAS] int32: this rank's call count per CTA
-    n,
+    Calls,  # [CTAS] int32: this rank's call count per CTA
+    n_words,
     rank,
     SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,  # elements of a chunk
-    GATHER: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    WORDS: tl.constexpr,  # words of a chunk
     CTAS: tl.constexpr,
-    DATA: tl.constexpr,  # DATA_OFFSET in elements
+    GATHER: tl.constexpr,
+    HALF: tl.constexpr,  # two 16-bit values a word (else one 32-bit value)
+    USE_PDL: tl.constexpr,
 ):
-    # A peer's buffer is ours plus a multiple of 16 bytes: the compiler sees that its data pointers
-    # are as aligned as ours, and moves 16 bytes an access (an address loaded as an integer and cast
-    # to a pointer would be accessed an element at a time).
-    EL: tl.constexpr = 16 // (X.dtype.element_ty.primitive_bitwidth // 8)  # elements in 16 bytes
     cta = tl.program_id(0)
-    offs = cta * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
+    offs = cta * WORDS + tl.arange(0, WORDS)  # this CTA's words of the message
+    ok = offs < n_words
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch and issue its weight loads
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
-    x = tl.load(X + offs, mask=ok, other=0.0)
+    x = tl.load(X + offs, mask=ok, other=0)
     call = tl.load(Calls + cta)
-    target = call + 1
+    tag = call + 1
     slot = call & 1
-    # Chunk c of a call sits at the same place whatever the message's size: [slot, source, c].
-    mine = Data + DATA + ((slot * SIZE + rank) * CTAS) * BLOCK + offs  # our chunk, in any buffer
+    # A peer's buffer is ours plus a multiple of 16 bytes: the compiler sees its pointers as aligned
+    # as ours, and stores two words at a time (an address loaded as an integer and cast to a pointer
+    # would be accessed an element at a time).
+    chunk = Buffer + (slot * SIZE * CTAS) * WORDS + offs  # [source 0][this CTA] in any buffer
+    tagged = (tag.to(tl.int64) << 32) | (x.to(tl.int64) & 0xFFFFFFFF)
     for peer in tl.static_range(SIZE):
         if rank != peer:
-            tl.store(mine + tl.load(Peers + peer) * EL, x, mask=ok)
-    tl.debug_barrier()  # every thread's pushes come before the flags' release
-    flag = Flags + rank * CTAS + cta  # our flag for this CTA, in any buffer
-    for peer in tl.static_range(SIZE):
-        if rank != peer:
-            tl.atomic_xchg(flag + tl.load(Peers + peer) * 4, target, sem="release", scope="sys")
-    for peer in tl.static_range(SIZE):
-        if rank != peer:
-            theirs = Flags + peer * CTAS + cta
-            seen = tl.atomic_add(theirs, 0, sem="acquire", scope="sys")
-            while seen - target < 0:  # an int32 difference: the counts may wrap
-                seen = tl.atomic_add(theirs, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()  # no thread reads before the flags are seen
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+            tl.store(chunk + rank * CTAS * WORDS + tl.load(Peers + peer) * 2, tagged, mask=ok)
+    dtype = Out.dtype.element_ty
+    acc = tl.zeros([WORDS * (2 if HALF else 1)], dtype=tl.float32)
     for src in tl.static_range(SIZE):
-        where = Data + DATA + ((slot * SIZE + src) * CTAS) * BLOCK + offs
-        # Our own chunk holds nothing of this call (x stands in for it): read and discarded.
-        # .cg: from L2, which the peers' stores reached, never from a stale L1 line.
-        part = tl.where(rank == src, x, tl.load(where, mask=ok, other=0.0, cache_modifier=".cg"))
-        if GATHER:
-            tl.store(Out + src * n + offs, part, mask=ok)
+        # Polled until every word of ours carries the tag; volatile, so each poll reads memory.
+        if rank != src:
+            got = tl.load(chunk + src * CTAS * WORDS, mask=ok, other=0, volatile=True)
+            while tl.min(((got >> 32).to(tl.int32) == tag) | (offs >= n_words), 0) == 0:
+                got = tl.load(chunk + src * CTAS * WORDS, mask=ok, other=0, volatile=True)
+            words = got.to(tl.int32)
         else:
-            acc += part.to(tl.float32)
+            words = x
+        if GATHER:
+            tl.store(Out + src * n_words + offs, words, mask=ok)
+        else:
+            acc += _values(words, HALF, dtype).to(tl.float32)
     if not GATHER:
-        tl.store(Out + offs, acc.to(X.dtype.element_ty), mask=ok)
-    tl.store(Calls + cta, target)
+        if HALF:
+            values = cta * 2 * WORDS + tl.arange(0, 2 * WORDS)
+            tl.store(Out + values, acc.to(dtype), mask=values < 2 * n_words)
+        else:
+            tl.store(Out + offs, acc.to(dtype), mask=ok)
+    tl.store(Calls + cta, tag)
 
 
 @dataclass
@@ -135,9 +143,8 @@ class RankBuffers:
         if addresses[rank] != buffer.data_ptr() or any(a % 16 for a in addresses):
             raise ValueError("one-shot buffers: the addresses must be 16-byte aligned, ours at [rank]")
         peers = torch.tensor([(a - addresses[rank]) // 16 for a in addresses], device=buffer.device)
-        return RankBuffers(
-            buffer, peers, torch.zeros(MAX_CTAS, dtype=torch.int32, device=buffer.device), rank
-        )
+        calls = torch.zeros(MAX_CTAS, dtype=torch.int32, device=buffer.device)
+        return RankBuffers(buffer, peers, calls, rank)
 
 
 def one_shot(x: torch.Tensor, out: torch.Tensor, ends: RankBuffers, gather: bool, use_pdl: bool = False):
@@ -147,22 +154,22 @@ def one_shot(x: torch.Tensor, out: torch.Tensor, ends: RankBuffers, gather: bool
     size = ends.peers.numel()
     assert fits(x) and size <= MAX_RANKS and out.is_contiguous() and out.dtype == x.dtype
     assert out.numel() == x.numel() * (size if gather else 1)
-    block = CHUNK_BYTES // x.element_size()
-    _one_shot_kernel[(triton.cdiv(x.numel(), block),)](
-        x,
-        out,
-        ends.buffer.view(x.dtype),
-        ends.buffer.view(torch.int32),
+    words = CHUNK_BYTES // 4
+    n_words = x.numel() * x.element_size() // 4
+    _one_shot_kernel[(triton.cdiv(n_words, words),)](
+        x.view(-1).view(torch.int32),
+        out.view(-1).view(torch.int32) if gather else out,
+        ends.buffer.view(torch.int64),
         ends.peers,
         ends.calls,
-        x.numel(),
+        n_words,
         ends.rank,
         SIZE=size,
-        BLOCK=block,
-        GATHER=gather,
-        USE_PDL=use_pdl,
+        WORDS=words,
         CTAS=MAX_CTAS,
-        DATA=DATA_OFFSET // x.element_size(),
+        GATHER=gather,
+        HALF=x.element_size() == 2,
+        USE_PDL=use_pdl,
         num_warps=4,
         **({"launch_pdl": True} if use_pdl else {}),
     )

@@ -246,11 +246,12 @@ def _all_gather(x: torch.Tensor, n: int, group: Any) -> torch.Tensor:
 
 class OneShot:
     """Small collectives over one process group as single Triton kernels over symmetric memory
-    (kernels/collectives.py: each rank pushes its part into every peer's buffer over NVLink and
-    raises a flag there, then reads the peers' parts from its own memory; one flag round trip a
-    call, and the next kernel launches while the flags travel). PyTorch's symm_mem allocates the
-    buffers and maps every peer's into each process (a collective rendezvous, once); no multicast.
-    Every rank sums in rank order in float32, so the sum is the same bit for bit on every rank."""
+    (kernels/collectives.py: each rank pushes its part, as words tagged with the call's count, into
+    every peer's buffer over NVLink, then polls its own buffer until the peers' words of this call
+    are there: one one-way trip a call, and the next kernel launches while the words travel).
+    PyTorch's symm_mem allocates the buffers and maps every peer's into each process (a collective
+    rendezvous, once); no multicast. Every rank sums in rank order in float32, so the sum is the
+    same bit for bit on every rank."""
 
     def __init__(self, group: Any, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
@@ -269,12 +270,13 @@ class OneShot:
         addresses = [int(p) + offset for p in handle.buffer_ptrs]
         self.ends = collectives.RankBuffers.of(self.buffer, addresses, self.rank)
         self.use_pdl = torch.cuda.get_device_capability(device)[0] >= 9
-        self.buffer.zero_()  # the flags start at 0 on every rank before any peer raises one
+        self.buffer.zero_()  # no word carries a tag before any peer pushes one
         dist.all_reduce(torch.zeros(1, device=device), group=group)  # after every rank's zeroing
         torch.cuda.synchronize(device)
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether the kernel takes x: on this device, contiguous, bf16 / fp16 / fp32, <= 512 KiB."""
+        """Whether the kernel takes x: on this device, contiguous, bf16 / fp16 / fp32, whole 4-byte
+        words, <= 512 KiB."""
         return x.device == self.device and collectives.fits(x)
 
     def sum(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

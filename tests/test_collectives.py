@@ -8,6 +8,7 @@ wrap, and checks every result against float64 sums of what each rank gave."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -79,8 +80,9 @@ def test_ranks_in_processes_sum_and_gather_exactly(size):
         ranks = [ctx.Process(target=rank_main, args=(r, size, buffers, results)) for r in range(size)]
         for p in ranks:
             p.start()
+        deadline = time.monotonic() + 90  # a run takes seconds; a rank that never sees its data hangs
         for p in ranks:
-            p.join(timeout=300)
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(ranks) if p.is_alive()]
         for p in ranks:
             p.kill()
