@@ -5,7 +5,7 @@ the decode step's small collectives as one-shot kernels over symmetric memory an
 
 counts the GPUs (2 or 4) and their memory, runs the parts below one after the other, each in its
 own process(es) under its own time limit (a part that fails or runs out of time is reported and
-the others go on), and writes OUT-{N}gpu.md and OUT-{N}gpu.json: device, count, date, commit, and
+the others go on), and writes OUT-{N}gpu-{card}.md and .json: device, count, date, commit, and
 every parallel figure next to the one-GPU baseline measured in the same run.
 - one GPU (a plain process), the baseline: synthetic Llama-3-8B, bf16 cache at 1k, 128k and 512k,
   FP8 cache at 128k, 512k and 1M (a context that does not fit one GPU is reported as such);
@@ -126,7 +126,8 @@ def launch(out: Path | None, budget: float) -> None:
     report = compose(results, failures, gpus, time.monotonic() - started)
     print(report)
     if out is not None:
-        stem = out.with_name(f"{out.name}-{gpus}gpu")
+        card = torch.cuda.get_device_name(0).removeprefix("NVIDIA ").split()[0].lower()  # "h100", "h200"
+        stem = out.with_name(f"{out.name}-{gpus}gpu-{card}")
         stem.with_suffix(".md").write_text(report + "\n")
         document = dict(results=results, failures=failures, commit=commit())
         stem.with_suffix(".json").write_text(json.dumps(document, indent=1) + "\n")
@@ -309,7 +310,7 @@ def collectives_us(llm: LLM, one_shot: bool) -> list[float]:
 
         def step() -> None:
             for _ in range(cfg.num_layers):
-                attend.merge(o, lse, lengths).to(dtype)
+                attend.merge(o, lse, lengths, dtype, pdl=True)  # as the decode step does
 
         def refill() -> None:
             pass
@@ -487,7 +488,7 @@ def kv_contexts(text: str) -> tuple[str, list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="write OUT-{N}gpu.md and .json")
+    parser.add_argument("--out", type=Path, help="write OUT-{N}gpu-{card}.md and .json")
     parser.add_argument("--budget", type=float, default=420, help="seconds for all parts (default 420)")
     parser.add_argument("--part", choices=["one", "tp", "cp"], help=argparse.SUPPRESS)  # the launcher's
     parser.add_argument("--model", default=EIGHT_B, help=argparse.SUPPRESS)

@@ -136,7 +136,7 @@ fi
 if [[ $STAGES == *multi* ]]; then
   # Several GPUs (~8 min on 2 x H100): the 2-GPU tests (one-shot and NCCL collectives against one
   # GPU, the CLI under torchrun; ~2 min), then bench/distributed.py (one GPU, tp N, cp N, each part
-  # under its own limit; ~5 min) -> distributed-{N}gpu.{md,json}. NVLink multicast stays off.
+  # under its own limit; ~5 min) -> distributed-{N}gpu-{card}.{md,json}. NVLink multicast stays off.
   export NCCL_NVLS_ENABLE=0
   nvidia-smi topo -m >"$LOG_DIR/multi-topology.txt" 2>&1
   if [[ ${MULTI_PARTS:-tests bench} == *tests* ]]; then

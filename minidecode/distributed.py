@@ -5,8 +5,8 @@
 - each rank's share of the model: tensor parallel (tp) splits the query and KV heads, the MLP's
   intermediate rows and the vocabulary (ShardPlan); context parallel (cp) splits the cache's
   positions into contiguous ranges, one per rank;
-- the collectives the model calls, and the exact log-sum-exp merge of attention computed over
-  disjoint ranges of the context (merge_partials); on GPUs, the small ones of the decode step run
+- the collectives the model calls (the exact log-sum-exp merge of attention computed over
+  disjoint ranges of the context is kernels/cp_merge.py's); on GPUs, the small ones of the decode step run
   as one-shot kernels over symmetric memory (OneShot), the rest through NCCL;
 - agreement between ranks: one rank's error becomes every rank's, so all exit together.
 
@@ -381,17 +381,3 @@ def _rank_device(device: str | torch.device | None) -> torch.device:
         raise UserError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}")
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
-
-
-def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Exact softmax attention over the union of disjoint key ranges from each range's result:
-    o [n, ..., D] (each range's normalised output; finite, zeros for an empty range) and lse
-    [n, ...] (its log-sum-exp of the scaled scores, natural log; -inf for an empty range, and at
-    least one range not empty) -> o [..., D] in float32 or wider.
-
-    softmax over all keys = sum_i exp(lse_i - lse) softmax_i, lse = log sum_i exp(lse_i): the rule
-    the lean kernel applies inside (in log2 units) to its CTAs' partials. The weights are a softmax
-    of the lse over the ranges: three launches, once per layer in a context-parallel decode step."""
-    dtype = torch.promote_types(lse.dtype, torch.float32)
-    weight = torch.softmax(lse.to(dtype), dim=0).unsqueeze(-1)  # [n, ..., 1]; 0 for an empty range
-    return (o * weight).sum(dim=0)

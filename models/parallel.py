@@ -14,7 +14,7 @@ whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's per-step reads
 Context parallel (cp): rank c holds cache positions [c * span, (c + 1) * span) plus one scratch
 row, span = ceil(context / cp). A decode step writes the new token's K/V on the rank whose range
 holds its position (the others write the scratch row), every rank attends over its own range,
-and the per-head (o, lse) partials are all-gathered and merged exactly (merge_partials): one
+and the per-head (o, lse) partials are all-gathered and merged exactly (kernels/cp_merge.py): one
 B x Hq x (D + 1) float32 gather per layer, whatever the context. Prefill runs every rank's range
 at once, layer by layer: after its projections, each rank broadcasts the layer's K/V of its range
 to the later ranks, and attends causally over its own keys and fully over the earlier ranges',
@@ -34,12 +34,12 @@ from minidecode.config import ModelConfig
 from minidecode.distributed import (
     Parallel,
     ShardPlan,
-    merge_partials,
     rank_config,
     rank_positions,
     shard_plan,
 )
 from minidecode.kernels import ops
+from minidecode.kernels.cp_merge import merge_partials, merge_ranks, pack_partials
 from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
 
 from .llama import Projection, Transformer, _quantize_into
@@ -84,23 +84,23 @@ class ContextParallelAttention:
 
     def __init__(self, parallel: Parallel):
         self.parallel = parallel
-        self.nothing: torch.Tensor | None = None  # [D + 1]: what an empty range contributes (o 0, lse -inf)
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
         o, lse = ops.decode_attention(q, k_cache, v_cache, lengths, scale, return_lse=True, **kwargs)
-        return self.merge(o, lse, lengths).to(q.dtype)
+        return self.merge(o, lse, lengths, q.dtype, kwargs.get("triton"), kwargs.get("pdl", False))
 
-    def merge(self, o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def merge(
+        self, o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype,
+        triton: bool | None = None, pdl: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """This rank's attention over its range, o [B, Hq, D] and lse [B, Hq], merged with every
-        other rank's: [B, Hq, D] float32. lengths [B]: this range's valid positions; where it has
+        other rank's: [B, Hq, D] of dtype. lengths [B]: this range's valid positions; where it has
         none the kernel wrote neither o nor lse, and the range goes out as o 0, lse -inf."""
-        packed = torch.cat([o, lse[..., None]], dim=-1)  # [B, Hq, D + 1] float32 (cat promotes o)
-        if self.nothing is None or self.nothing.shape[0] != packed.shape[-1]:
-            self.nothing = torch.zeros(packed.shape[-1], device=packed.device)
-            self.nothing[-1] = float("-inf")
-        packed = torch.where(lengths[:, None, None] > 0, packed, self.nothing)
+        use_triton = o.is_cuda if triton is None else triton
+        pdl = pdl and use_triton and torch.cuda.get_device_capability(o.device)[0] >= 9
+        packed = pack_partials(o, lse, lengths, use_triton, pdl)  # [B, Hq, D + 1] float32
         parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
-        return merge_partials(parts[..., :-1], parts[..., -1])
+        return merge_ranks(parts, dtype, use_triton, pdl)
 
 
 class ParallelTransformer(Transformer):
