@@ -8,10 +8,10 @@ own process(es) under its own time limit (a part that fails or runs out of time 
 the others go on), and writes OUT-{N}gpu-{card}.md and .json: device, count, date, commit, and
 every parallel figure next to the one-GPU baseline measured in the same run.
 - one GPU (a plain process), the baseline: synthetic Llama-3-8B, bf16 cache at 1k, 128k and 512k,
-  FP8 cache at 128k, 512k and 1M (a context that does not fit one GPU is reported as such);
+  FP8 cache at 32k, 128k, 512k and 1M (a context that does not fit one GPU is reported as such);
 - tp N (torchrun, N = every GPU): the 8B with the bf16 cache at 1k, 128k and 512k; on 4 GPUs of
   80 GB or more also Llama-3-70B at 1k and 128k (it fits no single GPU: per-GPU roofline only);
-- cp N: the 8B with the FP8 cache at 128k, 512k and 1M (and 2M on 4 GPUs).
+- cp N: the 8B with the FP8 cache at 32k, 128k, 512k and 1M (and 2M on 4 GPUs).
 Each parallel context is timed twice in the same processes, the collectives as one-shot kernels
 (minidecode/distributed.py's OneShot; at tp 2 with the residual folded into rank 0's part) and
 all through NCCL (Parallel.use_one_shot = False), the decode graph captured afresh for each.
@@ -79,9 +79,15 @@ class Part:
 def parts_for(gpus: int, gib_per_gpu: float) -> list[Part]:
     """What fits this machine: the 70B only on 4 GPUs of 80 GB or more (35 GB of weights a rank)."""
     parts = [
-        Part("one", 1, EIGHT_B, {"auto": [K, 128 * K, 512 * K], "fp8": [128 * K, 512 * K, M]}, timeout=180),
+        Part(
+            "one",
+            1,
+            EIGHT_B,
+            {"auto": [K, 128 * K, 512 * K], "fp8": [32 * K, 128 * K, 512 * K, M]},
+            timeout=180,
+        ),
         Part("tp", gpus, EIGHT_B, {"auto": [K, 128 * K, 512 * K]}),
-        Part("cp", gpus, EIGHT_B, {"fp8": [128 * K, 512 * K, M] + ([2 * M] if gpus >= 4 else [])}),
+        Part("cp", gpus, EIGHT_B, {"fp8": [32 * K, 128 * K, 512 * K, M] + ([2 * M] if gpus >= 4 else [])}),
     ]
     if gpus >= 4 and gib_per_gpu >= 75:
         parts.append(Part("tp", gpus, SEVENTY_B, {"auto": [K, 128 * K]}, timeout=200))
@@ -356,8 +362,8 @@ def compose(results: list[dict], failures: list[str], gpus: int, seconds: float)
         + ", ".join(f"{part_name(r)}: {r['ceiling_gb_s']:,.0f} GB/s" for r in results)
         + ". NVLink multicast off.",
     ]
-    baseline = {
-        (c["kv"], row["context"]): row
+    baseline = {  # the one-GPU rows, by model (a model no GPU holds alone, the 70B, has none)
+        (r["model"], c["kv"], row["context"]): row
         for r in results
         if r["mode"] == "one"
         for c in r["caches"]
@@ -392,7 +398,7 @@ def parallel_section(result: dict, baseline: dict) -> list[str]:
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for context in contexts:
-            one = baseline.get((kv, context))
+            one = baseline.get((result["model"], kv, context))
             nccl, shot = rows.get((context, "nccl")), rows.get((context, "one-shot"))
             if nccl is None or not nccl["fits"]:
                 lines.append(f"| {context:,} | {tok_s(one)} | does not fit | - | - | - | - | - |")
@@ -427,7 +433,7 @@ def summary(results: list[dict], baseline: dict) -> list[str]:
                     best[row["context"]] = row
             said, faster, slower = [], [], []
             for context, row in best.items():
-                one = baseline.get((cache["kv"], context))
+                one = baseline.get((result["model"], cache["kv"], context))
                 if one is None or not one["fits"]:
                     said.append(f"{short(context)} {median(row):.1f} tok/s (beyond one GPU)")
                     continue
