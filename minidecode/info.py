@@ -136,11 +136,12 @@ def describe(
         f"= {gib(plan_weights + kv + act)}; free now {gib(free)} -> "
         + ("fits" if plan_weights + kv + act <= free else "DOES NOT FIT"),
     ]
-    if cp > 1:  # measured: bench/results/distributed-2gpu.md
+    if cp > 1:  # measured: bench/results/distributed-2gpu-h200.md
         lines.append(
-            "note         context parallel pays at long contexts only: each step adds a merge of the ranks' "
-            "partial attention, so it beats one GPU where reading the cache dominates the step (2 x H100, "
-            "Llama-3-8B, FP8 cache: 1.04x one GPU at 128k, 1.36x at 512k); below that, one GPU or --tp"
+            "note         context parallel pays at long contexts: each step adds a merge of the ranks' "
+            "partial attention, so it beats one GPU where reading the cache dominates the step (2 x H200, "
+            "Llama-3-8B, FP8 cache: 1.03x one GPU at 32k, 1.13x at 128k, 1.51x at 512k); below that, one "
+            "GPU or --tp"
         )
     if context > cfg.max_position_embeddings:
         lines.append(
