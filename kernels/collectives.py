@@ -51,10 +51,11 @@ def buffer_bytes(size: int) -> int:
 
 
 def fits(x: torch.Tensor) -> bool:
-    """Whether the kernel takes x: a contiguous tensor of a dtype it takes, whole 4-byte words, at
-    most MAX_BYTES."""
+    """Whether the kernel takes x: a contiguous tensor of a dtype it takes, whole 4-byte words
+    from a 4-byte boundary, at most MAX_BYTES."""
     nbytes = x.numel() * x.element_size()
-    return x.dtype in DTYPES and x.is_contiguous() and 0 < nbytes <= MAX_BYTES and nbytes % 4 == 0
+    words = nbytes % 4 == 0 and x.data_ptr() % 4 == 0
+    return x.dtype in DTYPES and x.is_contiguous() and 0 < nbytes <= MAX_BYTES and words
 
 
 @triton.jit
@@ -107,7 +108,8 @@ def _one_shot_kernel(
     dtype = Out.dtype.element_ty
     acc = tl.zeros([WORDS * (2 if HALF else 1)], dtype=tl.float32)
     for src in tl.static_range(SIZE):
-        # Polled until every word of ours carries the tag; volatile, so each poll reads memory.
+        # Rank src's words of this chunk, polled until all carry this call's tag (volatile: each
+        # poll reads memory).
         if rank != src:
             got = tl.load(chunk + src * CTAS * WORDS, mask=ok, other=0, volatile=True)
             while tl.min(((got >> 32).to(tl.int32) == tag) | (offs >= n_words), 0) == 0:

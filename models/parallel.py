@@ -97,7 +97,7 @@ class ContextParallelAttention:
         other rank's: [B, Hq, D] of dtype. lengths [B]: this range's valid positions; where it has
         none the kernel wrote neither o nor lse, and the range goes out as o 0, lse -inf."""
         use_triton = o.is_cuda if triton is None else triton
-        pdl = pdl and use_triton and torch.cuda.get_device_capability(o.device)[0] >= 9
+        pdl = pdl and use_triton and o.is_cuda and torch.cuda.get_device_capability(o.device)[0] >= 9
         packed = pack_partials(o, lse, lengths, use_triton, pdl)  # [B, Hq, D + 1] float32
         parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
         return merge_ranks(parts, dtype, use_triton, pdl)

@@ -97,3 +97,5 @@ def test_fits():
     assert not collectives.fits(torch.zeros(2, 8)[:, ::2])  # not contiguous
     assert not collectives.fits(torch.zeros(8, dtype=torch.int64))
     assert not collectives.fits(torch.zeros(0))
+    assert not collectives.fits(torch.zeros(4, dtype=torch.bfloat16)[1:3])  # starts mid-word
+    assert not collectives.fits(torch.zeros(3, dtype=torch.bfloat16))  # ends mid-word
