@@ -1,13 +1,9 @@
-"""The context-parallel merge: attention computed over disjoint ranges of the context (one per
-rank), each range's normalised output o and log-sum-exp lse, combined exactly.
-
-    softmax over all keys = sum_i exp(lse_i - lse) softmax_i,   lse = log sum_i exp(lse_i)
-
-merge_partials is that rule in PyTorch (prefill's blocks, and the twin). In the decode step each
-rank packs its (o, lse) per query head into one float32 row [D + 1] (pack_partials), the rows are
-all-gathered (minidecode/distributed.py), and merge_ranks combines them: on GPUs two Triton
-launches chained with programmatic dependent launch around the gather, where PyTorch's ops were
-seven (cat, compare, where, softmax, multiply, sum, cast) that launch one after another.
+"""Triton paths of the context-parallel merge's ops (kernels/ops.py: pack_partials, merge_ranks;
+the rule is merge_partials'). In the decode step each rank packs its attention output and
+log-sum-exp per query head into one float32 row [D + 1], the rows are all-gathered
+(minidecode/distributed.py), and the merge combines them: two launches chained with programmatic
+dependent launch around the gather, where PyTorch's ops were seven (cat, compare, where, softmax,
+multiply, sum, cast) that launch one after another.
 """
 
 from __future__ import annotations
@@ -15,18 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Exact softmax attention over the union of disjoint key ranges from each range's result:
-    o [n, ..., D] (each range's normalised output; finite, zeros for an empty range) and lse
-    [n, ...] (its log-sum-exp of the scaled scores, natural log; -inf for an empty range, and at
-    least one range not empty) -> o [..., D] in float32 or wider. The weights are a softmax of the
-    lse over the ranges (the rule the lean kernel applies inside, in log2 units, to its CTAs'
-    partials)."""
-    dtype = torch.promote_types(lse.dtype, torch.float32)
-    weight = torch.softmax(lse.to(dtype), dim=0).unsqueeze(-1)  # [n, ..., 1]; 0 for an empty range
-    return (o * weight).sum(dim=0)
 
 
 @triton.jit
@@ -66,19 +50,8 @@ def _merge_kernel(
     tl.store(Out + row * D + offs, tl.sum(o * weight[:, None], 0).to(Out.dtype.element_ty), mask=offs < D)
 
 
-def pack_partials(
-    o: torch.Tensor,  # [B, Hq, D]: this range's attention output (any float dtype)
-    lse: torch.Tensor,  # [B, Hq] float32
-    lengths: torch.Tensor,  # [B]: positions of this range per sequence (0: none, o and lse unset)
-    use_triton: bool,
-    pdl: bool = False,
-) -> torch.Tensor:  # [B, Hq, D + 1] float32
+def pack_partials(o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor, pdl: bool) -> torch.Tensor:
     B, Hq, D = o.shape
-    if not use_triton:
-        packed = torch.cat([o.float(), lse[..., None]], dim=-1)
-        nothing = torch.zeros(D + 1, device=o.device)
-        nothing[-1] = float("-inf")
-        return torch.where(lengths[:, None, None] > 0, packed, nothing)
     packed = torch.empty(B, Hq, D + 1, dtype=torch.float32, device=o.device)
     _pack_kernel[(B * Hq,)](
         o.contiguous(), lse.contiguous(), lengths, packed, Hq, D=D, BLOCK=triton.next_power_of_2(D + 1),
@@ -87,15 +60,8 @@ def pack_partials(
     return packed
 
 
-def merge_ranks(
-    parts: torch.Tensor,  # [R, B, Hq, D + 1] float32: every rank's packed rows, in rank order
-    dtype: torch.dtype,
-    use_triton: bool,
-    pdl: bool = False,
-) -> torch.Tensor:  # [B, Hq, D] of dtype
+def merge_ranks(parts: torch.Tensor, dtype: torch.dtype, pdl: bool) -> torch.Tensor:
     R, B, Hq, D1 = parts.shape
-    if not use_triton:
-        return merge_partials(parts[..., :-1], parts[..., -1]).to(dtype)
     out = torch.empty(B, Hq, D1 - 1, dtype=dtype, device=parts.device)
     _merge_kernel[(B * Hq,)](
         parts.contiguous(), out, B * Hq, R=R, R_PAD=triton.next_power_of_2(R), D=D1 - 1,

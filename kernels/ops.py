@@ -14,6 +14,10 @@ decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_at
 gate_up_silu      x [B, K], gate/up [2 I, K] -> silu(gate) * up [B, I]   gemv / cuBLAS   F.linear, silu_mul
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
+Context parallel (models/parallel.py), once a layer around the all-gather of the ranks' rows:
+pack_partials     o [B, Hq, D], lse [B, Hq], lengths [B] -> [B, Hq, D + 1]  cp_merge        cat, where
+merge_ranks       rows [R, B, Hq, D + 1] -> o [B, Hq, D]                    cp_merge        merge_partials
+
 FP8 weights: `weight` may be an FP8Weight (kernels/fp8_weights.py: e4m3 values and float32 scales),
 whose layer computes W8A8: its input is rounded to e4m3 first (QuantizedRows: per token, per token
 and group, or a static scale; fp8_activations, fused with rms_norm where the norm's output is that
@@ -379,3 +383,51 @@ def silu_mul(gate_up: torch.Tensor, triton: bool | None = None, pdl: bool = Fals
         return fused_triton.silu_mul(gate_up, _pdl(gate_up, pdl))
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# ---- context parallel: attention over disjoint ranges of the context, merged exactly ----------------
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Exact softmax attention over the union of disjoint key ranges from each range's result:
+    o [n, ..., D] (each range's normalised output; finite, zeros for an empty range) and lse
+    [n, ...] (its log-sum-exp of the scaled scores, natural log; -inf for an empty range, and at
+    least one range not empty) -> o [..., D] in float32 or wider.
+
+    softmax over all keys = sum_i exp(lse_i - lse) softmax_i, lse = log sum_i exp(lse_i): the weights
+    are a softmax of the lse over the ranges (the rule the lean kernel applies inside, in log2
+    units, to its CTAs' partials)."""
+    dtype = torch.promote_types(lse.dtype, torch.float32)
+    weight = torch.softmax(lse.to(dtype), dim=0).unsqueeze(-1)  # [n, ..., 1]; 0 for an empty range
+    return (o * weight).sum(dim=0)
+
+
+def pack_partials(
+    o: torch.Tensor,  # [B, Hq, D]: this range's attention output (any float dtype)
+    lse: torch.Tensor,  # [B, Hq] float32
+    lengths: torch.Tensor,  # [B]: this range's positions per sequence (0: none; o and lse unset there)
+    triton: bool | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:  # [B, Hq, D + 1] float32
+    """Each (sequence, query head)'s [o, lse] in one float32 row, [0, -inf] where the sequence has
+    no position in this range: what a rank sends to be merged."""
+    if _triton(o, triton):
+        from . import cp_merge
+
+        return cp_merge.pack_partials(o, lse, lengths, _pdl(o, pdl))
+    packed = torch.cat([o.float(), lse[..., None]], dim=-1)
+    nothing = torch.zeros(o.shape[-1] + 1, device=o.device)
+    nothing[-1] = float("-inf")
+    return torch.where(lengths[:, None, None] > 0, packed, nothing)
+
+
+def merge_ranks(
+    parts: torch.Tensor,  # [R, B, Hq, D + 1] float32: every rank's pack_partials, in rank order
+    dtype: torch.dtype,
+    triton: bool | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:  # [B, Hq, D] of dtype
+    """The ranks' packed rows merged by merge_partials' rule, in dtype."""
+    if _triton(parts, triton):
+        from . import cp_merge
+
+        return cp_merge.merge_ranks(parts, dtype, _pdl(parts, pdl))
+    return merge_partials(parts[..., :-1], parts[..., -1]).to(dtype)

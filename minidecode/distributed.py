@@ -6,7 +6,7 @@
   intermediate rows and the vocabulary (ShardPlan); context parallel (cp) splits the cache's
   positions into contiguous ranges, one per rank;
 - the collectives the model calls (the exact log-sum-exp merge of attention computed over
-  disjoint ranges of the context is kernels/cp_merge.py's); on GPUs, the small ones of the decode step run
+  disjoint ranges of the context is kernels/ops.py's); on GPUs, the small ones of the decode step run
   as one-shot kernels over symmetric memory (OneShot), the rest through NCCL;
 - agreement between ranks: one rank's error becomes every rank's, so all exit together.
 
@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .errors import UserError
-from .kernels import collectives
 from .validate import check_parallel
 
 # NVLink multicast (NVLS) stays off on the machines this runs on: forced in every process before the
@@ -256,6 +255,8 @@ class OneShot:
     def __init__(self, group: Any, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
 
+        from .kernels import collectives  # here, not at the top: CPU ranks (gloo) never import triton
+
         self.group_name, self.size, self.rank = group.group_name, group.size(), group.rank()
         self.device = device
         if self.size > collectives.MAX_RANKS:
@@ -269,6 +270,7 @@ class OneShot:
         offset = getattr(handle, "offset", 0)  # where the tensor starts in its allocation (newer PyTorch)
         addresses = [int(p) + offset for p in handle.buffer_ptrs]
         self.ends = collectives.RankBuffers.of(self.buffer, addresses, self.rank)
+        self.collectives = collectives
         self.use_pdl = torch.cuda.get_device_capability(device)[0] >= 9
         self.buffer.zero_()  # no word carries a tag before any peer pushes one
         dist.all_reduce(torch.zeros(1, device=device), group=group)  # after every rank's zeroing
@@ -277,16 +279,16 @@ class OneShot:
     def fits(self, x: torch.Tensor) -> bool:
         """Whether the kernel takes x: on this device, contiguous, bf16 / fp16 / fp32, whole 4-byte
         words, <= 512 KiB."""
-        return x.device == self.device and collectives.fits(x)
+        return x.device == self.device and self.collectives.fits(x)
 
     def sum(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out := the sum of every rank's x (out may be x)."""
-        return collectives.one_shot(x, out, self.ends, False, self.use_pdl)
+        return self.collectives.one_shot(x, out, self.ends, False, self.use_pdl)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in group-rank order."""
         out = torch.empty(self.size, *x.shape, dtype=x.dtype, device=x.device)
-        return collectives.one_shot(x, out, self.ends, True, self.use_pdl)
+        return self.collectives.one_shot(x, out, self.ends, True, self.use_pdl)
 
 
 def init_parallel(tp: int, cp: int, device: str | torch.device | None, one_shot: bool = True) -> Parallel:

@@ -14,7 +14,7 @@ whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's per-step reads
 Context parallel (cp): rank c holds cache positions [c * span, (c + 1) * span) plus one scratch
 row, span = ceil(context / cp). A decode step writes the new token's K/V on the rank whose range
 holds its position (the others write the scratch row), every rank attends over its own range,
-and the per-head (o, lse) partials are all-gathered and merged exactly (kernels/cp_merge.py): one
+and the per-head (o, lse) partials are all-gathered and merged exactly (ops.merge_ranks): one
 B x Hq x (D + 1) float32 gather per layer, whatever the context. Prefill runs every rank's range
 at once, layer by layer: after its projections, each rank broadcasts the layer's K/V of its range
 to the later ranks, and attends causally over its own keys and fully over the earlier ranges',
@@ -39,7 +39,6 @@ from minidecode.distributed import (
     shard_plan,
 )
 from minidecode.kernels import ops
-from minidecode.kernels.cp_merge import merge_partials, merge_ranks, pack_partials
 from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
 
 from .llama import Projection, Transformer, _quantize_into
@@ -96,11 +95,9 @@ class ContextParallelAttention:
         """This rank's attention over its range, o [B, Hq, D] and lse [B, Hq], merged with every
         other rank's: [B, Hq, D] of dtype. lengths [B]: this range's valid positions; where it has
         none the kernel wrote neither o nor lse, and the range goes out as o 0, lse -inf."""
-        use_triton = o.is_cuda if triton is None else triton
-        pdl = pdl and use_triton and o.is_cuda and torch.cuda.get_device_capability(o.device)[0] >= 9
-        packed = pack_partials(o, lse, lengths, use_triton, pdl)  # [B, Hq, D + 1] float32
+        packed = ops.pack_partials(o, lse, lengths, triton, pdl)  # [B, Hq, D + 1] float32
         parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
-        return merge_ranks(parts, dtype, use_triton, pdl)
+        return ops.merge_ranks(parts, dtype, triton, pdl)
 
 
 class ParallelTransformer(Transformer):
@@ -331,7 +328,7 @@ def _ranged_causal_attention(
         parts += [attend(qb, k_c, v_c, False, scale=scale) for k_c, v_c in earlier]
         o = torch.stack([p[0] for p in parts])  # [parts, B, G, e - s, D]
         lse = torch.stack([p[1][..., 0] for p in parts])  # [parts, B, G, e - s]
-        out[:, :, s:e] = merge_partials(o, lse)
+        out[:, :, s:e] = ops.merge_partials(o, lse)
     return out
 
 

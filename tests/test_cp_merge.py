@@ -1,7 +1,7 @@
-"""The context-parallel merge of partial attention results (kernels/cp_merge.py: merge_partials and
-the Triton merge_ranks) where exp overflows float32: peaked scores, so every range's log-sum-exp
-is in the hundreds (exp(89) is already past float32's range), against float64 attention over the
-whole context."""
+"""The context-parallel merge of partial attention results (kernels/ops.py: merge_partials, and
+merge_ranks' Triton path and twin) where exp overflows float32: peaked scores, so every range's
+log-sum-exp is in the hundreds (exp(89) is already past float32's range), against float64
+attention over the whole context."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from helpers import max_rel_err
 
 from minidecode.kernels import ops
-from minidecode.kernels.cp_merge import merge_partials, merge_ranks
 from minidecode.kernels.reference import decode_attention_reference
 
 
@@ -40,9 +39,9 @@ def test_merge_of_peaked_ranges_matches_float64(triton):
     assert (
         lse[lse.isfinite()].min() > 100 and lse.max() < 1000
     )  # exp overflows float32 (and float64 past 709)
-    merged = merge_partials(torch.stack(outs), lse)
+    merged = ops.merge_partials(torch.stack(outs), lse)
     assert max_rel_err(merged, exact) < 1e-5
     packed = torch.cat([torch.stack(outs), lse[..., None]], dim=-1)  # [ranges, B, Hq, D + 1]
-    assert max_rel_err(merge_ranks(packed, torch.float32, use_triton=triton), exact) < 1e-5
+    assert max_rel_err(ops.merge_ranks(packed, torch.float32, triton=triton), exact) < 1e-5
     union = torch.logsumexp(lse.double(), dim=0)  # the ranges' log-sum-exps add up to the whole's
     assert ((union - exact_lse) / exact_lse).abs().max() < 1e-6

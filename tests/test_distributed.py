@@ -26,7 +26,6 @@ from minidecode.cache import KVCache
 from minidecode.config import ModelConfig
 from minidecode.distributed import OneShot, shard_plan
 from minidecode.kernels import collectives, ops
-from minidecode.kernels.cp_merge import merge_partials, merge_ranks
 from minidecode.kernels.reference import decode_attention_reference
 from minidecode.models.presets import PRESETS
 from minidecode.validate import check_parallel
@@ -374,9 +373,9 @@ def test_context_parallel_merge_matches_float64(triton):
         attend.merge(o, lse, held, torch.float32, triton=triton)
         parts.append(gathered.packed)
     parts = torch.stack(parts)  # [4, B, Hq, D + 1]
-    merged = merge_ranks(parts, torch.float32, use_triton=triton)  # the kernel, or the twin
+    merged = ops.merge_ranks(parts, torch.float32, triton=triton)  # the kernel, or the twin
     assert merged.dtype == torch.float32 and max_rel_err(merged, exact) < 2e-6
-    assert max_rel_err(merge_partials(parts[..., :-1], parts[..., -1]), exact) < 2e-6
+    assert max_rel_err(ops.merge_partials(parts[..., :-1], parts[..., -1]), exact) < 2e-6
 
 
 # ---- errors ------------------------------------------------------------------------------------------

@@ -98,3 +98,25 @@ def test_triton_is_a_test_dependency_only():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.startswith("triton")]
     assert [d for d in project["optional-dependencies"]["test"] if d.startswith("triton")]
+
+
+WITHOUT_TRITON_PARALLEL = (
+    BLOCK_TRITON
+    + """
+import torch
+import minidecode.distributed, minidecode.models.parallel
+from minidecode.kernels import ops
+o, lse = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4)
+held = torch.ones(1, dtype=torch.int32)
+parts = torch.stack([ops.pack_partials(o[r], lse[r], held) for r in range(2)])
+print(tuple(ops.merge_ranks(parts, torch.bfloat16).shape))
+"""
+)
+
+
+def test_parallel_cpu_ranks_never_import_triton():
+    """With every `import triton` failing: what CPU ranks under torchrun (gloo) import, and the
+    context-parallel merge's CPU path."""
+    proc = run(code=WITHOUT_TRITON_PARALLEL)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "(1, 4, 8)"
