@@ -50,6 +50,11 @@ def buffer_bytes(size: int) -> int:
     return 2 * size * MAX_CTAS * 2 * CHUNK_BYTES
 
 
+def fits_one_chunk(x: torch.Tensor) -> bool:
+    """Whether a sum of x runs in one CTA (so its kernel can also normalise it, as one row)."""
+    return x.numel() * x.element_size() <= CHUNK_BYTES
+
+
 def fits(x: torch.Tensor) -> bool:
     """Whether the kernel takes x: a contiguous tensor of a dtype it takes, whole 4-byte words
     from a 4-byte boundary, at most MAX_BYTES."""
@@ -78,13 +83,17 @@ def _one_shot_kernel(
     Buffer,  # this rank's buffer: [2, SIZE, CTAS, WORDS] int64
     Peers,  # [SIZE] int64: each rank's buffer minus ours, in 16-byte units (0 for us)
     Calls,  # [CTAS] int32: this rank's call count per CTA
+    NormW,  # NORM: the RMSNorm's weight [n] (else a dummy)
+    Normed,  # NORM: [n] of the message's dtype, the normalised sum (else a dummy)
     n_words,
     rank,
+    eps,
     SIZE: tl.constexpr,
     WORDS: tl.constexpr,  # words of a chunk
     CTAS: tl.constexpr,
     GATHER: tl.constexpr,
     HALF: tl.constexpr,  # two 16-bit values a word (else one 32-bit value)
+    NORM: tl.constexpr,  # a sum of one row in one CTA: also its RMSNorm, into Normed
     USE_PDL: tl.constexpr,
 ):
     cta = tl.program_id(0)
@@ -122,11 +131,16 @@ def _one_shot_kernel(
         else:
             acc += _values(words, HALF, dtype).to(tl.float32)
     if not GATHER:
-        if HALF:
-            values = cta * 2 * WORDS + tl.arange(0, 2 * WORDS)
-            tl.store(Out + values, acc.to(dtype), mask=values < 2 * n_words)
-        else:
-            tl.store(Out + offs, acc.to(dtype), mask=ok)
+        n = n_words * (2 if HALF else 1)  # values of the message
+        values = cta * WORDS * (2 if HALF else 1) + tl.arange(0, WORDS * (2 if HALF else 1))
+        total = acc.to(dtype)
+        tl.store(Out + values, total, mask=values < n)
+        if NORM:  # the whole row is this CTA's: RMSNorm as kernels/fused_triton.py rounds it
+            xf = tl.where(values < n, total.to(tl.float32), 0.0)
+            inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+            w = tl.load(NormW + values, mask=values < n, other=0.0).to(tl.float32)
+            normed = (xf * inv_rms).to(dtype).to(tl.float32) * w
+            tl.store(Normed + values, normed.to(dtype), mask=values < n)
     tl.store(Calls + cta, tag)
 
 
@@ -149,28 +163,47 @@ class RankBuffers:
         return RankBuffers(buffer, peers, calls, rank)
 
 
-def one_shot(x: torch.Tensor, out: torch.Tensor, ends: RankBuffers, gather: bool, use_pdl: bool = False):
+def one_shot(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    ends: RankBuffers,
+    gather: bool,
+    use_pdl: bool = False,
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """out := the sum of every rank's x (out may be x), or with `gather` out [size, *x.shape] :=
-    every rank's x in rank order. Every rank of the group must make the same calls in the same
-    order (shapes and dtypes included); x must `fit`."""
+    every rank's x in rank order. `norm` = (weight, eps, normed): a sum that is one row of at most
+    CHUNK_BYTES also writes that row's RMSNorm into `normed` (as kernels/fused_triton.rms_norm).
+    Every rank of the group must make the same calls in the same order (shapes and dtypes
+    included); x must `fit`."""
     size = ends.peers.numel()
     assert fits(x) and size <= MAX_RANKS and out.is_contiguous() and out.dtype == x.dtype
     assert out.numel() == x.numel() * (size if gather else 1)
     words = CHUNK_BYTES // 4
     n_words = x.numel() * x.element_size() // 4
+    if norm is not None:
+        weight, eps, normed = norm
+        assert not gather and n_words <= words and weight.numel() == normed.numel() == x.numel()
+        assert weight.dtype == normed.dtype == x.dtype and normed.is_contiguous()
+    else:
+        weight, eps, normed = x, 0.0, x  # unused
     _one_shot_kernel[(triton.cdiv(n_words, words),)](
         x.view(-1).view(torch.int32),
         out.view(-1).view(torch.int32) if gather else out,
         ends.buffer.view(torch.int64),
         ends.peers,
         ends.calls,
+        weight,
+        normed,
         n_words,
         ends.rank,
+        eps,
         SIZE=size,
         WORDS=words,
         CTAS=MAX_CTAS,
         GATHER=gather,
         HALF=x.element_size() == 2,
+        NORM=norm is not None,
         USE_PDL=use_pdl,
         num_warps=4,
         **({"launch_pdl": True} if use_pdl else {}),

@@ -281,9 +281,16 @@ class OneShot:
         words, <= 512 KiB."""
         return x.device == self.device and self.collectives.fits(x)
 
-    def sum(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out := the sum of every rank's x (out may be x)."""
-        return self.collectives.one_shot(x, out, self.ends, False, self.use_pdl)
+    def can_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether sum() can also normalise x's sum (RMSNorm with `weight`): one row, in one CTA."""
+        return x.shape[0] == 1 and self.collectives.fits_one_chunk(x) and weight.dtype == x.dtype
+
+    def sum(
+        self, x: torch.Tensor, out: torch.Tensor, norm: tuple[torch.Tensor, float, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """out := the sum of every rank's x (out may be x); norm = (weight, eps, normed): also that
+        sum's RMSNorm into normed (where can_norm)."""
+        return self.collectives.one_shot(x, out, self.ends, False, self.use_pdl, norm)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in group-rank order."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch import nn
 from minidecode.cache import KVCache, LayerKV
 from minidecode.config import FP8Scheme, ModelConfig
 from minidecode.kernels import ops
-from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, fuse_fp8, quantize_weight
+from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8, quantize_weight
 from minidecode.kernels.prefill import attention_units, causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 from minidecode.memory import prefill_attention_kv_heads, rope_bytes
@@ -43,13 +44,26 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, pdl=pdl, quantize_for=feeds)
 
 
+class NormAfter(NamedTuple):
+    """The norm that reads the residual stream next, after a projection added into it, and the
+    weight its result feeds: Projection.add_to returns it (a tensor-parallel projection computes
+    it in the kernel of its all-reduce)."""
+
+    norm: RMSNorm
+    feeds: torch.Tensor | FP8Weight | None
+
+    def __call__(self, residual: torch.Tensor, pdl: bool) -> torch.Tensor | QuantizedRows:
+        return self.norm(residual, pdl, self.feeds)
+
+
 class Projection(nn.Linear):
     """A linear layer whose decode form adds its output to the residual stream in place; the
     tensor-parallel row split (models/parallel.py) overrides both forms with an all-reduce."""
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
-        """residual [B, out] += self(x [B, in]), in place."""
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter):
+        """residual [B, out] += self(x [B, in]), in place -> then(residual)."""
         ops.linear_residual(x, self.weight, self.bias, residual, pdl=pdl)
+        return then(residual, pdl)
 
 
 class FP8Linear(nn.Module):
@@ -103,9 +117,10 @@ class FP8Linear(nn.Module):
         """x [..., in] -> [..., out] (W8A8: x rounded to e4m3 first)."""
         return ops.linear(x, self.fp8, self.bias)
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
-        """residual [B, out] += self(x [B, in]), in place."""
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter):
+        """residual [B, out] += self(x [B, in]), in place -> then(residual)."""
         ops.linear_residual(x, self.fp8, self.bias, residual, pdl=pdl)
+        return then(residual, pdl)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -158,13 +173,14 @@ class Attention(nn.Module):
         lengths: torch.Tensor,
         kv: LayerKV,
         pdl: bool,
+        then: NormAfter,
         starts: torch.Tensor | None = None,
-    ) -> None:
+    ):
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
-        in place. cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to (region
-        start + position in a batch); lengths [B] int32 = positions + 1 (0: an idle batch slot);
-        starts [B] int64: where each sequence's region begins in a cache of one shared row (kv
-        [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
+        in place -> then(x). cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to
+        (region start + position in a batch); lengths [B] int32 = positions + 1 (0: an idle batch
+        slot); starts [B] int64: where each sequence's region begins in a cache of one shared row
+        (kv [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
         B = x.shape[0]
         k_cache, v_cache, kv_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S, 2]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
@@ -176,7 +192,7 @@ class Attention(nn.Module):
         out = self.attend(
             q, k_cache, v_cache, lengths, self.scale, pdl=pdl, kv_scale=kv_scale, starts=starts
         )  # [B, Hq, D]
-        self.o_proj.add_to(x, out.view(B, -1), pdl)
+        return self.o_proj.add_to(x, out.view(B, -1), pdl, then)
 
 
 class MLP(nn.Module):
@@ -195,11 +211,11 @@ class MLP(nn.Module):
         """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
         return self.down_proj(ops.silu_mul(ops.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
-    def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool) -> None:
+    def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool, then: NormAfter):
         """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
-        in place."""
+        in place -> then(x)."""
         inner = ops.gate_up_silu(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, I]
-        self.down_proj.add_to(x, inner, pdl)
+        return self.down_proj.add_to(x, inner, pdl, then)
 
 
 def _fuse(linears: tuple[nn.Linear | FP8Linear, ...], name: str) -> torch.Tensor | FP8Weight | None:
@@ -434,12 +450,18 @@ class Transformer(nn.Module):
         if starts is not None:  # once a step, not once a layer: cache positions in the shared row
             written = starts + written
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        # Each norm reads the residual stream after the projection before it added into it (FP8
+        # weights: its result rounded to e4m3 for the projection it feeds).
+        before = [NormAfter(layer.input_layernorm, layer.self_attn.qkv_weight) for layer in layers]
+        h = before[0](x, pdl)
+        for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm(x, pdl, attn.qkv_weight)  # FP8 weights: h rounded to e4m3
-            attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, starts)
-            mlp.decode(x, layer.post_attention_layernorm(x, pdl, mlp.gate_up_weight), pdl)
-        return self.model.norm(x, pdl)
+            then = NormAfter(layer.post_attention_layernorm, mlp.gate_up_weight)
+            h = attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, then, starts)
+            then = before[i + 1] if i + 1 < len(layers) else NormAfter(self.model.norm, None)
+            h = mlp.decode(x, h, pdl, then)
+        return h  # the final norm's
 
     def fuse_projections(self) -> None:
         """After the weights are loaded: fuse q/k/v and gate/up into single GEMV weights."""

@@ -39,9 +39,10 @@ from minidecode.distributed import (
     shard_plan,
 )
 from minidecode.kernels import ops
+from minidecode.kernels.fp8_weights import FP8Weight
 from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
 
-from .llama import Projection, Transformer, _quantize_into
+from .llama import NormAfter, Projection, Transformer, _quantize_into
 
 
 class RowParallelProjection(Projection):
@@ -57,9 +58,9 @@ class RowParallelProjection(Projection):
         self.parallel.all_reduce_tp(y)
         return y if self.bias is None else y + self.bias
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool = False) -> None:
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter):
         par = self.parallel
-        if par.tp == 2 and par.one_shot_tp(residual) is not None:
+        if par.tp == 2 and (one_shot := par.one_shot_tp(residual)) is not None:
             # The residual stream (the same on every rank) folded into rank 0's partial sum, bias
             # included, so the one-shot sum is the new residual, written in place: two launches
             # a projection instead of three. It rounds the residual twice (x + y0, then + y1) where
@@ -69,11 +70,18 @@ class RowParallelProjection(Projection):
                 partial = residual
             else:
                 partial = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]
-            par.one_shot_tp(residual).sum(partial, out=residual)
-            return
+            if not isinstance(then.feeds, FP8Weight) and one_shot.can_norm(residual, then.norm.weight):
+                # The next norm in the same kernel (its input rows need no e4m3 rounding): one
+                # launch fewer in the step's chain.
+                normed = torch.empty_like(residual)
+                one_shot.sum(partial, out=residual, norm=(then.norm.weight, then.norm.eps, normed))
+                return normed
+            one_shot.sum(partial, out=residual)
+            return then(residual, pdl)
         y = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]: this rank's partial sum
         par.all_reduce_tp(y)
         residual += y if self.bias is None else y + self.bias
+        return then(residual, pdl)
 
 
 class ContextParallelAttention:

@@ -1,9 +1,10 @@
 """The one-shot collectives' kernel (kernels/collectives.py) with real ranks on the CPU: one process
 per rank under the Triton interpreter, their buffers in shared memory (each process maps them at
-addresses of its own, as GPUs map each other's), so pushes, flags and waits cross processes as they
+addresses of its own, as GPUs map each other's), so pushes and polls cross processes as they
 cross GPUs. Each rank makes the decode step's pattern of calls (small sums, a multi-CTA gather, a
-float32 gather, a sum in place) many times over, through both slots and across the call counts'
-wrap, and checks every result against float64 sums of what each rank gave."""
+float32 gather, a sum in place, sums with the RMSNorm after them) many times over, through both
+slots and across the call counts' wrap, and checks every result against the sums of what each
+rank gave (and the norms against float64's)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from minidecode.kernels import collectives
 
 ROUNDS = 3
 START = 2**31 - 3  # the call counts start just below int32's wrap: compared as differences
+EPS = 1e-5
 
 
 def messages(rank: int, call: int) -> list[tuple[str, torch.Tensor]]:
@@ -30,7 +32,14 @@ def messages(rank: int, call: int) -> list[tuple[str, torch.Tensor]]:
         ("gather", torch.randn(3, 7000, generator=gen).to(torch.bfloat16)),  # 41 KiB: 3 CTAs
         ("gather", torch.randn(2, 4, 33, generator=gen)),  # float32 partials, as context parallel
         ("sum_in_place", torch.randn(2, 4100, generator=gen)),  # float32, 2 CTAs, out is x
+        ("sum_norm", torch.randn(1, 4096, generator=gen).to(torch.float16)),  # + the RMSNorm
+        ("sum_norm", torch.randn(1, 2048, generator=gen)),  # float32: also one CTA
     ]
+
+
+def norm_weight(x: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm weight of a sum_norm message (the same on every rank)."""
+    return (1 + torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(x.numel()))).to(x.dtype)
 
 
 def expected(size: int, call: int) -> list[torch.Tensor]:
@@ -48,6 +57,13 @@ def expected(size: int, call: int) -> list[torch.Tensor]:
     return out
 
 
+def rms_norm_error(total: torch.Tensor, normed: torch.Tensor) -> float:
+    """normed against the float64 RMSNorm of the sum the kernel wrote (relative to its largest)."""
+    x = total.double()
+    ref = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * norm_weight(total).double()
+    return float((normed.double() - ref).abs().max() / ref.abs().max())
+
+
 def rank_main(rank: int, size: int, buffers: list[torch.Tensor], results) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -60,6 +76,13 @@ def rank_main(rank: int, size: int, buffers: list[torch.Tensor], results) -> Non
                     got = collectives.one_shot(x, x.new_empty(size, *x.shape), ends, True)
                 elif kind == "sum":
                     got = collectives.one_shot(x, torch.empty_like(x), ends, False)
+                elif kind == "sum_norm":
+                    normed = torch.empty_like(x)
+                    got = collectives.one_shot(
+                        x, torch.empty_like(x), ends, False, norm=(norm_weight(x), EPS, normed)
+                    )
+                    if (error := rms_norm_error(got, normed)) > (2e-3 if x.dtype == torch.float16 else 1e-6):
+                        errors.append(f"round {call} {kind}: RMSNorm off by {error:.1e}")
                 else:
                     got = collectives.one_shot(x, x, ends, False)
                 if not torch.equal(got, want):

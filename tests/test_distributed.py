@@ -124,6 +124,7 @@ def run_job(job: dict) -> dict:
         result["one_shot_problem"] = par.one_shot_problem
         if job.get("gloo_one_shot"):
             result["one_shot_calls"] = sum(o.calls for o in (par.tp_one_shot, par.cp_one_shot) if o)
+            result["one_shot_norms"] = sum(o.norms for o in (par.tp_one_shot, par.cp_one_shot) if o)
     return result
 
 
@@ -133,15 +134,22 @@ class GlooOneShot(OneShot):
     and all-gather."""
 
     def __init__(self, group):
-        self.group, self.size, self.rank, self.calls = group, group.size(), group.rank(), 0
+        self.group, self.size, self.rank, self.calls, self.norms = group, group.size(), group.rank(), 0, 0
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == torch.float32 and collectives.fits(x)
 
-    def sum(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def can_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.shape[0] == 1 and collectives.fits_one_chunk(x) and weight.dtype == x.dtype
+
+    def sum(self, x: torch.Tensor, out: torch.Tensor, norm=None) -> torch.Tensor:
         total = x.clone()
         torch.distributed.all_reduce(total, group=self.group)  # 2 ranks: the same sum on both
         self.calls += 1
+        if norm is not None:  # the kernel's RMSNorm of the sum, by the twin
+            weight, eps, normed = norm
+            normed.copy_(ops.rms_norm(total, weight, eps, triton=False))
+            self.norms += 1
         return out.copy_(total)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,16 +290,18 @@ def test_random_weights_drawn_in_blocks_are_slices_of_the_whole(monkeypatch):
     "split", [dict(tp=2, family="llama-bias"), dict(cp=2, family="qwen2")], ids=["tp-fold", "cp-gather"]
 )
 def test_one_shot_paths_match_one_process(checkpoints, tmp_path, split):
-    """The decode step's one-shot paths (GPU-only; here their kernel is gloo's all-reduce): at
-    tp 2 rank 0 adds the residual stream and the o_proj / down_proj biases to its partial sum and
-    the sum lands in the residual; the logits and the context-parallel partials are gathered as
-    sums of zero-padded parts. The ranks give one process's logits and tokens."""
+    """The decode step's one-shot paths (GPU-only; here their kernel is gloo's all-reduce and
+    all-gather): at tp 2 rank 0 adds the residual stream and the o_proj / down_proj biases to its
+    partial sum, the sum lands in the residual and the next RMSNorm comes with it; the logits and
+    the context-parallel partials are gathered. The ranks give one process's logits and tokens."""
     family = split.pop("family")
     job = dict(
         model=checkpoints(family), prompt=random_ids(21, seed=8), new=8, chunk=8, gloo_one_shot=True, **split
     )
     results = spawn(2, job, tmp_path)
     assert all(result.get("one_shot_calls", 0) > 0 for result in results)
+    if "tp" in split:  # every all-reduce of a decode step brought its norm
+        assert all(result["one_shot_norms"] > 0 for result in results)
     check_ranks_match_one_process(results, job)
 
 
