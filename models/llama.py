@@ -60,7 +60,9 @@ class Projection(nn.Linear):
     """A linear layer whose decode form adds its output to the residual stream in place; the
     tensor-parallel row split (models/parallel.py) overrides both forms with an all-reduce."""
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter):
+    def add_to(
+        self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter
+    ) -> torch.Tensor | QuantizedRows:
         """residual [B, out] += self(x [B, in]), in place -> then(residual)."""
         ops.linear_residual(x, self.weight, self.bias, residual, pdl=pdl)
         return then(residual, pdl)
@@ -117,7 +119,9 @@ class FP8Linear(nn.Module):
         """x [..., in] -> [..., out] (W8A8: x rounded to e4m3 first)."""
         return ops.linear(x, self.fp8, self.bias)
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter):
+    def add_to(
+        self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter
+    ) -> torch.Tensor | QuantizedRows:
         """residual [B, out] += self(x [B, in]), in place -> then(residual)."""
         ops.linear_residual(x, self.fp8, self.bias, residual, pdl=pdl)
         return then(residual, pdl)
@@ -175,7 +179,7 @@ class Attention(nn.Module):
         pdl: bool,
         then: NormAfter,
         starts: torch.Tensor | None = None,
-    ):
+    ) -> torch.Tensor | QuantizedRows:
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
         in place -> then(x). cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to
         (region start + position in a batch); lengths [B] int32 = positions + 1 (0: an idle batch
@@ -211,7 +215,9 @@ class MLP(nn.Module):
         """x [..., hidden] -> down(silu(gate(x)) * up(x)) [..., hidden]."""
         return self.down_proj(ops.silu_mul(ops.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
-    def decode(self, x: torch.Tensor, h: torch.Tensor, pdl: bool, then: NormAfter):
+    def decode(
+        self, x: torch.Tensor, h: torch.Tensor, pdl: bool, then: NormAfter
+    ) -> torch.Tensor | QuantizedRows:
         """x [B, hidden] is the residual stream and h = post_attention_layernorm(x): x += mlp(h)
         in place -> then(x)."""
         inner = ops.gate_up_silu(h, self.gate_up_weight, self.gate_up_bias, pdl=pdl)  # [B, I]

@@ -39,7 +39,7 @@ from minidecode.distributed import (
     shard_plan,
 )
 from minidecode.kernels import ops
-from minidecode.kernels.fp8_weights import FP8Weight
+from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows
 from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
 
 from .llama import NormAfter, Projection, Transformer, _quantize_into
@@ -58,7 +58,9 @@ class RowParallelProjection(Projection):
         self.parallel.all_reduce_tp(y)
         return y if self.bias is None else y + self.bias
 
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter):
+    def add_to(
+        self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter
+    ) -> torch.Tensor | QuantizedRows:
         par = self.parallel
         if par.tp == 2 and (one_shot := par.one_shot_tp(residual)) is not None:
             # The residual stream (the same on every rank) folded into rank 0's partial sum, bias
