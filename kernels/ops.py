@@ -413,10 +413,9 @@ def pack_partials(
         from . import cp_merge
 
         return cp_merge.pack_partials(o, lse, lengths, _pdl(o, pdl))
-    packed = torch.cat([o.float(), lse[..., None]], dim=-1)
-    nothing = torch.zeros(o.shape[-1] + 1, device=o.device)
-    nothing[-1] = float("-inf")
-    return torch.where(lengths[:, None, None] > 0, packed, nothing)
+    valid = (lengths > 0)[:, None]  # [B, 1]
+    o = torch.where(valid[..., None], o.float(), 0.0)
+    return torch.cat([o, torch.where(valid, lse, float("-inf"))[..., None]], dim=-1)
 
 
 def merge_ranks(

@@ -457,16 +457,20 @@ class Transformer(nn.Module):
             written = starts + written
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         layers = self.model.layers
-        # Each norm reads the residual stream after the projection before it added into it (FP8
-        # weights: its result rounded to e4m3 for the projection it feeds).
-        before = [NormAfter(layer.input_layernorm, layer.self_attn.qkv_weight) for layer in layers]
-        h = before[0](x, pdl)
+
+        def input_norm(i: int) -> NormAfter:
+            """What reads the residual stream before layer i (FP8 weights: rounded to e4m3 for its
+            qkv); after the last layer, the final norm."""
+            if i == len(layers):
+                return NormAfter(self.model.norm, None)
+            return NormAfter(layers[i].input_layernorm, layers[i].self_attn.qkv_weight)
+
+        h = input_norm(0)(x, pdl)
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             then = NormAfter(layer.post_attention_layernorm, mlp.gate_up_weight)
             h = attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, then, starts)
-            then = before[i + 1] if i + 1 < len(layers) else NormAfter(self.model.norm, None)
-            h = mlp.decode(x, h, pdl, then)
+            h = mlp.decode(x, h, pdl, input_norm(i + 1))
         return h  # the final norm's
 
     def fuse_projections(self) -> None:
