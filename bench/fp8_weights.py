@@ -21,7 +21,7 @@ Roofline: read ceiling / (the weight bytes a step reads + the KV bytes at the wi
 
 Filled-cache decode (FP8 weights + FP8 cache, no prefill): row 0 of a cache filled with random
 e4m3 values decodes from each context the memory plan allows (a refused one gets the plan's line),
-tok/s per window of 32 graph-replayed steps (CUDA events), 5 windows after a warm-up one; the
+tok/s per window of 32 graph-replayed steps (CUDA events), 10 windows after a warm-up one; the
 plan's longest prompt on this GPU is reported too.
 
 Accuracy: a 4096-token random prompt prefilled by both models (every position's logits), then 64
@@ -144,7 +144,7 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
 
 
 # ---- filled-cache decode: FP8 weights + FP8 cache -----------------------------------------------------
-FILLED_WINDOWS, FILLED_STEPS = 5, 32
+FILLED_WINDOWS, FILLED_STEPS = 10, 32
 
 
 @torch.inference_mode()
