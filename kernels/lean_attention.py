@@ -9,7 +9,9 @@ dealt evenly to an SM-sized grid, like stream-K GEMM:
   heads that share KV head h (the group is packed into the M axis of the dots), so each K/V
   byte is read once per step;
 - tiles are numbered (b, h, block) and CTA c takes a contiguous range of them; ranges differ in
-  length by at most one tile and may cross head and sequence boundaries;
+  length by at most one tile and may cross head and sequence boundaries (where every segment
+  below has the same tiles and the grid is a multiple of their count, each segment is dealt to
+  its own share of the CTAs instead: ranges as long, none crossing a head);
 - a CTA streams its whole range through one software-pipelined loop per sequence, so the
   next head's K/V loads are in flight while a head's result is stored;
 - a (b, h) *segment* that one CTA covers wholly is finished in registers; a CTA that covers a
@@ -296,16 +298,22 @@ def _pow2(e):
 
 
 @triton.jit
-def _range_start(cta, per, big):
-    """First tile of CTA `cta`: CTAs [0, big) take `per` tiles each, the others `per - 1`."""
-    return cta * (per - 1) + tl.minimum(cta, big)
+def _range_start(cta, per, big, span_ctas, span_tiles):
+    """First tile of CTA `cta`. Tiles are dealt in spans of span_tiles tiles to span_ctas CTAs each
+    (the whole step, or one segment: _lean_decode_kernel's schedule); inside a span, its CTAs
+    [0, big) take `per` tiles each, the others `per - 1`."""
+    j = cta % span_ctas
+    return (cta // span_ctas) * span_tiles + j * (per - 1) + tl.minimum(j, big)
 
 
 @triton.jit
-def _owner(tile, per, big):
+def _owner(tile, per, big, span_ctas, span_tiles):
     """The CTA whose range holds `tile` (inverse of _range_start)."""
+    span = tile // tl.maximum(span_tiles, 1)
+    t = tile - span * span_tiles
     split = big * per
-    return tl.where(tile < split, tile // tl.maximum(per, 1), big + (tile - split) // tl.maximum(per - 1, 1))
+    j = tl.where(t < split, t // tl.maximum(per, 1), big + (t - split) // tl.maximum(per - 1, 1))
+    return span * span_ctas + j
 
 
 @triton.jit
@@ -336,6 +344,8 @@ def _ticket_and_merge(
     seg_hi,
     per,
     big,
+    span_ctas,
+    span_tiles,
     Out,
     Lse,
     PartO,
@@ -359,8 +369,8 @@ def _ticket_and_merge(
     # Acquire-release: our partial stores (ordered before this by the caller's barrier) are
     # visible to whoever draws the last ticket, and the last one sees everyone's.
     ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    first = _owner(seg_lo, per, big)
-    last = _owner(seg_hi - 1, per, big)
+    first = _owner(seg_lo, per, big, span_ctas, span_tiles)
+    last = _owner(seg_hi - 1, per, big, span_ctas, span_tiles)
     if ticket == last - first:
         cols = tl.arange(0, G_MERGE * HEAD_DIM)
         col_g = cols // HEAD_DIM  # query head (row of the partial) of each column
@@ -380,7 +390,7 @@ def _ticket_and_merge(
         if MERGE_CHUNK == 1:
             for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
                 # slot 2c holds the partial of CTA c's first segment, 2c + 1 of its last
-                slot = 2 * c + (_range_start(c, per, big) < seg_lo).to(tl.int32)
+                slot = 2 * c + (_range_start(c, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
                 lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
                 o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
                 m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
@@ -393,7 +403,7 @@ def _ticket_and_merge(
             offs_c = tl.arange(0, MERGE_CHUNK)
             for c0 in tl.range(first, last + 1, MERGE_CHUNK, num_stages=MERGE_STAGES):
                 c = c0 + offs_c  # [MERGE_CHUNK] contributors; past `last`: masked, weight 0
-                slot = 2 * c + (_range_start(c, per, big) < seg_lo).to(tl.int32)
+                slot = 2 * c + (_range_start(c, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
                 part = slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :]
                 ok = (c <= last)[:, None] & col_ok[None, :]
                 lse_c = tl.load(PartLse + part, mask=ok, other=float("-inf"))  # [MERGE_CHUNK, G_MERGE * D]
@@ -510,10 +520,20 @@ def _lean_decode_kernel(
     seq_blocks = tl.cdiv(seq_len, BLOCK_N)  # [BLOCK_B] tiles per KV head of each sequence
     seq_end = tl.cumsum(seq_blocks * Hkv, 0)  # [BLOCK_B] one past the last tile of sequence b
     total = tl.max(seq_end, 0)
-    per = tl.cdiv(total, n_ctas)  # CTAs [0, big) take per tiles, the others per - 1
-    big = total - (per - 1) * n_ctas
-    range_lo = tl.minimum(_range_start(cta, per, big), total)
-    range_hi = tl.minimum(_range_start(cta + 1, per, big), total)
+    # Where every segment has the same tiles and the grid is a multiple of the segments, each
+    # segment is dealt to its own n_ctas / (B * Hkv) CTAs: the longest range is the same as
+    # dealing the whole step (ceil(total / n_ctas) tiles), and no range crosses a head, whose
+    # second segment costs the e4m3 path a pipeline refill, q's operands and a partial store
+    # (bench/NOTES-attention.md). Otherwise the whole step is one span (stream-K).
+    seg_max = tl.max(seq_blocks, 0)
+    seg_min = tl.min(tl.where(offs_b < B, seq_blocks, seg_max), 0)
+    aligned = (seg_min == seg_max) & (n_ctas % (B * Hkv) == 0)
+    span_tiles = tl.where(aligned, seg_max, total)
+    span_ctas = tl.where(aligned, n_ctas // (B * Hkv), n_ctas)
+    per = tl.cdiv(span_tiles, span_ctas)  # a span's CTAs [0, big) take per tiles, the others per - 1
+    big = span_tiles - (per - 1) * span_ctas
+    range_lo = tl.minimum(_range_start(cta, per, big, span_ctas, span_tiles), total)
+    range_hi = tl.minimum(_range_start(cta + 1, per, big, span_ctas, span_tiles), total)
     if USE_PDL:
         # Launched early (programmatic dependent launch): the schedule above only needs the
         # lengths, written before the step's first kernel; q and the new K/V row come from the
@@ -594,9 +614,10 @@ def _lean_decode_kernel(
                 if EARLY_TICKET:
                     if _ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi):
                         tl.debug_barrier()  # the partial's stores precede the ticket (release)
-                        _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse,
-                                          Counters, G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM,
-                                          G_MERGE, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
+                        _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles,
+                                          Out, Lse, PartO, PartLse, Counters, G, Hkv, stride_ob, stride_oh,
+                                          G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE,
+                                          WRITE_LSE)
                 # fmt: on
                 tile = seg_stop
         else:
@@ -687,8 +708,8 @@ def _lean_decode_kernel(
                 in_part = in_part & (_ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi) == 0)
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
-                _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, Out, Lse, PartO, PartLse, Counters,
-                                  G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM,
+                _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles, Out, Lse,
+                                  PartO, PartLse, Counters, G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM,
                                   G_MERGE, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
                 # fmt: on
 
@@ -916,9 +937,11 @@ class LeanSchedule:
     grid: int  # CTAs launched
     block_n: int  # positions per tile
     total_tiles: int  # sum over (b, h) of ceil(lengths[b] / block_n)
-    tiles_per_cta: int  # the most tiles a CTA takes; the others take one fewer
+    tiles_per_cta: int  # the most tiles a CTA takes; the others take one fewer (or none)
     max_splits_per_head: int  # the most CTAs that share one (b, h) segment
     partial_segments: int  # segments merged through partials (the rest finish in registers)
+    aligned: bool  # each segment dealt to its own grid / segments CTAs (no range crosses a head)
+    range_starts: tuple[int, ...]  # CTA c takes tiles [range_starts[c], range_starts[c + 1])
 
 
 def lean_schedule(
@@ -938,14 +961,22 @@ def lean_schedule(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     grid = _grid_size(torch.device(device), config, num_ctas)
-    seg_tiles = [math.ceil(n / config.block_n) for n in lengths for _ in range(num_kv_heads)]
+    seq_tiles = [math.ceil(n / config.block_n) for n in lengths]
+    seg_tiles = [n for n in seq_tiles for _ in range(num_kv_heads)]
     total = sum(seg_tiles)
-    per = -(-total // grid)
-    big = total - (per - 1) * grid
+    aligned = len(set(seq_tiles)) == 1 and grid % len(seg_tiles) == 0
+    span_tiles, span_ctas = (seq_tiles[0], grid // len(seg_tiles)) if aligned else (total, grid)
+    per = -(-span_tiles // span_ctas)
+    big = span_tiles - (per - 1) * span_ctas
+
+    def range_start(cta: int) -> int:
+        span, j = divmod(cta, span_ctas)
+        return min(span * span_tiles + j * (per - 1) + min(j, big), total)
 
     def owner(tile: int) -> int:
+        span, t = divmod(tile, max(span_tiles, 1))
         split = big * per
-        return tile // per if tile < split else big + (tile - split) // max(per - 1, 1)
+        return span * span_ctas + (t // per if t < split else big + (t - split) // max(per - 1, 1))
 
     splits, lo = [], 0
     for n in seg_tiles:
@@ -959,4 +990,6 @@ def lean_schedule(
         tiles_per_cta=per,
         max_splits_per_head=max(splits, default=0),
         partial_segments=sum(s > 1 for s in splits),
+        aligned=aligned,
+        range_starts=tuple(range_start(c) for c in range(grid + 1)),
     )

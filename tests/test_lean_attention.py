@@ -6,6 +6,7 @@ tests/conftest.py picks the interpreter when no GPU is present; with a GPU the C
 """
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -222,13 +223,49 @@ def test_rejects_bad_group(device):
         la.lean_attention(q, k, v, lens, 0.1)
 
 
-def test_schedule_is_even():
-    """Every CTA gets per or per - 1 tiles, and the ranges tile [0, total) exactly."""
-    for total_lengths, hkv, grid in [([1000, 3, 77], 8, 13), ([5], 1, 9), ([4096] * 3, 2, 7)]:
-        sched = la.lean_schedule(total_lengths, hkv, head_dim=64, num_ctas=grid)
-        per, big = sched.tiles_per_cta, sched.total_tiles - (sched.tiles_per_cta - 1) * grid
-        sizes = [per if c < big else per - 1 for c in range(grid)]
-        assert sum(sizes) == sched.total_tiles and max(sizes) - min(sizes) <= 1
+@pytest.mark.parametrize(
+    "lengths, hkv, grid, aligned",
+    [
+        ([1000, 3, 77], 8, 13, False),  # ragged: the whole step is dealt at once (stream-K)
+        ([4096] * 3, 2, 7, False),  # 6 segments do not divide 7 CTAs
+        ([5], 1, 9, True),  # one segment: the two deals are the same
+        ([4096] * 3, 2, 12, True),  # 2 CTAs a segment
+        ([4096, 4000], 8, 48, True),  # the same tiles (64 positions a tile), different lengths
+        ([300] * 2, 2, 264, True),  # more CTAs than tiles: most take none
+    ],
+)
+def test_schedule_is_even(lengths, hkv, grid, aligned):
+    """The ranges tile [0, total) in order, none longer than an even deal of the whole step and
+    none shorter than that minus one tile (or empty when there are fewer tiles than CTAs); an
+    aligned schedule's ranges never cross a segment."""
+    sched = la.lean_schedule(lengths, hkv, head_dim=64, num_ctas=grid)
+    ranges = list(itertools.pairwise(sched.range_starts))
+    sizes = [hi - lo for lo, hi in ranges]
+    assert sched.aligned == aligned
+    assert sched.range_starts[0] == 0 and sched.range_starts[-1] == sched.total_tiles and min(sizes) >= 0
+    assert max(sizes) == sched.tiles_per_cta == -(-sched.total_tiles // grid)
+    assert min(sizes) >= sched.tiles_per_cta - 1 or sched.total_tiles < grid
+    if aligned:
+        seg = sched.total_tiles // (len(lengths) * hkv)  # tiles a segment
+        assert all(lo // seg == (hi - 1) // seg for lo, hi in ranges if hi > lo)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "lengths, hkv, num_ctas",
+    [
+        ([9 * BLOCK - 7] * 2, 2, 8),  # 4 segments of 9 tiles, 2 CTAs each
+        ([2 * BLOCK, BLOCK + 1], 2, 4),  # the same tiles, different lengths: one CTA a segment
+        ([5, 5], 2, 12),  # more CTAs than tiles
+    ],
+)
+def test_aligned_schedule(device, lengths, hkv, num_ctas):
+    """Every segment dealt to its own CTAs (the same tiles everywhere, a grid that is a multiple of
+    the segments), against the reference, and bitwise repeatable."""
+    assert la.lean_schedule(lengths, hkv, head_dim=64, device=device, num_ctas=num_ctas).aligned
+    for dtype in DTYPES[device]:
+        q, k, v, lens, first = check(device, lengths, hq=4 * hkv, hkv=hkv, num_ctas=num_ctas, dtype=dtype)
+        assert torch.equal(first, run_lean(q, k, v, lens, 64**-0.5, num_ctas=num_ctas))
 
 
 # ---- FP8 (e4m3) cache -----------------------------------------------------------------------
@@ -358,6 +395,18 @@ def test_fp8_llama_shape_and_configs(device, config):
     lengths = [3 * BLOCK_FP8 + 17, 100] if device == "cpu" else [131_072 + 5, 999]
     for dtype in fp8_dtypes(device):
         check_fp8(device, lengths, hq=32, hkv=8, config=config, head_dim=128, num_ctas=5, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", FP8_PATHS)
+def test_fp8_aligned_schedule(device, config):
+    """32 q / 8 KV heads at head_dim 128 on a grid of 16, 2 CTAs a head (the schedule the GPU's
+    2-CTA-an-SM config takes for one sequence), and 3 CTAs a head, each with several tiles."""
+    n = 5 * BLOCK_FP8 + 17 if device == "cpu" else 131_072 + 5
+    for num_ctas in (16, 24):
+        assert la.lean_schedule([n], 8, 128, device=device, num_ctas=num_ctas, config=config).aligned
+        for dtype in fp8_dtypes(device):
+            check_fp8(device, [n], hq=32, hkv=8, config=config, head_dim=128, num_ctas=num_ctas, dtype=dtype)
 
 
 @pytest.mark.gpu
