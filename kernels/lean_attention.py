@@ -9,9 +9,10 @@ dealt evenly to an SM-sized grid, like stream-K GEMM:
   heads that share KV head h (the group is packed into the M axis of the dots), so each K/V
   byte is read once per step;
 - tiles are numbered (b, h, block) and CTA c takes a contiguous range of them; ranges differ in
-  length by at most one tile and may cross head and sequence boundaries (where every segment
-  below has the same tiles and the grid is a multiple of their count, each segment is dealt to
-  its own share of the CTAs instead: ranges as long, none crossing a head);
+  length by at most one tile and may cross head and sequence boundaries (where every (b, h)
+  segment, defined below, has the same number of tiles and the grid is a multiple of the
+  segment count, each segment is dealt to its own CTAs instead: ranges as long, none crossing
+  a head);
 - a CTA streams its whole range through one software-pipelined loop per sequence, so the
   next head's K/V loads are in flight while a head's result is stored;
 - a (b, h) *segment* that one CTA covers wholly is finished in registers; a CTA that covers a
