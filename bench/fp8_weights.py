@@ -1,9 +1,9 @@
-"""FP8 weights on the GPU: the decode GEMV against its read roofline and the bf16 GEMV, end-to-end
-decode and prefill with FP8 weights against bf16 weights (synthetic Llama-3-8B, same process),
-and the FP8-weight logits against bf16's.
+"""FP8 weights on the GPU: the decode GEMV against its read roofline and the bf16 GEMV, alone and
+inside the decode step, end-to-end decode and prefill with FP8 weights against bf16 weights
+(synthetic Llama-3-8B, same process), and the FP8-weight logits against bf16's.
 
     python bench/fp8_weights.py [--out DIR] [--lengths 1024 32768] [--filled 131072 524288 1048576]
-                                [--skip gemv,e2e,filled,accuracy]
+                                [--skip gemv,step,e2e,filled,accuracy]
 
 GEMV (one decode row): Llama-3-8B's four projections, 32 distinct weight copies cycled inside
 one CUDA graph (each read cold from HBM, as in a decode step), calls chained with PDL as the
@@ -13,6 +13,11 @@ over 2 GiB measured in the same run. Peers: the bf16 GEMV (the step's kernel for
 "op" is what the step launches for the projection: the RMSNorm in front (qkv, gate/up; FP8: the
 norm and the input's e4m3 rounding in one launch), or the input's rounding (FP8 o_proj, down),
 and the GEMV. Median of 15 replays (min-max).
+
+In the step: the decode step at 1k positions of a filled cache, bf16 then FP8 weights, 20 graph
+replays under the torch profiler, each kernel charged the time it adds (from the later of its
+start and the previous kernel's end to its end); the GEMVs' time against their bytes (every
+layer's four projections, counted as the GEMV table counts them), and the step's other parts.
 
 End to end: `LLM("synthetic:llama-3-8b", quantization=...)`, bf16 weights then FP8 weights, no
 prefix reuse; per length, 3 requests of a random prompt + 128 new tokens (greedy, eos ignored):
@@ -141,6 +146,77 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
         flush=True,
     )
     return row
+
+
+# ---- the GEMVs inside the decode step -------------------------------------------------------------------
+STEP_CONTEXT, TRACED_STEPS = 1024, 20
+
+
+def kernel_class(name: str) -> str:
+    """A kernel's part of the step, by its name."""
+    parts = {
+        "_gemv_kernel": "GEMVs",
+        "_lean_decode_kernel": "attention",
+        "_rms_norm_kernel": "norms and roundings",
+        "_quantize_rows_kernel": "norms and roundings",
+    }
+    for prefix, part in parts.items():
+        if name.startswith(prefix):
+            return part
+    return "lm_head" if "nvjet" in name or "gemm" in name.lower() else "the rest"  # cuBLAS: the logits
+
+
+@torch.inference_mode()
+def in_step(ceiling: float, out_dir: Path) -> list[dict]:
+    """The decode step at STEP_CONTEXT from a filled cache, bf16 then FP8 weights: TRACED_STEPS
+    graph replays under the torch profiler; each kernel owns the time from the later of its start
+    and the previous kernel's end to its own end (under PDL a kernel starts before its predecessor
+    ends; this charges it only for the time it adds). The GEMVs' share against their bytes: every
+    layer's four projections as the GEMV table counts them."""
+    results = []
+    for quantization in (None, "fp8"):
+        llm = LLM(MODEL, quantization=quantization, prefix_reuse=False)
+        engine = llm.engine
+        fill_cache(engine.start_filled(STEP_CONTEXT, 16 + TRACED_STEPS))
+        for _ in range(8):  # the first captures the step's graph
+            engine.step(1, GREEDY, False)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(TRACED_STEPS):
+                engine.step(1, GREEDY, False)
+            torch.cuda.synchronize()
+        trace = out_dir / f"step-trace-{quantization or 'bf16'}.json"
+        prof.export_chrome_trace(str(trace))
+        events = sorted((e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"),
+                        key=lambda e: e["ts"])  # fmt: skip
+        trace.unlink()
+        parts: dict[str, float] = {}
+        end = events[0]["ts"]
+        for e in events:
+            finish = e["ts"] + e["dur"]
+            part = kernel_class(e["name"])
+            parts[part] = parts.get(part, 0.0) + max(0.0, finish - max(e["ts"], end))
+            end = max(end, finish)
+        span = (end - events[0]["ts"]) / TRACED_STEPS
+        parts = {k: v / TRACED_STEPS for k, v in parts.items()}
+        layers = llm.config.num_layers
+        per_layer = sum(
+            fp8_gemv_bytes(N, K, 1, mode == "residual") if quantization else N * K * 2 + K * 2
+            for N, K, mode in SHAPES.values()
+        )  # fmt: skip
+        gemv_bytes = per_layer * layers
+        row = dict(
+            weights=weights_description(llm.model), quantization=quantization or "none", step_us=span,
+            parts_us=parts, gemv_bytes=gemv_bytes, gemv_gbs=gemv_bytes / parts["GEMVs"] / 1e3,
+        )  # fmt: skip
+        row["gemv_roofline"] = row["gemv_gbs"] * 1e9 / ceiling
+        results.append(row)
+        print(f"  {row['quantization']}: step {span:.0f} us, GEMVs {parts['GEMVs']:.0f} us "
+              f"({100 * row['gemv_roofline']:.1f}% of the read roofline)", flush=True)  # fmt: skip
+        del llm, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return results
 
 
 # ---- filled-cache decode: FP8 weights + FP8 cache -----------------------------------------------------
@@ -313,6 +389,23 @@ def markdown(report: dict) -> str:
             " down), then the GEMV. (x): bf16 op / FP8 op.",
             "",
         ]
+    if report.get("step"):
+        names = ["GEMVs", "lm_head", "attention", "norms and roundings", "the rest"]
+        rows = [
+            [r["weights"], f"{r['step_us']:,.0f}"] + [f"{r['parts_us'].get(n, 0.0):,.0f}" for n in names]
+            + [f"{r['gemv_gbs']:,.0f}", f"{100 * r['gemv_roofline']:.1f}%"]
+            for r in report["step"]
+        ]  # fmt: skip
+        header = ["weights", "step us", *(f"{n} us" for n in names), "GEMVs GB/s", "GEMVs % of read roofline"]
+        title = (f"## The decode step at {STEP_CONTEXT} positions (a filled cache; torch profiler over "
+                 f"{TRACED_STEPS} graph-replayed steps, us a step)")  # fmt: skip
+        lines += table(title, header, rows)
+        lines += [
+            "Each kernel is charged the time from the later of its start and the previous kernel's end to"
+            " its own end (under PDL a kernel starts before its predecessor ends). GEMV bytes: every"
+            " layer's four projections as the GEMV table counts them.",
+            "",
+        ]
     if report.get("e2e"):
         base = {r["length"]: r for r in report["e2e"] if r["quantization"] == "none"}
         rows = []
@@ -370,7 +463,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--accuracy-context", type=int, default=4096)
     parser.add_argument("--filled", type=int, nargs="+", default=[131072, 524288, 1048576])
-    parser.add_argument("--skip", default="", help="comma-separated: gemv, e2e, filled, accuracy")
+    parser.add_argument("--skip", default="", help="comma-separated: gemv, step, e2e, filled, accuracy")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -387,6 +480,9 @@ def main() -> None:
         print("GEMV:", flush=True)
         with torch.inference_mode():
             report["gemv"] = [gemv_row(name, *shape, ceiling) for name, shape in SHAPES.items()]
+    if "step" not in skip:
+        print(f"the GEMVs in the decode step at {STEP_CONTEXT}:", flush=True)
+        report["step"] = in_step(ceiling, args.out)
     if "e2e" not in skip:
         print("end to end:", flush=True)
         report["e2e"] = e2e(args.lengths, args.new_tokens, args.repeats, ceiling)
