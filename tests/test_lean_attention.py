@@ -618,6 +618,20 @@ def test_regions_of_one_shared_row(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_regions_of_one_shared_row_aligned(device):
+    """A batch of equal lengths in regions of one row, on a grid that is a multiple of its segments:
+    each segment dealt to its own CTAs, every CTA reading its sequence's region."""
+    lengths, hkv, num_ctas = [2 * BLOCK + 5] * 3, 2, 12
+    assert la.lean_schedule(lengths, hkv, head_dim=64, device=device, num_ctas=num_ctas).aligned
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    q, k, v, lens = make_inputs(device, lengths, 8, hkv, dtype=dtype)
+    gaps = [5, 0, 11]
+    (k_row, starts), (v_row, _) = pack_regions(k, lengths, gaps), pack_regions(v, lengths, gaps)
+    out = run_lean(q, k_row, v_row, lens, 64**-0.5, num_ctas, starts=starts)
+    assert rel_err(out, reference(q, k, v, lens, 64**-0.5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", FP8_PATHS)
 def test_fp8_regions_of_one_shared_row(device, config):
     """Regions of one cache row starting at multiples of V_BLOCK (the layout's contract), idle
