@@ -79,6 +79,11 @@ def fp8_gemv_bytes(N: int, K: int, rows: int, residual: bool) -> int:
     return N * K + N * 4 + rows * (K + 4) + (rows * N * 2 if residual else 0)
 
 
+def bf16_gemv_bytes(N: int, K: int, rows: int, residual: bool) -> int:
+    """What a bf16 GEMV call must read: the weight [N, K], the rows [rows, K] and the residual."""
+    return N * K * 2 + rows * K * 2 + (rows * N * 2 if residual else 0)
+
+
 def fp8_exact(rows: QuantizedRows, w: FP8Weight, gated: bool) -> torch.Tensor:
     """float64 rows [R, K] @ w^T from the e4m3 values and their scales ([R, N]; gated: silu(gate)
     * up of the fused gate/up halves, [R, N / 2])."""
@@ -128,7 +133,7 @@ def gemv_row(name: str, N: int, K: int, mode: str, ceiling: float) -> dict:
         t_op = timed(lambda w: gemv(ops.rms_norm(x, *norm, pdl=True, quantize_for=w), w, **kw), fp8)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     default = default_fp8_config(N // 2 if kw["gated"] else N, kw["gated"], sms)
-    bytes_bf16 = N * K * 2 + K * 2 + (N * 2 if residual is not None else 0)  # x (and the residual)
+    bytes_bf16 = bf16_gemv_bytes(N, K, 1, residual is not None)
     bytes_fp8 = fp8_gemv_bytes(N, K, 1, residual is not None)
     row = dict(
         matrix=name, N=N, K=K, rel_err=err, default_config=str(default), bf16_us=t_bf16, fp8_us=t_fp8,
@@ -166,13 +171,32 @@ def kernel_class(name: str) -> str:
     return "lm_head" if "nvjet" in name or "gemm" in name.lower() else "the rest"  # cuBLAS: the logits
 
 
+def step_parts(events: list[dict]) -> dict[str, float]:
+    """One step's kernels (trace events in start order) -> us a part ("step": its span): each
+    kernel charged the time from the later of its start and the previous kernel's end to its end."""
+    parts: dict[str, float] = {}
+    end = events[0]["ts"]
+    for e in events:
+        finish = e["ts"] + e["dur"]
+        part = kernel_class(e["name"])
+        parts[part] = parts.get(part, 0.0) + max(0.0, finish - max(e["ts"], end))
+        end = max(end, finish)
+    parts["step"] = end - events[0]["ts"]
+    return parts
+
+
+def median_spread(xs: list[float]) -> dict:
+    return dict(median=statistics.median(xs), low=min(xs), high=max(xs))
+
+
 @torch.inference_mode()
 def in_step(ceiling: float, out_dir: Path) -> list[dict]:
     """The decode step at STEP_CONTEXT from a filled cache, bf16 then FP8 weights: TRACED_STEPS
     graph replays under the torch profiler; each kernel owns the time from the later of its start
     and the previous kernel's end to its own end (under PDL a kernel starts before its predecessor
-    ends; this charges it only for the time it adds). The GEMVs' share against their bytes: every
-    layer's four projections as the GEMV table counts them."""
+    ends; this charges it only for the time it adds). Per step (the replays launch the same
+    kernels), then the median and min-max over the steps. The GEMVs' share against their bytes:
+    every layer's four projections as the GEMV table counts them."""
     results = []
     for quantization in (None, "fp8"):
         llm = LLM(MODEL, quantization=quantization, prefix_reuse=False)
@@ -190,29 +214,25 @@ def in_step(ceiling: float, out_dir: Path) -> list[dict]:
         events = sorted((e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"),
                         key=lambda e: e["ts"])  # fmt: skip
         trace.unlink()
-        parts: dict[str, float] = {}
-        end = events[0]["ts"]
-        for e in events:
-            finish = e["ts"] + e["dur"]
-            part = kernel_class(e["name"])
-            parts[part] = parts.get(part, 0.0) + max(0.0, finish - max(e["ts"], end))
-            end = max(end, finish)
-        span = (end - events[0]["ts"]) / TRACED_STEPS
-        parts = {k: v / TRACED_STEPS for k, v in parts.items()}
-        layers = llm.config.num_layers
-        per_layer = sum(
-            fp8_gemv_bytes(N, K, 1, mode == "residual") if quantization else N * K * 2 + K * 2
-            for N, K, mode in SHAPES.values()
-        )  # fmt: skip
-        gemv_bytes = per_layer * layers
+        if len(events) % TRACED_STEPS:
+            raise RuntimeError(f"{len(events)} kernels over {TRACED_STEPS} steps: not the same each step")
+        per_step = len(events) // TRACED_STEPS
+        steps = [step_parts(events[i : i + per_step]) for i in range(0, len(events), per_step)]
+        count = fp8_gemv_bytes if quantization else bf16_gemv_bytes
+        per_layer = sum(count(N, K, 1, mode == "residual") for N, K, mode in SHAPES.values())
+        gemv_bytes = llm.config.num_layers * per_layer
+        gemv_us = [s["GEMVs"] for s in steps]
         row = dict(
-            weights=weights_description(llm.model), quantization=quantization or "none", step_us=span,
-            parts_us=parts, gemv_bytes=gemv_bytes, gemv_gbs=gemv_bytes / parts["GEMVs"] / 1e3,
+            weights=weights_description(llm.model), quantization=quantization or "none", n=TRACED_STEPS,
+            step_us=median_spread([s["step"] for s in steps]), gemv_us=median_spread(gemv_us),
+            parts_us={k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0] if k != "step"},
+            gemv_bytes=gemv_bytes,
+            gemv_roofline=median_spread([gemv_bytes / us * 1e6 / ceiling for us in gemv_us]),
         )  # fmt: skip
-        row["gemv_roofline"] = row["gemv_gbs"] * 1e9 / ceiling
         results.append(row)
-        print(f"  {row['quantization']}: step {span:.0f} us, GEMVs {parts['GEMVs']:.0f} us "
-              f"({100 * row['gemv_roofline']:.1f}% of the read roofline)", flush=True)  # fmt: skip
+        step, gemv, share = row["step_us"]["median"], row["gemv_us"]["median"], row["gemv_roofline"]["median"]
+        print(f"  {row['quantization']}: step {step:.0f} us, GEMVs {gemv:.0f} us ({100 * share:.1f}% of the "
+              "read roofline)", flush=True)  # fmt: skip
         del llm, engine
         gc.collect()
         torch.cuda.empty_cache()
@@ -390,15 +410,18 @@ def markdown(report: dict) -> str:
             "",
         ]
     if report.get("step"):
-        names = ["GEMVs", "lm_head", "attention", "norms and roundings", "the rest"]
+        names = ["lm_head", "attention", "norms and roundings", "the rest"]
+        pct = lambda t: f"{100 * t['median']:.1f}% ({100 * t['low']:.1f}-{100 * t['high']:.1f})"  # noqa: E731
         rows = [
-            [r["weights"], f"{r['step_us']:,.0f}"] + [f"{r['parts_us'].get(n, 0.0):,.0f}" for n in names]
-            + [f"{r['gemv_gbs']:,.0f}", f"{100 * r['gemv_roofline']:.1f}%"]
+            [r["weights"], spread(r["step_us"]), spread(r["gemv_us"])]
+            + [f"{r['parts_us'].get(n, 0.0):,.1f}" for n in names] + [pct(r["gemv_roofline"])]
             for r in report["step"]
         ]  # fmt: skip
-        header = ["weights", "step us", *(f"{n} us" for n in names), "GEMVs GB/s", "GEMVs % of read roofline"]
-        title = (f"## The decode step at {STEP_CONTEXT} positions (a filled cache; torch profiler over "
-                 f"{TRACED_STEPS} graph-replayed steps, us a step)")  # fmt: skip
+        header = ["weights", "step us", "GEMVs us", *(f"{n} us" for n in names), "GEMVs % of read roofline"]
+        n = report["step"][0]["n"]
+        title = (f"## The decode step at {STEP_CONTEXT} positions (a filled cache; torch profiler over {n} "
+                 "graph-replayed steps; us a step: median (min-max) over the steps, the other parts' "
+                 "medians)")  # fmt: skip
         lines += table(title, header, rows)
         lines += [
             "Each kernel is charged the time from the later of its start and the previous kernel's end to"
