@@ -373,6 +373,10 @@ def _ticket_and_merge(
     first = _owner(seg_lo, per, big, span_ctas, span_tiles)
     last = _owner(seg_hi - 1, per, big, span_ctas, span_tiles)
     if ticket == last - first:
+        # Slot 2c holds the partial of CTA c's first segment, 2c + 1 of its last. Only `first`
+        # can have begun in an earlier segment (every later contributor's range starts inside
+        # this one), so one _range_start serves the whole merge: none in its loop.
+        first_slot = 2 * first + (_range_start(first, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
         cols = tl.arange(0, G_MERGE * HEAD_DIM)
         col_g = cols // HEAD_DIM  # query head (row of the partial) of each column
         col_ok = col_g < G
@@ -390,8 +394,7 @@ def _ticket_and_merge(
         # contributor's partial visible to this CTA.
         if MERGE_CHUNK == 1:
             for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
-                # slot 2c holds the partial of CTA c's first segment, 2c + 1 of its last
-                slot = 2 * c + (_range_start(c, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
+                slot = tl.where(c == first, first_slot, 2 * c)
                 lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
                 o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
                 m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
@@ -404,7 +407,7 @@ def _ticket_and_merge(
             offs_c = tl.arange(0, MERGE_CHUNK)
             for c0 in tl.range(first, last + 1, MERGE_CHUNK, num_stages=MERGE_STAGES):
                 c = c0 + offs_c  # [MERGE_CHUNK] contributors; past `last`: masked, weight 0
-                slot = 2 * c + (_range_start(c, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
+                slot = tl.where(c == first, first_slot, 2 * c)
                 part = slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :]
                 ok = (c <= last)[:, None] & col_ok[None, :]
                 lse_c = tl.load(PartLse + part, mask=ok, other=float("-inf"))  # [MERGE_CHUNK, G_MERGE * D]
