@@ -411,7 +411,10 @@ def markdown(report: dict) -> str:
         ]
     if report.get("step"):
         names = ["lm_head", "attention", "norms and roundings", "the rest"]
-        pct = lambda t: f"{100 * t['median']:.1f}% ({100 * t['low']:.1f}-{100 * t['high']:.1f})"  # noqa: E731
+
+        def pct(t: dict) -> str:
+            return f"{100 * t['median']:.1f}% ({100 * t['low']:.1f}-{100 * t['high']:.1f})"
+
         rows = [
             [r["weights"], spread(r["step_us"]), spread(r["gemv_us"])]
             + [f"{r['parts_us'].get(n, 0.0):,.1f}" for n in names] + [pct(r["gemv_roofline"])]
