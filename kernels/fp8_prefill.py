@@ -27,6 +27,11 @@ FP8 forward pass does:
   (lean_attention._e4m3_mma_tile), so thousands of tiles chained into one accumulator would lose
   the small tiles' contributions.
 
+On Hopper the same arithmetic runs in fp8_prefill_hopper's warp-specialized Gluon kernel (a TMA
+loader and two consumer warpgroups that take turns on the tensor cores; bit for bit this kernel's
+output, ~1.2x faster). This module's kernel serves Ada, head_dim 32, and the CPU tests (the Triton
+interpreter; Gluon has none).
+
 Units of the running state (per query row; m in log2 units of the scaled scores): l holds
 sum 2^(s - m) times 2^shift, acc holds sum 2^(s - m) v times 2^shift / v_unit, where shift is
 the row's P exponent in the last tile and v_unit the last tile's V scale, so out = acc v_unit / l.
@@ -67,18 +72,23 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)  # e4m3 MMA: a multiple of 32 (its K step); 
 class Fp8PrefillConfig:
     block_m: int  # queries per CTA (one head)
     block_n: int  # keys per tile, and per K/V scale
-    num_warps: int
-    num_stages: int  # software-pipelining depth of the key loop (K and V tiles in flight)
+    num_warps: int  # (warp-specialized: per consumer warpgroup)
+    num_stages: int  # K and V tiles in flight (software pipelining, or the loader's ring)
+    # Hopper only: fp8_prefill_hopper's Gluon kernel (a TMA loader warp and two consumer
+    # warpgroups of block_m / 2 rows taking turns on the tensor cores) instead of this module's.
+    warp_specialized: bool = False
 
 
-# Hopper, head_dim 128: 64 x 128 tiles over one warpgroup (4 warps), holding a [64, D] float32
-# accumulator and a [64, 128] score tile in registers, three stages of K and V tiles in flight
-# (107 KB of shared memory: two CTAs an SM). The fastest of bench/prefill_attention.py's sweep on
-# an H100 (bench/NOTES-prefill.md, 2026-11-25): 738 TFLOP/s at 32k and 683 at 128k, against 596 and
-# 609 for 128 x 128 tiles over two warpgroups (HOPPER_WIDE_CONFIG), with the same output.
-HOPPER_CONFIG = Fp8PrefillConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
-# Hopper at head_dim 64 and 32 (not swept there): 128 x 128 tiles over two warpgroups (8 warps),
-# each holding a [64, D] accumulator and a [64, 128] score tile; three stages of K and V tiles.
+# Hopper, head_dim 128 and 64: the warp-specialized kernel, 2 x 64 query rows a CTA against
+# 128-key tiles, two K/V stages (82 KB of shared memory; its registers fill the SM: one CTA).
+# On an H100 (bench/NOTES-prefill.md, 2026-11-26), one layer of Llama-3-8B: 799 TFLOP/s at 32k and
+# 811 at 128k, against 714 and 676 for HOPPER_TRITON_CONFIG in the same run, the same output.
+HOPPER_CONFIG = Fp8PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, warp_specialized=True)
+# This module's kernel on Hopper: 64 x 128 tiles over one warpgroup, three stages (107 KB: two CTAs
+# an SM); the fastest Triton config of the 2026-11-25 sweep (738 TFLOP/s at 32k on an H100).
+HOPPER_TRITON_CONFIG = Fp8PrefillConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+# Hopper at head_dim 32 (not swept there): 128 x 128 tiles over two warpgroups (8 warps), each
+# holding a [64, D] accumulator and a [64, 128] score tile; three stages of K and V tiles.
 HOPPER_WIDE_CONFIG = Fp8PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 # Ada (sm_89) has ~100 KiB of shared memory per SM: two stages.
 ADA_CONFIG = Fp8PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
@@ -87,22 +97,23 @@ INTERPRETER_CONFIG = Fp8PrefillConfig(block_m=32, block_n=32, num_warps=4, num_s
 # What bench/prefill_attention.py times against each other on the GPU (the default first).
 CANDIDATE_CONFIGS = (
     HOPPER_CONFIG,
+    Fp8PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=3, warp_specialized=True),
+    HOPPER_TRITON_CONFIG,
     HOPPER_WIDE_CONFIG,
-    Fp8PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
-    Fp8PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
 )
+WARP_SPECIALIZED_HEAD_DIMS = (64, 128)
 
 
 def default_config(head_dim: int, device: torch.device) -> Fp8PrefillConfig:
-    """The config for a head size on a device: on Hopper HOPPER_CONFIG at head_dim 128 and
-    HOPPER_WIDE_CONFIG below, ADA_CONFIG on compute capability 8.9, INTERPRETER_CONFIG on the CPU."""
+    """The config for a head size on a device: on Hopper HOPPER_CONFIG at head_dim 128 and 64 and
+    HOPPER_WIDE_CONFIG at 32, ADA_CONFIG on compute capability 8.9, INTERPRETER_CONFIG on the CPU."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"FP8 prefill attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     if torch.cuda.get_device_capability(device)[0] < 9:
         return ADA_CONFIG
-    return HOPPER_CONFIG if head_dim == 128 else HOPPER_WIDE_CONFIG
+    return HOPPER_CONFIG if head_dim in WARP_SPECIALIZED_HEAD_DIMS else HOPPER_WIDE_CONFIG
 
 
 # ---- the kernels ---------------------------------------------------------------------------
@@ -160,11 +171,12 @@ def _quantize_kv_kernel(
     N, N_PAD, NB, HKV,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, HW: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, HW: tl.constexpr, PERMUTE_V: tl.constexpr,
 ):  # fmt: skip
     """CTA (key block j, sequence b x KV head h): keys [j BLOCK_N, (j + 1) BLOCK_N) of K and V
     -> K8 [b Hkv + h, rows, :] e4m3, V8T [b Hkv + h, :, rows] e4m3 (transposed: keys contiguous),
-    KS / VS [b Hkv + h, j] their float32 power-of-two scales. Rows past N are written as zeros."""
+    KS / VS [b Hkv + h, j] their float32 power-of-two scales. Rows past N are written as zeros.
+    PERMUTE_V: key 16c + 8h + 2q + e goes to V8T's column 16c + 4q + 2h + e (fp8_prefill_hopper)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // HKV, bh % HKV
@@ -176,7 +188,10 @@ def _quantize_kv_kernel(
     k_dst = K8 + head + offs_n[:, None] * D + offs_d[None, :]
     tl.store(KS + bh * NB + blk, _quantize_block(k_src, k_dst, offs_n, offs_d, valid, stride_kn, HW))
     v_src = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    v_dst = V8T + head + offs_d[None, :] * N_PAD + offs_n[:, None]
+    cols = offs_n
+    if PERMUTE_V:
+        cols = (offs_n & ~15) | (((offs_n >> 1) & 3) << 2) | (((offs_n >> 3) & 1) << 1) | (offs_n & 1)
+    v_dst = V8T + head + offs_d[None, :] * N_PAD + cols[:, None]
     tl.store(VS + bh * NB + blk, _quantize_block(v_src, v_dst, offs_n, offs_d, valid, stride_vn, HW))
 
 
@@ -293,9 +308,10 @@ class QuantizedKV:
     block: int
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, block: int) -> QuantizedKV:
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, block: int, permute_v: bool = False) -> QuantizedKV:
     """k, v [B, Hkv, N, D] (any float dtype, the last dim contiguous) -> QuantizedKV in blocks of
-    `block` keys: one Triton pass (the interpreter on CPU tensors)."""
+    `block` keys: one Triton pass (the interpreter on CPU tensors). permute_v: V^T's keys in the
+    order of fp8_prefill_hopper's P operand (in each 16, key 8h + 2q + e at column 4q + 2h + e)."""
     B, Hkv, N, D = k.shape
     blocks = triton.cdiv(N, block)
     n_pad = blocks * block
@@ -309,7 +325,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, block: int) -> QuantizedKV:
         N, n_pad, blocks, Hkv,
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        D=D, BLOCK_N=block, HW=k.is_cuda, num_warps=8,
+        D=D, BLOCK_N=block, HW=k.is_cuda, PERMUTE_V=permute_v, num_warps=8,
     )  # fmt: skip
     return QuantizedKV(k8, v8t, k_scale, v_scale, N, block)
 
@@ -342,11 +358,22 @@ def fp8_causal_attention(
     if not scale > 0:
         raise ValueError(f"the softmax scale must be positive, got {scale}")
     config = config or default_config(D, q.device)
-    kv = quantize_kv(k, v, config.block_n)
+    ws = config.warp_specialized
+    if ws and not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        raise ValueError("the warp-specialized FP8 prefill kernel runs on Hopper (compute capability 9.x)")
+    if ws and D not in WARP_SPECIALIZED_HEAD_DIMS:
+        dims = ", ".join(map(str, WARP_SPECIALIZED_HEAD_DIMS))
+        raise ValueError(f"the warp-specialized FP8 prefill kernel takes head_dim {dims}, not {D}")
+    kv = quantize_kv(k, v, config.block_n, permute_v=ws)
     if out is None:
         out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    if ws:
+        from .fp8_prefill_hopper import launch  # (Gluon: imported on a Hopper GPU only)
+
+        launch(q, kv, scale, out, config.block_m, config.num_stages)
+        return out
     q_blocks = triton.cdiv(T, config.block_m)
     _fp8_attention_kernel[(q_blocks * B * Hq,)](
         q, kv.k, kv.v, kv.k_scale, kv.v_scale, out,

@@ -139,6 +139,51 @@ def test_quantize_kv_writes_the_twins_bits(device, N, block):
     assert ((top >= 224) & (top <= 448)).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N, block", [(100, 32), (130, 64)])
+def test_quantize_kv_permutes_v_for_the_hopper_kernel(device, N, block):
+    """permute_v writes V^T's keys in the order of the Hopper kernel's P operand: in every 16, key
+    8h + 2q + e at column 4q + 2h + e (a permutation); K, the scales and the bits are unchanged."""
+    q, k, v = make_inputs(device, 1, 2, 2, N, 0, 64, DTYPE[device])
+    plain, permuted = quantize_kv(k, v, block), quantize_kv(k, v, block, permute_v=True)
+    key = torch.arange(plain.v.shape[-1])
+    column = key // 16 * 16 + (key // 2) % 4 * 4 + (key // 8) % 2 * 2 + key % 2
+    assert sorted(column.tolist()) == key.tolist() and column[8].item() == 2 and column[2].item() == 4
+    as_keys = permuted.v.view(torch.uint8).cpu()[:, :, column]
+    assert torch.equal(as_keys, plain.v.view(torch.uint8).cpu())
+    assert not torch.equal(permuted.v.view(torch.uint8).cpu(), plain.v.view(torch.uint8).cpu())
+    for name in ("k", "k_scale", "v_scale"):
+        a, b = getattr(permuted, name).cpu(), getattr(plain, name).cpu()
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_hopper_kernel_compiles_for_sm90():
+    """The warp-specialized Gluon kernel (fp8_prefill_hopper; Gluon has no interpreter, so the GPU
+    tests below run it) compiles for sm_90 on this machine at head_dim 64 and 128: a register
+    budget per partition (setmaxnreg), e4m3 wgmmas as wide as the tiles, TMA loads, no local memory."""
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line, head_dim in zip(done.stdout.splitlines(), fp.WARP_SPECIALIZED_HEAD_DIMS, strict=True):
+        got = json.loads(line)
+        assert got["head_dim"] == head_dim
+        assert {"24", "240"} <= set(got["setmaxnreg"])
+        assert got["wgmma"] == sorted({"m64n128k32", f"m64n{head_dim}k32"})
+        assert got["tma_loads"] == 2 and not got["local_memory"]
+
+
+def test_warp_specialized_config_needs_hopper():
+    q, k, v = make_inputs("cpu", 1, 2, 1, 10, 0, 64, torch.float32)
+    with pytest.raises(ValueError, match="runs on Hopper"):
+        fp8_causal_attention(q, k, v, 0.125, fp.HOPPER_CONFIG)
+
+
 # ---- the kernel -----------------------------------------------------------------------------
 
 
@@ -288,6 +333,8 @@ GPU_CASES = [(1, 8, 2, 1000, 0), (2, 4, 1, 700, 333), (1, 4, 1, 1, 500)]
 def test_every_config_against_float64_on_gpu(config, case, head_dim, dtype):
     if dtype == torch.float16 and (config != fp.HOPPER_CONFIG or head_dim != 128):
         pytest.skip("fp16 q at the default config only")
+    if config.warp_specialized and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel is Hopper's")
     B, Hq, Hkv, T, past = case
     q, k, v = make_inputs("cuda", B, Hq, Hkv, T, past, head_dim, dtype, seed=T + past)
     scale = head_dim**-0.5
@@ -298,6 +345,23 @@ def test_every_config_against_float64_on_gpu(config, case, head_dim, dtype):
     assert rel_err(out, own) < OWN_TOL
     assert rel_err(out, causal_reference(q, k, v, scale)) < UNQUANTIZED_TOL
     assert torch.equal(out, fp8_causal_attention(q, k, v, scale, config))  # bitwise repeatable
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("head_dim", fp.WARP_SPECIALIZED_HEAD_DIMS)
+@pytest.mark.parametrize(
+    "case", GPU_CASES + [(1, 32, 8, 4096, 0)], ids=lambda c: f"B{c[0]}-{c[1]}q{c[2]}kv-T{c[3]}-past{c[4]}"
+)
+def test_warp_specialized_kernel_equals_the_triton_kernel_on_hopper(case, head_dim):
+    """The same arithmetic in another schedule: bit for bit the Triton kernel's output (the key
+    relabelling stays within a wgmma's 32-key step; a fully masked tile changes units by powers of two)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel is Hopper's")
+    B, Hq, Hkv, T, past = case
+    q, k, v = make_inputs("cuda", B, Hq, Hkv, T, past, head_dim, torch.bfloat16, seed=T + past + head_dim)
+    ws = fp8_causal_attention(q, k, v, head_dim**-0.5, fp.HOPPER_CONFIG)
+    assert torch.equal(ws, fp8_causal_attention(q, k, v, head_dim**-0.5, fp.HOPPER_TRITON_CONFIG))
 
 
 @pytest.mark.gpu
@@ -351,10 +415,10 @@ def test_head_offsets_past_2_to_the_31_on_gpu():
 @pytest.mark.gpu
 @NEEDS_CUDA
 def test_fp8_backend_takes_sdpa_where_the_kernel_does_not_pay():
-    """A whole layer's call over 16k keys (8 x 4 x 256 = 8192 CTAs of 64 rows) goes through the
-    kernel; the same layer's first 1000 rows (fewer keys than FP8_MIN_KEYS) through SDPA's measured
-    backend, exactly, per KV head as SDPA's fallback takes them; and 100 queries after a 16k prefix
-    (8 x 4 x 2 = 64 CTAs: the SMs not filled) through SDPA too."""
+    """A whole layer's call over 16k keys (32 heads x 128 query blocks = 4096 CTAs of 128 rows on
+    Hopper) goes through the kernel; the same layer's first 1000 rows (fewer keys than
+    FP8_MIN_KEYS) through SDPA's measured backend, exactly, per KV head as SDPA's fallback takes
+    them; and 100 queries after a 16k prefix (32 CTAs: the SMs not filled) through SDPA too."""
     assert prefill.FP8_MIN_KEYS == 16384
     q, k, v = make_inputs("cuda", 1, 32, 8, 16384, 0, 128, torch.bfloat16, seed=1)
     sdpa = prefill.choose_backend(q.device, 128, 4, q.dtype)
