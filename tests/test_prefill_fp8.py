@@ -248,9 +248,10 @@ def test_weights_far_below_the_maximum_keep_their_precision(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_causal_attention_fp8_backend_runs_the_kernel(device):
-    """prefill.causal_attention(..., "fp8") on a call with enough query blocks is the kernel's
-    result (here on the CPU: every call takes the kernel)."""
-    q, k, v = make_inputs(device, 1, 4, 1, 5000 if device == "cuda" else 60, 20, 64, DTYPE[device])
+    """prefill.causal_attention(..., "fp8") on a call with enough query blocks and keys (on a GPU
+    at least FP8_MIN_KEYS) is the kernel's result (on the CPU every call takes the kernel)."""
+    T = prefill.FP8_MIN_KEYS if device == "cuda" else 60
+    q, k, v = make_inputs(device, 1, 4, 1, T, 20, 64, DTYPE[device])
     out = prefill.causal_attention(q, k, v, 0.125, "fp8")
     assert torch.equal(out, fp8_causal_attention(q, k, v, 0.125))
 
