@@ -24,10 +24,11 @@ own tile's keys (padded) plus full calls over 1, 2, 4 or 8 earlier tiles at a ti
 batch axis), merged by log-sum-exp. After the first few calls no new graph is built for any prompt.
 
 Backend "fp8" (opt-in: `check_prefill_attention`) runs the FP8 flash-attention kernel
-(kernels/fp8_prefill.py: Q, K, V and P rounded to e4m3, float32 softmax and accumulation) where it
-beats SDPA: a call over at least FP8_MIN_KEYS keys with enough query blocks to fill the GPU once
-(`fp8_kernel_applies`); elsewhere SDPA's measured backend (a short prompt, where cuDNN is faster,
-or a short suffix after a cached prefix, where the kernel would leave most SMs idle).
+(kernels/fp8_prefill.py, on Hopper kernels/fp8_prefill_hopper.py: Q, K, V and P rounded to e4m3,
+float32 softmax and accumulation) where it beats SDPA: a call over at least FP8_MIN_KEYS keys with
+enough query blocks to fill the GPU once (`fp8_kernel_applies`); elsewhere SDPA's measured backend
+(a short prompt, where cuDNN is faster, or a short suffix after a cached prefix, where the kernel
+would leave most SMs idle).
 """
 
 from __future__ import annotations
@@ -383,9 +384,9 @@ def check_prefill_attention(name: str, device: torch.device, head_dim: int) -> s
     return name
 
 
-# Keys from which the FP8 kernel beats cuDNN's bf16 attention on a whole layer of Llama-3-8B
-# (H200, bench/results/prefill-attention-h200.md): 0.89x at 4k, 1.01x at 8k, 1.07x at 16k, 1.11-1.20x
-# from 32k to 1M.
+# Keys from which the FP8 kernel clearly beats SDPA's best bf16 attention on a whole layer of
+# Llama-3-8B (bench/results/prefill-attention-h100.md and -h200.md, the warp-specialized kernel):
+# 0.71x / 0.78x at 4k, 1.01x / 1.08x at 8k, 1.15x / 1.21x at 16k, 1.17-1.41x from 32k (H100 / H200).
 FP8_MIN_KEYS = 16384
 
 
