@@ -39,31 +39,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .fp8_prefill import LOG2E, P_BITS, P_SHIFT_MAX, SCALE_EXP_MAX, SCALE_EXP_MIN, QuantizedKV
+from .fp8_prefill import _P_BITS, _P_SHIFT_MAX, LOG2E, QuantizedKV, _pow2, _scale_exponent
 
 # Triton 3.6 names the TMA load async_copy_global_to_shared; later versions async_load.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-_EXP_MIN, _EXP_MAX = gl.constexpr(SCALE_EXP_MIN), gl.constexpr(SCALE_EXP_MAX)
-_P_BITS, _P_SHIFT_MAX = gl.constexpr(P_BITS), gl.constexpr(float(P_SHIFT_MAX))
-# Registers: the consumers hold a [64, D] accumulator, a [64, 128] score tile and a [64, 128]
+# Registers: the consumers hold a [64, D] accumulator, a [64, 128] score tile and a [64, D]
 # P.V result in flight (~240 a thread); the loader needs few. 12 warps x 168 fill the SM's 64k.
 MAX_REGISTERS = 168
 _CONSUMER_REGISTERS, _LOADER_REGISTERS = gl.constexpr(240), gl.constexpr(24)
-
-
-@gluon.jit
-def _pow2(e):
-    """2^e as float32 for int32 e in [-126, 127], exactly (the exponent bits built directly)."""
-    return ((e + 127) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _scale_exponent(amax):
-    """fp8_prefill._scale_exponent: the smallest e with amax * 2^-e <= 448, clamped."""
-    bits = amax.to(gl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
-    return gl.minimum(gl.maximum(e, _EXP_MIN), _EXP_MAX)
 
 
 @gluon.jit
@@ -150,11 +134,10 @@ def _tile(
 
 
 @gluon.jit
-def _cta(args):
+def _cta(smem, dims):
     """(b, h, the CTA's first row, its tile count, its KV head) from the program id."""
-    (Q, Out, KS, VS, q_smem, k_smem, v_smem, ready, empty, turn, k_desc, v_desc,
-     T, PAST, N, N_PAD, NB, HQ, GROUP, HKV, Q_BLOCKS, BH,
-     stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot, qk_scale) = args  # fmt: skip
+    q_smem, k_smem, v_smem, ready, empty, turn = smem
+    T, PAST, N, N_PAD, NB, HQ, GROUP, HKV, Q_BLOCKS, BH = dims
     BLOCK_M: gl.constexpr = q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     pid = gl.program_id(0)
@@ -169,9 +152,10 @@ def _cta(args):
 @gluon.jit
 def _consumer(args, me: gl.constexpr):
     """Consumer `me` (0 or 1): rows [cta_i0 + me BLOCK_M, + BLOCK_M) of the CTA's head."""
-    (Q, Out, KS, VS, q_smem_all, k_smem, v_smem, ready, empty, turn, k_desc, v_desc,
-     T, PAST, N, N_PAD, NB, HQ, GROUP, HKV, Q_BLOCKS, BH,
-     stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot, qk_scale) = args  # fmt: skip
+    io, smem, _, dims = args
+    Q, Out, KS, VS, qk_scale, stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot = io
+    q_smem_all, k_smem, v_smem, ready, empty, turn = smem
+    T, PAST, N, N_PAD, NB, HQ, GROUP, HKV, Q_BLOCKS, BH = dims
     BLOCK_M: gl.constexpr = q_smem_all.type.shape[1]
     D: gl.constexpr = q_smem_all.type.shape[2]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -181,7 +165,7 @@ def _consumer(args, me: gl.constexpr):
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_blocked: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    b, h, cta_i0, n_tiles, kv = _cta(args)
+    b, h, cta_i0, n_tiles, kv = _cta(smem, dims)
     i0 = cta_i0 + me * BLOCK_M
     scales = kv * NB
 
@@ -265,11 +249,14 @@ def _consumer_1(args):
 @gluon.jit
 def _loader(args):
     """Streams the CTA's K and V tiles into the ring, a slot at a time as the consumers free it."""
-    k_smem, v_smem, ready, empty, k_desc, v_desc, N_PAD = args[5:9] + args[10:12] + (args[15],)
+    _, smem, descs, dims = args
+    q_smem, k_smem, v_smem, ready, empty, turn = smem
+    k_desc, v_desc = descs
+    N_PAD = dims[3]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     D: gl.constexpr = k_smem.type.shape[2]
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    _, _, _, n_tiles, kv = _cta(args)
+    _, _, _, n_tiles, kv = _cta(smem, dims)
     for t in range(n_tiles):
         slot = t % STAGES
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)  # (a fresh barrier's phase 1 is complete)
@@ -302,9 +289,10 @@ def _fp8_attention_kernel(
         mbarrier.init(empty.index(s), count=2)  # both consumers release each tile
     for s in gl.static_range(2):
         mbarrier.init(turn.index(s), count=1)
-    args = (Q, Out, KS, VS, q_smem, k_smem, v_smem, ready, empty, turn, k_desc, v_desc,
-            T, PAST, N, N_PAD, NB, HQ, GROUP, HKV, Q_BLOCKS, BH,
-            stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot, qk_scale)  # fmt: skip
+    # (the worker partitions take no tensors: pointers, scalars, shared memory and descriptors)
+    io = (Q, Out, KS, VS, qk_scale, stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot)
+    smem = (q_smem, k_smem, v_smem, ready, empty, turn)
+    args = (io, smem, (k_desc, v_desc), (T, PAST, N, N_PAD, NB, HQ, GROUP, HKV, Q_BLOCKS, BH))
     gl.warp_specialize(
         [(_consumer_0, (args,)), (_consumer_1, (args,)), (_loader, (args,))],
         [4, 1],
@@ -327,8 +315,9 @@ def kv_descriptors(kv: QuantizedKV) -> tuple[TensorDescriptor, TensorDescriptor]
 def launch(
     q: torch.Tensor, kv: QuantizedKV, scale: float, out: torch.Tensor, block_m: int, stages: int
 ) -> None:
-    """q [B, Hq, T, D] against kv (quantize_kv(..., permute_v=True)) -> out [B, Hq, T, D]; CTAs of
-    2 x block_m // 2 rows (fp8_prefill.fp8_causal_attention checks the shapes)."""
+    """q [B, Hq, T, D] against kv (quantize_kv(..., permute_v=True)) -> out [B, Hq, T, D]; a CTA
+    takes block_m rows of one head, block_m / 2 per consumer (fp8_prefill.fp8_causal_attention
+    checks the shapes)."""
     B, Hq, T, D = q.shape
     Hkv = kv.k.shape[0] // B
     k_desc, v_desc = kv_descriptors(kv)
