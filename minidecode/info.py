@@ -140,7 +140,7 @@ def describe(
         lines.append(
             "note         context parallel pays at long contexts: each step adds a merge of the ranks' "
             "partial attention, so it beats one GPU where reading the cache dominates the step (2 x H200, "
-            "Llama-3-8B, FP8 cache: 1.01x one GPU at 32k, 1.14x at 128k, 1.46x at 512k); below that, one "
+            "Llama-3-8B, FP8 cache: 1.02x one GPU at 32k, 1.15x at 128k, 1.52x at 512k); below that, one "
             "GPU or --tp"
         )
     if context > cfg.max_position_embeddings:
