@@ -12,12 +12,13 @@ For each length it measures, in the same process:
 2. the engine's whole prefill (minidecode.bench.timed_generation: what `minidecode bench`
    reports) against model.prefill alone: the work around the model;
 3. a per-part breakdown from an instrumented copy of Transformer.prefill's loop (CUDA events
-   and host time per part: RoPE angles, norm + qkv + rotation, the q / K / V copies, attention,
+   and host time per part: RoPE angles, norm, qkv + RoPE + the q / K / V writes, attention,
    o_proj, MLP; checked to give model.prefill's output bit for bit);
-4. variants, end to end: SDPA flash or cuDNN forced, the FP8 kernel, one attention call per layer
-   for all heads (as transformers does) instead of one per KV head, RoPE angles made once per
-   chunk instead of once per layer, both (at 128k only the FP8 kernel, for time); one warm-up and
-   5 runs at 1k, one warm-up and one run at 32k, one run at 128k;
+4. variants, end to end: the FP8 kernel; the replica, and the replica with RoPE and the q / K / V
+   writes in PyTorch (ops.rope_into's twin: prefill before its Triton kernel); below 128k also SDPA
+   flash or cuDNN forced, one attention call per layer for all heads (as transformers does)
+   instead of one per KV head, RoPE angles made once per chunk instead of once per layer, and both;
+   one warm-up and 5 runs at 1k, one warm-up and one run at 32k, one run at 128k;
 5. one layer's attention alone in each form (per KV head with each backend, all heads in one
    call, the FP8 kernel), and choose_backend's own 16k measurement;
 6. transformers' prefill (generate of one token, as the bench times it) on the same weights
@@ -46,6 +47,7 @@ import torch
 from minidecode import LLM
 from minidecode.bench import provenance
 from minidecode.cache import KVCache
+from minidecode.kernels import ops
 from minidecode.kernels import prefill as prefill_mod
 from minidecode.kernels.prefill import BLOCK, CANDIDATES, causal_attention, choose_backend
 from minidecode.models.llama import Transformer
@@ -88,10 +90,20 @@ class PartTimer:
 
 @torch.inference_mode()
 def replica_prefill(
-    model: Transformer, tokens, cache, chunk, backend, timer, hoist_rope=False, all_heads=False
+    model: Transformer,
+    tokens,
+    cache,
+    chunk,
+    backend,
+    timer,
+    hoist_rope=False,
+    all_heads=False,
+    torch_rope=False,
 ):
     """Transformer.prefill's bf16-cache path (start 0, last position), its parts timed; the
-    variants change only what their names say. -> final-normed hidden [B, hidden]."""
+    variants change only what their names say (torch_rope: RoPE and the q / K / V writes by
+    ops.rope_into's PyTorch twin, as prefill ran them before the Triton kernel).
+    -> final-normed hidden [B, hidden]."""
     cfg = model.config
     B, T = tokens.shape
     G, D = cfg.group_size, cfg.head_dim
@@ -116,12 +128,18 @@ def replica_prefill(
                 with timer("rope angles"):
                     positions = torch.arange(s, e, device=x.device).expand(B, e - s)
                     cos, sin = model.rope.cos_sin(positions, seq_len)
-            with timer("norm + qkv + rotate"):
-                q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)
-            with timer("q/k/v copies"):
-                q_all[:, :, s:e] = q.transpose(1, 2)
-                k_cache[:, :, s:e] = k.transpose(1, 2)
-                v_cache[:, :, s:e] = v.transpose(1, 2)
+            outs = q_all[:, :, s:e], k_cache[:, :, s:e], v_cache[:, :, s:e]
+            with timer("norm"):
+                h = layer.input_layernorm(x[:, s:e])
+            if torch_rope:
+                with timer("qkv"):
+                    qkv = ops.linear(h, attn.qkv_weight, attn.qkv_bias)
+                with timer("RoPE + q/k/v writes"):
+                    norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+                    ops.rope_into(qkv, cos, sin, *outs, *norms, attn.norm_eps, triton=False)
+            else:
+                with timer("qkv + RoPE + q/k/v writes"):
+                    attn.project_into(h, cos, sin, *outs)
         with timer("attention"):
             if all_heads:  # every head in one causal_attention call, written over q_all
                 causal_attention(q_all, k_cache[:, :, :T], v_cache[:, :, :T], attn.scale, backend, out=q_all)
@@ -251,14 +269,13 @@ class Probe:
         self.section(out, "breakdown", breakdown)
 
         variants = {"fp8 kernel": lambda: self.prefill(ids, cache, "fp8")}
+        off = PartTimer(False)
+        replica = functools.partial(replica_prefill, self.model, ids, cache, self.chunk, self.backend, off)
+        variants["replica (as model.prefill)"] = replica
+        variants["RoPE and q/k/v writes in PyTorch (before)"] = functools.partial(replica, torch_rope=True)
         if not long:
             for name in CANDIDATES:
                 variants[f"backend {name}"] = functools.partial(self.prefill, ids, cache, name)
-            off = PartTimer(False)
-            replica = functools.partial(
-                replica_prefill, self.model, ids, cache, self.chunk, self.backend, off
-            )
-            variants["replica (as model.prefill)"] = replica
             variants["RoPE angles once per chunk"] = functools.partial(replica, hoist_rope=True)
             variants["one attention call per layer"] = functools.partial(replica, all_heads=True)
             variants["both"] = functools.partial(replica, hoist_rope=True, all_heads=True)

@@ -240,6 +240,69 @@ def rope_and_cache(
 
 
 @triton.jit
+def _rope_rows_kernel(
+    QKV, Cos, Sin, Q, K, V, QW, KW, eps, T, HQ, HKV,
+    stride_xb, stride_xt, stride_cb, stride_ct,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    # Program (rows, b, h): BLOCK_T rows of head h of a prefill chunk's fused projection
+    # QKV [B, T, (HQ + 2 HKV) D]. h < HQ: query head h, rotated into Q [B, HQ, T, D]; then KV head
+    # h - HQ, rotated into K [B, HKV, T, D]; then KV head h - HQ - HKV, copied into V (any strides:
+    # views of prefill's query buffer and of the cache). Launched without FMA contraction, so the
+    # rotation rounds as ops.rotate's PyTorch math does, bit for bit.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    offs = tl.arange(0, D)
+    ok = (t < T)[:, None]  # [BLOCK_T, 1]
+    t = t.to(tl.int64)[:, None]
+    head = QKV + b * stride_xb + t * stride_xt + h * D  # [BLOCK_T, 1]
+    if h < HQ + HKV:
+        partner = (offs + D // 2) % D
+        x = tl.load(head + offs[None, :], mask=ok, other=0.0)  # [BLOCK_T, D]
+        xp = tl.load(head + partner[None, :], mask=ok, other=0.0)  # each lane's rotate-half partner
+        if HAS_NORM:  # per-head RMSNorm first (Qwen3), rounded as _rms_norm_kernel rounds
+            w_ptr = QW if h < HQ else KW
+            xf = x.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+            w, wp = tl.load(w_ptr + offs).to(tl.float32), tl.load(w_ptr + partner).to(tl.float32)
+            x = ((xf * inv_rms).to(x.dtype).to(tl.float32) * w[None, :]).to(x.dtype)
+            xp = ((xp.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * wp[None, :]).to(x.dtype)
+        angle = b * stride_cb + t * stride_ct + offs[None, :]
+        cos = tl.load(Cos + angle, mask=ok, other=0.0)
+        sin = tl.load(Sin + angle, mask=ok, other=0.0)
+        sign = tl.where(offs < D // 2, -1.0, 1.0)[None, :]  # rotate_half: (-x2, x1)
+        y = x.to(tl.float32) * cos + sign * xp.to(tl.float32) * sin
+        if h < HQ:
+            dst = Q + b * stride_qb + h * stride_qh + t * stride_qt + offs[None, :]
+            tl.store(dst, y.to(Q.dtype.element_ty), mask=ok)
+        else:
+            dst = K + b * stride_kb + (h - HQ) * stride_kh + t * stride_kt + offs[None, :]
+            tl.store(dst, y.to(K.dtype.element_ty), mask=ok)
+    else:
+        j = h - HQ - HKV
+        v = tl.load(head + offs[None, :], mask=ok, other=0.0)
+        tl.store(V + b * stride_vb + j * stride_vh + t * stride_vt + offs[None, :], v, mask=ok)
+
+
+def rope_into(qkv, cos, sin, q_out, k_out, v_out, q_norm, k_norm, eps, block_t: int = 32) -> None:
+    """ops.rope_into's Triton path: one launch for a chunk's q, k and v."""
+    B, T = qkv.shape[:2]
+    Hq, Hkv, D = q_out.shape[1], k_out.shape[1], q_out.shape[3]
+    assert qkv.stride(2) == 1 and cos.stride(2) == 1 and sin.stride() == cos.stride()
+    assert q_out.stride(3) == 1 and k_out.stride(3) == 1 and v_out.stride(3) == 1
+    has_norm = q_norm is not None
+    _rope_rows_kernel[(triton.cdiv(T, block_t), B, Hq + 2 * Hkv)](
+        qkv, cos, sin, q_out, k_out, v_out,
+        q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps, T, Hq, Hkv,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1),
+        *q_out.stride()[:3], *k_out.stride()[:3], *v_out.stride()[:3],
+        D=D, BLOCK_T=block_t, HAS_NORM=has_norm, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+@triton.jit
 def _silu_mul_kernel(GU, Out, INTER, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # gate_up row [2 * INTER] -> silu(gate) * up, rounding silu to the model dtype first.
     row = tl.program_id(0).to(tl.int64)

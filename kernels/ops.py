@@ -10,6 +10,8 @@ linear            x [B, K], weight [N, K], bias [N] -> [B, N]            gemv / 
                   (also x [..., K]: prefill's projections)
 linear_residual   residual [B, N] += linear(x [B, K]), in place          gemv            F.linear, +=
 rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_triton    rotate, index_put
+rope_into         prefill: qkv [B, T, (Hq + 2 Hkv) D] -> q, k, v written  fused_triton    rotate, copy_
+                  into heads-major [B, H, T, D] views
 decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
 gate_up_silu      x [B, K], gate/up [2 I, K] -> silu(gate) * up [B, I]   gemv / cuBLAS   F.linear, silu_mul
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
@@ -270,6 +272,37 @@ def rope_and_cache(
         v_cache[batch, :, positions] = v
     k_cache[batch, :, positions] = k
     return q
+
+
+def rope_into(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    triton: bool | None = None,
+) -> None:
+    """A prefill chunk's rows: qkv [B, T, (Hq + 2 Hkv) * D] (the fused projection), cos/sin
+    [B, T, D] float32. Optionally RMS-normalises each q/k head first (Qwen3), rotates q and k
+    (rotate-half layout, float32 math) and writes q into q_out [B, Hq, T, D], k into k_out and v into
+    v_out [B, Hkv, T, D]: heads-major views (prefill's query buffer, the cache), any strides."""
+    if _triton(qkv, triton):
+        from . import fused_triton
+
+        fused_triton.rope_into(qkv, cos, sin, q_out, k_out, v_out, q_norm, k_norm, eps)
+        return
+    B, T = qkv.shape[:2]
+    Hq, Hkv, D = q_out.shape[1], k_out.shape[1], q_out.shape[3]
+    q, k, v = qkv.view(B, T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=2)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, triton=False), rms_norm(k, k_norm, eps, triton=False)
+    q_out.copy_(rotate(q, cos, sin).transpose(1, 2))
+    k_out.copy_(rotate(k, cos, sin).transpose(1, 2))
+    v_out.copy_(v.transpose(1, 2))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

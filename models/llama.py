@@ -158,14 +158,21 @@ class Attention(nn.Module):
         linears = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_weight, self.qkv_bias = _fuse(linears, "weight"), _fuse(linears, "bias")
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, hidden] -> rotated q [B, T, Hq, D], k [B, T, Hkv, D], and v [B, T, Hkv, D]."""
-        B, T, _ = x.shape
-        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, -1, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return ops.rotate(q, cos, sin), ops.rotate(k, cos, sin), v
+    def project_into(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_out: torch.Tensor,
+        k_out: torch.Tensor,
+        v_out: torch.Tensor,
+    ) -> None:
+        """Prefill: x [B, T, hidden] (normed), cos/sin [B, T, D] -> rotated q into q_out [B, Hq, T, D],
+        rotated k into k_out and v into v_out [B, Hkv, T, D] (heads-major views: prefill's query
+        buffer and the cache)."""
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [B, T, (Hq + 2 Hkv) * D]
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        ops.rope_into(qkv, cos, sin, q_out, k_out, v_out, *norms, self.norm_eps)
 
     def decode(
         self,
@@ -374,10 +381,9 @@ class Transformer(nn.Module):
                 _dequantize_prefix(cache.layer(i), staging, start, chunk)
             for j, (s, e) in enumerate(spans):
                 cos, sin = chunk_angles[j] if hoisted else angles(s, e)  # [B, c, D]
-                q, k, v = attn.project(layer.input_layernorm(x[:, s:e]), cos, sin)  # [B, c, H, D]
-                q_all[:, :, s:e] = q.transpose(1, 2)
-                k_cache[:, :, start + s : start + e] = k.transpose(1, 2)
-                v_cache[:, :, start + s : start + e] = v.transpose(1, 2)
+                at = slice(start + s, start + e)  # the chunk's cache positions
+                h = layer.input_layernorm(x[:, s:e])
+                attn.project_into(h, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at])
                 pause(B * (e - s) * qkv_row)
             if unit_flops is not None:
                 for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit

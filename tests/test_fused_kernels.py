@@ -14,7 +14,15 @@ from minidecode.kernels.gemv import (
     default_config,
     gemv,
 )
-from minidecode.kernels.ops import gate_up_silu, linear, linear_residual, rms_norm, rope_and_cache, silu_mul
+from minidecode.kernels.ops import (
+    gate_up_silu,
+    linear,
+    linear_residual,
+    rms_norm,
+    rope_and_cache,
+    rope_into,
+    silu_mul,
+)
 
 # bf16 is checked on the GPU only: the interpreter's bf16 conversions do not round to nearest.
 CUDA = torch.cuda.is_available()
@@ -255,6 +263,45 @@ def test_rope_and_cache_into_one_shared_row(triton):
         for b in range(B):
             assert torch.equal(got[0, :, written[b]], ref[b, :, positions[b]])
         assert int((got != 0).any(-1).sum()) == B * Hkv  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_into(dtype, qk_norm):
+    """Prefill's chunk: q, k rotated and v copied into heads-major views (a query buffer's columns,
+    cache positions 7..) with 37 rows (a partial block of 32); nothing else written. Without the
+    per-head norm the kernel rounds as the PyTorch twin does, bit for bit."""
+    torch.manual_seed(3)
+    B, T, Hq, Hkv, D, S = 2, 37, 4, 2, 16, 50
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, dtype=dtype, device=DEVICE)
+    angles = torch.rand(B, T, D // 2, dtype=torch.float64, device=DEVICE) * 6
+    angles = torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    norms = (torch.randn(D, dtype=dtype, device=DEVICE), torch.randn(D, dtype=dtype, device=DEVICE))
+    results = []
+    for use in (False, True):
+        q_buf = torch.full((B, Hq, T + 5, D), float("nan"), dtype=dtype, device=DEVICE)
+        kc, vc = (torch.full((B, Hkv, S, D), float("nan"), dtype=dtype, device=DEVICE) for _ in "kv")
+        at = slice(7, 7 + T)
+        q_norm, k_norm = norms if qk_norm else (None, None)
+        rope_into(
+            qkv, cos, sin, q_buf[:, :, 2 : 2 + T], kc[:, :, at], vc[:, :, at], q_norm, k_norm, triton=use
+        )
+        results.append((q_buf, kc, vc))
+    exact = not qk_norm and (dtype == torch.float32 or CUDA)
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-2, atol=1e-2)
+    for ref, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, ref, equal_nan=True, **tol)
+    q_buf, kc, vc = results[1]
+    assert torch.isnan(q_buf[:, :, :2]).all() and not torch.isnan(q_buf[:, :, 2 : 2 + T]).any()
+    assert torch.isnan(kc[:, :, :7]).all() and torch.isnan(vc[:, :, 7 + T :]).all()
+    assert torch.equal(vc[:, :, 7 : 7 + T], qkv.view(B, T, -1, D)[:, :, Hq + Hkv :].transpose(1, 2))
+    if not qk_norm and dtype == torch.float32:  # against complex-number math in float64
+        k = qkv.view(B, T, -1, D)[:, :, Hq].double()  # KV head 0 of every row
+        z = torch.complex(k[..., : D // 2], k[..., D // 2 :]) * torch.exp(1j * angles[..., : D // 2])
+        torch.testing.assert_close(
+            kc[:, 0, 7 : 7 + T].double(), torch.cat((z.real, z.imag), -1), rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
