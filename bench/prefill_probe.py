@@ -18,7 +18,7 @@ For each length it measures, in the same process:
    writes in PyTorch (ops.rope_into's twin: prefill before its Triton kernel); below 128k also SDPA
    flash or cuDNN forced, one attention call per layer for all heads (as transformers does)
    instead of one per KV head, RoPE angles made once per chunk instead of once per layer, and both;
-   one warm-up and 5 runs at 1k, one warm-up and one run at 32k, one run at 128k;
+   one warm-up and 5 runs at 1k, one warm-up and one run from 32k;
 5. one layer's attention alone in each form (per KV head with each backend, all heads in one
    call, the FP8 kernel), and choose_backend's own 16k measurement;
 6. transformers' prefill (generate of one token, as the bench times it) on the same weights
@@ -287,8 +287,9 @@ class Probe:
                 outputs = []
                 try:
                     call = lambda f=fn, o=outputs: o.append(f())  # noqa: E731 - keeps the result
-                    if not long:  # warm-up: compilation, cuDNN plans (128k: compiled at 32k already)
-                        call()
+                    # Warm-up at every length: compilation and cuDNN plans. At 128k too: attention there
+                    # takes fewer KV heads a call, which the FP8 kernel compiles for anew (~3 s).
+                    call()
                     result[name] = timed(call, n if T <= 4 * K else 1)
                     got = outputs[-1]
                     result[name]["equal_to_default"] = bool(torch.equal(got, default))
