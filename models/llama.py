@@ -382,8 +382,8 @@ class Transformer(nn.Module):
             for j, (s, e) in enumerate(spans):
                 cos, sin = chunk_angles[j] if hoisted else angles(s, e)  # [B, c, D]
                 at = slice(start + s, start + e)  # the chunk's cache positions
-                h = layer.input_layernorm(x[:, s:e])
-                attn.project_into(h, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at])
+                normed = layer.input_layernorm(x[:, s:e])
+                attn.project_into(normed, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at])
                 pause(B * (e - s) * qkv_row)
             if unit_flops is not None:
                 for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit

@@ -254,8 +254,8 @@ class ParallelTransformer(Transformer):
                 e = min(s + chunk, n)
                 positions = torch.arange(lo + s, lo + e, device=x.device).expand(B, e - s)
                 cos, sin = self.rope.cos_sin(positions, seq_len)
-                h = layer.input_layernorm(x[:, s:e])
-                attn.project_into(h, cos, sin, q_all[:, :, s:e], k_own[:, :, s:e], v_own[:, :, s:e])
+                normed = layer.input_layernorm(x[:, s:e])
+                attn.project_into(normed, cos, sin, q_all[:, :, s:e], k_own[:, :, s:e], v_own[:, :, s:e])
             earlier = self._earlier_ranges(k_own, v_own, ranges)  # [(k, v) [B, Hkv, span, D]]
             for h in range(cfg.num_kv_heads if n else 0):
                 group = q_all[:, h * G : (h + 1) * G]  # [B, G, n, D], overwritten by its output
