@@ -265,7 +265,11 @@ def _loader(args):
         _tma_load(v_desc, [kv * D, t * BLOCK_N], ready.index(slot), v_smem.index(slot))
 
 
-@gluon.jit
+# The prompt's sizes and the call's head counts are not specialised on (a value of 1, multiples of
+# 16): each new combination would compile the kernel anew (~3 s), which a long prompt's attention
+# meets at its first call (it takes fewer KV heads a call than a short one). They are read once a
+# CTA, outside the loops; the strides, always multiples of the head size, stay specialised.
+@gluon.jit(do_not_specialize=["T", "PAST", "N", "NB", "HQ", "GROUP", "HKV", "Q_BLOCKS", "BH"])
 def _fp8_attention_kernel(
     Q, k_desc, v_desc, KS, VS, Out,
     T, PAST, N, N_PAD, NB, HQ, GROUP, HKV, Q_BLOCKS, BH,
