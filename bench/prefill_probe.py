@@ -130,16 +130,16 @@ def replica_prefill(
                     cos, sin = model.rope.cos_sin(positions, seq_len)
             outs = q_all[:, :, s:e], k_cache[:, :, s:e], v_cache[:, :, s:e]
             with timer("norm"):
-                h = layer.input_layernorm(x[:, s:e])
+                normed = layer.input_layernorm(x[:, s:e])
             if torch_rope:
                 with timer("qkv"):
-                    qkv = ops.linear(h, attn.qkv_weight, attn.qkv_bias)
+                    qkv = ops.linear(normed, attn.qkv_weight, attn.qkv_bias)
                 with timer("RoPE + q/k/v writes"):
                     norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
                     ops.rope_into(qkv, cos, sin, *outs, *norms, attn.norm_eps, triton=False)
             else:
                 with timer("qkv + RoPE + q/k/v writes"):
-                    attn.project_into(h, cos, sin, *outs)
+                    attn.project_into(normed, cos, sin, *outs)
         with timer("attention"):
             if all_heads:  # every head in one causal_attention call, written over q_all
                 causal_attention(q_all, k_cache[:, :, :T], v_cache[:, :, :T], attn.scale, backend, out=q_all)

@@ -286,19 +286,22 @@ def _rope_rows_kernel(
         tl.store(V + b * stride_vb + j * stride_vh + t * stride_vt + offs[None, :], v, mask=ok)
 
 
-def rope_into(qkv, cos, sin, q_out, k_out, v_out, q_norm, k_norm, eps, block_t: int = 32) -> None:
+ROPE_ROWS = 32  # rows of one head a program of _rope_rows_kernel
+
+
+def rope_into(qkv, cos, sin, q_out, k_out, v_out, q_norm, k_norm, eps) -> None:
     """ops.rope_into's Triton path: one launch for a chunk's q, k and v."""
     B, T = qkv.shape[:2]
     Hq, Hkv, D = q_out.shape[1], k_out.shape[1], q_out.shape[3]
     assert qkv.stride(2) == 1 and cos.stride(2) == 1 and sin.stride() == cos.stride()
     assert q_out.stride(3) == 1 and k_out.stride(3) == 1 and v_out.stride(3) == 1
     has_norm = q_norm is not None
-    _rope_rows_kernel[(triton.cdiv(T, block_t), B, Hq + 2 * Hkv)](
+    _rope_rows_kernel[(triton.cdiv(T, ROPE_ROWS), B, Hq + 2 * Hkv)](
         qkv, cos, sin, q_out, k_out, v_out,
         q_norm if has_norm else qkv, k_norm if has_norm else qkv, eps, T, Hq, Hkv,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1),
         *q_out.stride()[:3], *k_out.stride()[:3], *v_out.stride()[:3],
-        D=D, BLOCK_T=block_t, HAS_NORM=has_norm, num_warps=4, enable_fp_fusion=False,
+        D=D, BLOCK_T=ROPE_ROWS, HAS_NORM=has_norm, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
 
 
