@@ -41,6 +41,8 @@ import triton.language as tl
 CHUNK_BYTES = 8192  # of data a CTA takes from a message (16 KiB of tagged words)
 MAX_CTAS = 64  # so a message is at most 512 KiB
 MAX_BYTES = CHUNK_BYTES * MAX_CTAS
+WORDS: tl.constexpr = tl.constexpr(CHUNK_BYTES // 4)  # words of a chunk
+CTAS: tl.constexpr = tl.constexpr(MAX_CTAS)
 MAX_RANKS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -77,6 +79,78 @@ def _values(words, HALF: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _tagged(words, tag):
+    """int32 words [W] -> int64 [W]: the tag in the high half, the word in the low one."""
+    return (tag.to(tl.int64) << 32) | (words.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _slot(Buffer, slot, src, SIZE: tl.constexpr):
+    """Where the message's word 0 from rank `src` lies in a buffer's slot (word w of the message is
+    w past it: chunk c of CTA c holds words c * WORDS ...)."""
+    return Buffer + ((slot * SIZE + src) * CTAS) * WORDS
+
+
+@triton.jit
+def _push(Buffer, Peers, word, words, ok, tag, slot, rank, SIZE: tl.constexpr):
+    """This rank's words [W] of the message (int32, at word indices `word`, where ok), tagged, into
+    every peer's buffer: stores over NVLink, which nobody waits for. A peer's buffer is ours plus
+    a multiple of 16 bytes: the compiler sees its pointers as aligned as ours, and stores two
+    words at a time (an address loaded as an integer and cast to a pointer would be accessed an
+    element at a time)."""
+    mine = _slot(Buffer, slot, rank, SIZE) + word
+    tagged = _tagged(words, tag)
+    for peer in tl.static_range(SIZE):
+        if rank != peer:
+            tl.store(mine + tl.load(Peers + peer) * 2, tagged, mask=ok)
+
+
+@triton.jit
+def _poll(Buffer, word, ok, tag, slot, src, SIZE: tl.constexpr):
+    """Rank src's words [W] at word indices `word` of the message (int32), read from our buffer
+    until every one (where ok) carries this call's tag (volatile: each poll reads memory)."""
+    at = _slot(Buffer, slot, src, SIZE) + word
+    got = tl.load(at, mask=ok, other=0, volatile=True)
+    while tl.min(((got >> 32).to(tl.int32) == tag) | (ok == 0), 0) == 0:
+        got = tl.load(at, mask=ok, other=0, volatile=True)
+    return got.to(tl.int32)
+
+
+@triton.jit
+def _sum_words(
+    Buffer, mine, word, ok, tag, slot, rank, SIZE: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr
+):
+    """The sum over ranks, in rank order in float32, of the message's values at words `word` (a
+    chunk: [WORDS]): ours are `mine` (int32), every peer's polled from our buffer. [2 WORDS] (HALF)
+    or [WORDS] float32."""
+    acc = tl.zeros([WORDS * (2 if HALF else 1)], dtype=tl.float32)
+    for src in tl.static_range(SIZE):
+        if rank != src:
+            words = _poll(Buffer, word, ok, tag, slot, src, SIZE)
+        else:
+            words = mine
+        acc += _values(words, HALF, dtype).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _store_sum(Out, NormW, Normed, acc, first, n, eps, NORM: tl.constexpr):
+    """Out[first : first + len(acc)] := acc (float32 sums) in Out's dtype, where below n values;
+    NORM (the whole row is acc: n values, first = 0): its RMSNorm into Normed too, rounded as
+    kernels/fused_triton.py rounds it."""
+    dtype = Out.dtype.element_ty
+    values = first + tl.arange(0, acc.shape[0])
+    total = acc.to(dtype)
+    tl.store(Out + values, total, mask=values < n)
+    if NORM:
+        xf = tl.where(values < n, total.to(tl.float32), 0.0)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
+        w = tl.load(NormW + values, mask=values < n, other=0.0).to(tl.float32)
+        normed = (xf * inv_rms).to(dtype).to(tl.float32) * w
+        tl.store(Normed + values, normed.to(dtype), mask=values < n)
+
+
+@triton.jit
 def _one_shot_kernel(
     X,  # [n_words] int32: this rank's part, as words
     Out,  # sum: [n] of the message's dtype (may be X); gather: [SIZE, n_words] int32
@@ -89,58 +163,29 @@ def _one_shot_kernel(
     rank,
     eps,
     SIZE: tl.constexpr,
-    WORDS: tl.constexpr,  # words of a chunk
-    CTAS: tl.constexpr,
     GATHER: tl.constexpr,
     HALF: tl.constexpr,  # two 16-bit values a word (else one 32-bit value)
     NORM: tl.constexpr,  # a sum of one row in one CTA: also its RMSNorm, into Normed
     USE_PDL: tl.constexpr,
 ):
     cta = tl.program_id(0)
-    offs = cta * WORDS + tl.arange(0, WORDS)  # this CTA's words of the message
-    ok = offs < n_words
+    word = cta * WORDS + tl.arange(0, WORDS)  # this CTA's words of the message
+    ok = word < n_words
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch and issue its weight loads
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
-    x = tl.load(X + offs, mask=ok, other=0)
+    x = tl.load(X + word, mask=ok, other=0)
     call = tl.load(Calls + cta)
-    tag = call + 1
-    slot = call & 1
-    # A peer's buffer is ours plus a multiple of 16 bytes: the compiler sees its pointers as aligned
-    # as ours, and stores two words at a time (an address loaded as an integer and cast to a pointer
-    # would be accessed an element at a time).
-    chunk = Buffer + (slot * SIZE * CTAS) * WORDS + offs  # [source 0][this CTA] in any buffer
-    tagged = (tag.to(tl.int64) << 32) | (x.to(tl.int64) & 0xFFFFFFFF)
-    for peer in tl.static_range(SIZE):
-        if rank != peer:
-            tl.store(chunk + rank * CTAS * WORDS + tl.load(Peers + peer) * 2, tagged, mask=ok)
-    dtype = Out.dtype.element_ty
-    acc = tl.zeros([WORDS * (2 if HALF else 1)], dtype=tl.float32)
-    for src in tl.static_range(SIZE):
-        # Rank src's words of this chunk, polled until all carry this call's tag (volatile: each
-        # poll reads memory).
-        if rank != src:
-            got = tl.load(chunk + src * CTAS * WORDS, mask=ok, other=0, volatile=True)
-            while tl.min(((got >> 32).to(tl.int32) == tag) | (offs >= n_words), 0) == 0:
-                got = tl.load(chunk + src * CTAS * WORDS, mask=ok, other=0, volatile=True)
-            words = got.to(tl.int32)
-        else:
-            words = x
-        if GATHER:
-            tl.store(Out + src * n_words + offs, words, mask=ok)
-        else:
-            acc += _values(words, HALF, dtype).to(tl.float32)
-    if not GATHER:
-        n = n_words * (2 if HALF else 1)  # values of the message
-        values = cta * WORDS * (2 if HALF else 1) + tl.arange(0, WORDS * (2 if HALF else 1))
-        total = acc.to(dtype)
-        tl.store(Out + values, total, mask=values < n)
-        if NORM:  # the whole row is this CTA's: RMSNorm as kernels/fused_triton.py rounds it
-            xf = tl.where(values < n, total.to(tl.float32), 0.0)
-            inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
-            w = tl.load(NormW + values, mask=values < n, other=0.0).to(tl.float32)
-            normed = (xf * inv_rms).to(dtype).to(tl.float32) * w
-            tl.store(Normed + values, normed.to(dtype), mask=values < n)
+    tag, slot = call + 1, call & 1
+    _push(Buffer, Peers, word, x, ok, tag, slot, rank, SIZE)
+    if GATHER:
+        for src in tl.static_range(SIZE):
+            words = _poll(Buffer, word, ok, tag, slot, src, SIZE) if rank != src else x
+            tl.store(Out + src * n_words + word, words, mask=ok)
+    else:
+        acc = _sum_words(Buffer, x, word, ok, tag, slot, rank, SIZE, HALF, Out.dtype.element_ty)
+        per_word = 2 if HALF else 1
+        _store_sum(Out, NormW, Normed, acc, cta * WORDS * per_word, n_words * per_word, eps, NORM)
     tl.store(Calls + cta, tag)
 
 
@@ -151,6 +196,7 @@ class RankBuffers:
     buffer: torch.Tensor  # this rank's buffer: buffer_bytes(size) uint8, 16-byte aligned
     peers: torch.Tensor  # [size] int64: each rank's buffer address minus ours, in 16-byte units
     calls: torch.Tensor  # [MAX_CTAS] int32 on the buffer's device, zero before the group's first call
+    ticket: torch.Tensor  # [1] int32: a GEMV's CTAs' count of finished ones (SumAfter), zero between launches
     rank: int
 
     @staticmethod
@@ -160,7 +206,22 @@ class RankBuffers:
             raise ValueError("one-shot buffers: the addresses must be 16-byte aligned, ours at [rank]")
         peers = torch.tensor([(a - addresses[rank]) // 16 for a in addresses], device=buffer.device)
         calls = torch.zeros(MAX_CTAS, dtype=torch.int32, device=buffer.device)
-        return RankBuffers(buffer, peers, calls, rank)
+        ticket = torch.zeros(1, dtype=torch.int32, device=buffer.device)
+        return RankBuffers(buffer, peers, calls, ticket, rank)
+
+
+@dataclass
+class SumAfter:
+    """The sum over the group of a GEMV's result, run by the GEMV's own launch (kernels/gemv.py's
+    `sum_after`): each CTA pushes its outputs' words to the peers as it stores them, and the last CTA
+    to finish sums every rank's, in rank order in float32 as one_shot does (the same calls, counts
+    and bits), into `out`; with `norm` (weight, eps, normed) also the sum's RMSNorm, as one_shot's.
+    One launch instead of two, and the words travel while the GEMV's other CTAs still stream. The
+    GEMV's [B, N] result must fit one chunk (fits_one_chunk)."""
+
+    ends: RankBuffers
+    out: torch.Tensor  # [B, N], contiguous: the sum (may be the GEMV's own output)
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None = None
 
 
 def one_shot(
@@ -179,15 +240,14 @@ def one_shot(
     size = ends.peers.numel()
     assert fits(x) and size <= MAX_RANKS and out.is_contiguous() and out.dtype == x.dtype
     assert out.numel() == x.numel() * (size if gather else 1)
-    words = CHUNK_BYTES // 4
     n_words = x.numel() * x.element_size() // 4
     if norm is not None:
         weight, eps, normed = norm
-        assert not gather and n_words <= words and weight.numel() == normed.numel() == x.numel()
+        assert not gather and n_words <= WORDS.value and weight.numel() == normed.numel() == x.numel()
         assert weight.dtype == normed.dtype == x.dtype and normed.is_contiguous()
     else:
         weight, eps, normed = x, 0.0, x  # unused
-    _one_shot_kernel[(triton.cdiv(n_words, words),)](
+    _one_shot_kernel[(triton.cdiv(n_words, WORDS.value),)](
         x.view(-1).view(torch.int32),
         out.view(-1).view(torch.int32) if gather else out,
         ends.buffer.view(torch.int64),
@@ -199,8 +259,6 @@ def one_shot(
         ends.rank,
         eps,
         SIZE=size,
-        WORDS=words,
-        CTAS=MAX_CTAS,
         GATHER=gather,
         HALF=x.element_size() == 2,
         NORM=norm is not None,

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import collectives
 from .device import INTERPRETER_CTAS, sm_count
 from .fp8_weights import FP8Weight, QuantizedRows
 
@@ -179,14 +180,20 @@ def _store_block(
     row_ok,
     N,
     stride_ob,
+    Buffer,
+    Peers,
+    Calls,
+    rank,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SUM_SIZE: tl.constexpr,
 ):
     """The block's outputs: Out[:, block's features] = acc (+ bias), or += it with HAS_RESIDUAL;
     GATED: silu(gate) * up of the interleaved pairs, rounded as transformers rounds
-    `F.silu(gate_proj(x)) * up_proj(x)` (each projection, then silu, then the product)."""
+    `F.silu(gate_proj(x)) * up_proj(x)` (each projection, then silu, then the product).
+    SUM_SIZE (a sum over that many ranks after the GEMV): also pushed to the peers."""
     if GATED:
         if HAS_BIAS:
             rows, ok = _tile_rows(block, offs_j, N, GATED, BLOCK_N)
@@ -210,6 +217,58 @@ def _store_block(
             Out.dtype.element_ty
         )
     tl.store(out_ptrs, y, mask=mask)
+    if SUM_SIZE > 0:
+        _push_block(y, offs_m, block, row_ok, N, Buffer, Peers, Calls, rank, BLOCK_N, SUM_SIZE)
+
+
+@triton.jit
+def _push_block(
+    y, offs_m, block, row_ok, N, Buffer, Peers, Calls, rank, BLOCK_N: tl.constexpr, SUM_SIZE: tl.constexpr
+):  # fmt: skip
+    """A block's outputs y [M_PAD, BLOCK_N] as the sum's words (the result [B, N] is the message,
+    contiguous; 16-bit values two a word, the lower column first) into every peer's buffer, with
+    this call's tag (kernels/collectives.py)."""
+    if y.dtype.primitive_bitwidth == 16:
+        low, high = tl.split(tl.reshape(y, [y.shape[0], BLOCK_N // 2, 2]))  # [M_PAD, BLOCK_N // 2] each
+        words = (low.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
+            high.to(tl.int16, bitcast=True).to(tl.int32) << 16
+        )
+        col = block * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        row_words = N // 2
+    else:
+        words = y.to(tl.int32, bitcast=True)
+        col = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_words = N
+    word = offs_m[:, None] * row_words + col[None, :]
+    call = tl.load(Calls)  # the chunk's count: the whole message is CTA 0's chunk of one_shot
+    ok = row_ok[:, None] & (col < row_words)[None, :]
+    collectives._push(Buffer, Peers, word, words, ok, call + 1, call & 1, rank, SUM_SIZE)
+
+
+@triton.jit
+def _sum_after(
+    Out, SumOut, Buffer, Calls, Ticket, NormW, Normed, n_ctas, B, N, rank, eps, SUM_SIZE: tl.constexpr,
+    SUM_NORM: tl.constexpr,
+):  # fmt: skip
+    """After a CTA's last store: it draws the grid's ticket, and the last CTA sums Out [B, N] (this
+    rank's result, every CTA's stores visible to it through the ticket) with every peer's pushed
+    words, in rank order, into SumOut (and its RMSNorm into Normed), as collectives.one_shot's sum
+    would, and advances the call count. Nobody waits for another CTA of this launch; the last one
+    waits for the peers' words, which their GEMVs push without waiting for anyone."""
+    half: tl.constexpr = Out.dtype.element_ty.primitive_bitwidth == 16
+    tl.debug_barrier()  # all our threads' stores and pushes come before the ticket's release
+    if tl.atomic_add(Ticket, 1, sem="acq_rel", scope="gpu") == n_ctas - 1:
+        n_words = B * N // 2 if half else B * N
+        word = tl.arange(0, collectives.WORDS)
+        ok = word < n_words
+        mine = tl.load(Out.to(tl.pointer_type(tl.int32), bitcast=True) + word, mask=ok, other=0)
+        call = tl.load(Calls)
+        acc = collectives._sum_words(
+            Buffer, mine, word, ok, call + 1, call & 1, rank, SUM_SIZE, half, Out.dtype.element_ty
+        )  # fmt: skip
+        collectives._store_sum(SumOut, NormW, Normed, acc, 0, B * N, eps, SUM_NORM)
+        tl.store(Calls, call + 1)
+        tl.store(Ticket, 0)  # every CTA has drawn its ticket: ready for the next launch
 
 
 @triton.jit
@@ -291,8 +350,9 @@ COUNTER_STRIDE: tl.constexpr = tl.constexpr(32)  # int32s: each block's ticket o
 @triton.jit
 def _finish_item(
     Out, Bias, Part, XScale, WScale, acc, offs_m, item, offs_j, row_ok, N, stride_ob, stride_xs, stride_ws,
-    scale_rows, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, M_PAD: tl.constexpr, EPILOGUE_SCALES: tl.constexpr,
+    scale_rows, Buffer, Peers, Calls, rank, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, M_PAD: tl.constexpr,
+    EPILOGUE_SCALES: tl.constexpr, SUM_SIZE: tl.constexpr,
 ):  # fmt: skip
     """acc [M_PAD, BLOCK_N] fp32 is work item `item`'s sum: the block's outputs, or with SPLIT_K
     its partial over one part of K, stored for _merge_parts (a plain store: the software
@@ -303,7 +363,8 @@ def _finish_item(
             GATED, BLOCK_N, EPILOGUE_SCALES,
         )  # fmt: skip
         _store_block(
-            Out, Bias, acc, offs_m, item, offs_j, row_ok, N, stride_ob, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N
+            Out, Bias, acc, offs_m, item, offs_j, row_ok, N, stride_ob, Buffer, Peers, Calls, rank,
+            HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SUM_SIZE,
         )  # fmt: skip
     else:
         tile = offs_m[:, None] * BLOCK_N + offs_j[None, :]
@@ -313,8 +374,9 @@ def _finish_item(
 @triton.jit
 def _merge_parts(
     Out, Bias, Part, Counters, XScale, WScale, cta, n_ctas, n_items, offs_m, offs_j, row_ok, N, stride_ob,
-    stride_xs, stride_ws, scale_rows, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, M_PAD: tl.constexpr, EPILOGUE_SCALES: tl.constexpr,
+    stride_xs, stride_ws, scale_rows, Buffer, Peers, Calls, rank, HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    M_PAD: tl.constexpr, EPILOGUE_SCALES: tl.constexpr, SUM_SIZE: tl.constexpr,
 ):  # fmt: skip
     """After the loop, for each of our items: draw its block's ticket; the part that draws the
     last one sums the block's partials in part order (bitwise repeatable whoever comes last),
@@ -335,8 +397,8 @@ def _merge_parts(
                 GATED, BLOCK_N, EPILOGUE_SCALES,
             )  # fmt: skip
             _store_block(
-                Out, Bias, total, offs_m, block, offs_j, row_ok, N, stride_ob,
-                HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
+                Out, Bias, total, offs_m, block, offs_j, row_ok, N, stride_ob, Buffer, Peers, Calls, rank,
+                HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SUM_SIZE,
             )  # fmt: skip
             tl.store(counter, 0)  # every part has drawn its ticket: ready for the next launch
 
@@ -363,6 +425,17 @@ def _gemv_kernel(
     scale_rows,  # FP8: weight rows per scale (1: per channel)
     scale_cols,  # FP8: weight columns per scale (K: one scale along K)
     x_group,  # FP8: x's columns per scale (K: per row)
+    # SUM_SIZE > 0: the result's sum over that many ranks after the product (collectives.SumAfter;
+    # else dummies): into SumOut [B, N], its RMSNorm (SUM_NORM, weight NormW) into Normed
+    SumOut,
+    Buffer,  # this rank's one-shot buffer, int64 words
+    Peers,  # [SUM_SIZE] int64: each rank's buffer minus ours, in 16-byte units
+    Calls,  # int32 call counts (ours: [0])
+    Ticket,  # [1] int32, zero between launches
+    NormW,
+    Normed,
+    rank,
+    eps,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     GATED: tl.constexpr,
@@ -377,6 +450,8 @@ def _gemv_kernel(
     FP8: tl.constexpr,
     K_SCALED: tl.constexpr,  # FP8 scales that vary along K: applied per chunk
     EPILOGUE_SCALES: tl.constexpr,  # FP8 scales constant along K: applied to the sums
+    SUM_SIZE: tl.constexpr,
+    SUM_NORM: tl.constexpr,
 ):
     # CTA c owns the work items c, c + grid, c + 2 grid, ... (item = block * SPLIT_K + part of K);
     # its (item, K chunk) pairs run as one flat loop, so the software pipeline streams on across an
@@ -421,8 +496,8 @@ def _gemv_kernel(
         if chunk == 0:  # a new item begins: the previous one is complete
             _finish_item(
                 Out, Bias, Part, XScale, WScale, _rows_first(acc, W_ON_M), offs_m, item - n_ctas, offs_j,
-                row_ok, N, stride_ob, stride_xs, stride_ws, scale_rows, HAS_BIAS, HAS_RESIDUAL, GATED,
-                BLOCK_N, SPLIT_K, M_PAD, EPILOGUE_SCALES,
+                row_ok, N, stride_ob, stride_xs, stride_ws, scale_rows, Buffer, Peers, Calls, rank, HAS_BIAS,
+                HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD, EPILOGUE_SCALES, SUM_SIZE,
             )  # fmt: skip
             acc = tl.zeros_like(acc)
         block = item // SPLIT_K
@@ -439,15 +514,19 @@ def _gemv_kernel(
     last = cta + ((n_iters - 1) // k_iters) * n_ctas
     _finish_item(
         Out, Bias, Part, XScale, WScale, _rows_first(acc, W_ON_M), offs_m, last, offs_j, row_ok, N,
-        stride_ob, stride_xs, stride_ws, scale_rows, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD,
-        EPILOGUE_SCALES,
+        stride_ob, stride_xs, stride_ws, scale_rows, Buffer, Peers, Calls, rank, HAS_BIAS, HAS_RESIDUAL,
+        GATED, BLOCK_N, SPLIT_K, M_PAD, EPILOGUE_SCALES, SUM_SIZE,
     )  # fmt: skip
     if SPLIT_K > 1:
         _merge_parts(
             Out, Bias, Part, Counters, XScale, WScale, cta, n_ctas, n_blocks * SPLIT_K, offs_m, offs_j,
-            row_ok, N, stride_ob, stride_xs, stride_ws, scale_rows, HAS_BIAS, HAS_RESIDUAL, GATED, BLOCK_N,
-            SPLIT_K, M_PAD, EPILOGUE_SCALES,
+            row_ok, N, stride_ob, stride_xs, stride_ws, scale_rows, Buffer, Peers, Calls, rank, HAS_BIAS,
+            HAS_RESIDUAL, GATED, BLOCK_N, SPLIT_K, M_PAD, EPILOGUE_SCALES, SUM_SIZE,
         )  # fmt: skip
+    if SUM_SIZE > 0:
+        _sum_after(
+            Out, SumOut, Buffer, Calls, Ticket, NormW, Normed, n_ctas, B, N, rank, eps, SUM_SIZE, SUM_NORM
+        )
 
 
 def gemv(
@@ -460,12 +539,14 @@ def gemv(
     use_pdl: bool = False,
     config: GemvConfig | None = None,  # default: default_config(...) (FP8: default_fp8_config)
     max_ctas: int | None = None,  # default: the SM count (the interpreter: INTERPRETER_CTAS)
+    sum_after: collectives.SumAfter | None = None,  # then the result's sum over a group's ranks
 ) -> torch.Tensor:  # [B, N] (gated: [B, N / 2]) in x's dtype (FP8: the dtype the rows were)
     """x @ weight^T + bias (added into residual in place, if given; gated: silu(gate) * up of the
     fused gate/up projection) in one Triton launch. FP8 weights (an FP8Weight) take x as
     QuantizedRows (kernels/fp8_activations.py) and compute W8A8 (kernels/fp8_weights.py). A
     split-K config uses a workspace cached per device and shape: calls that share one must be
-    ordered on one stream (as the decode step's are)."""
+    ordered on one stream (as the decode step's are). `sum_after`: the same launch then sums the
+    result over the group's ranks (collectives.SumAfter; every rank makes the same call)."""
     fp8 = isinstance(weight, FP8Weight)
     if fp8 != isinstance(x, QuantizedRows):
         raise ValueError("gemv: FP8 weights take e4m3 rows (QuantizedRows), and only they do")
@@ -482,6 +563,10 @@ def gemv(
     out = residual if residual is not None else torch.empty(B, out_features, dtype=x.dtype, device=xv.device)
     if max_ctas is None:
         max_ctas = sm_count(xv.device) if xv.is_cuda else INTERPRETER_CTAS
+    if sum_after is not None:
+        sum_args, norm_args = _sum_args(sum_after, out, gated)
+    else:
+        sum_args, norm_args = (out, out, out, out, out, out, out, 0, 0.0), (0, False)
     if fp8:
         config = config or default_fp8_config(out_features, gated, max_ctas)
         # K chunks inside one scale block of the weight and of x wherever the scales vary along K
@@ -525,6 +610,7 @@ def gemv(
         wv.stride(0),
         out.stride(0),
         *scale_args,
+        *sum_args,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         GATED=gated,
@@ -539,11 +625,33 @@ def gemv(
         FP8=fp8,
         K_SCALED=bool(varying),
         EPILOGUE_SCALES=fp8 and not varying,
+        SUM_SIZE=norm_args[0],
+        SUM_NORM=norm_args[1],
         num_warps=config.num_warps,
         num_stages=stages,
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
+
+
+def _sum_args(sum_after: collectives.SumAfter, out: torch.Tensor, gated: bool) -> tuple[tuple, tuple]:
+    """The kernel's arguments for a sum after the GEMV, and (SUM_SIZE, SUM_NORM)."""
+    ends, total = sum_after.ends, sum_after.out
+    if gated or not collectives.fits_one_chunk(out) or not collectives.fits(out):
+        raise ValueError(
+            f"gemv: a sum after the GEMV takes one chunk of a plain result, not {tuple(out.shape)}"
+        )
+    assert total.shape == out.shape and total.dtype == out.dtype and total.is_contiguous()
+    if sum_after.norm is not None:
+        weight, eps, normed = sum_after.norm
+        assert (
+            out.shape[0] == 1 and weight.numel() == normed.numel() == out.numel() and normed.is_contiguous()
+        )
+    else:
+        weight, eps, normed = out, 0.0, out  # unused
+    buffer = ends.buffer.view(torch.int64)
+    args = (total, buffer, ends.peers, ends.calls, ends.ticket, weight, normed, ends.rank, eps)
+    return args, (ends.peers.numel(), sum_after.norm is not None)
 
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -20,6 +20,10 @@ Context parallel (models/parallel.py), once a layer around the all-gather of the
 pack_partials     o [B, Hq, D], lse [B, Hq], lengths [B] -> [B, Hq, D + 1]  cp_merge        cat, where
 merge_ranks       rows [R, B, Hq, D + 1] -> o [B, Hq, D]                    cp_merge        merge_partials
 
+Tensor parallel over one-shot buffers (kernels/collectives.py), a rank's o_proj and down:
+linear_summed     out [B, N] := the ranks' linear(x) (+ residual) summed    gemv, summing    linear, then
+                  (and its RMSNorm), each rank's columns of the weight      in its launch    one_shot
+
 FP8 weights: `weight` may be an FP8Weight (kernels/fp8_weights.py: e4m3 values and float32 scales),
 whose layer computes W8A8: its input is rounded to e4m3 first (QuantizedRows: per token, per token
 and group, or a static scale; fp8_activations, fused with rms_norm where the norm's output is that
@@ -41,6 +45,7 @@ supports it (compute capability 9.0+), and the caller (the engine) decides.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +54,9 @@ from . import fp8_weights
 from .fp8_weights import FP8Weight, QuantizedRows, fp8_linear_reference
 from .quant import FP8_DTYPE, V_BLOCK, dequantize_fp8, quantize_fp8, read_v_rows
 from .reference import decode_attention_reference
+
+if TYPE_CHECKING:
+    from .collectives import SumAfter
 
 
 def _triton(x: torch.Tensor, triton: bool | None) -> bool:
@@ -214,6 +222,43 @@ def linear_residual(
         gemv(x, weight, bias, residual=residual, use_pdl=_pdl(x, pdl))
     else:
         residual += F.linear(x, weight, bias)
+
+
+def linear_summed(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor | FP8Weight,
+    bias: torch.Tensor | None,
+    summed: SumAfter,
+    residual: torch.Tensor | None = None,
+    triton: bool | None = None,
+    pdl: bool = False,
+) -> None:
+    """summed.out := the sum over summed's group of every rank's linear(x) (+ residual: added into
+    it in place first, as linear_residual), in rank order in float32; with summed.norm also the
+    sum's RMSNorm (kernels/collectives.py). x [B, K], weight [N, K] (this rank's columns), bias [N],
+    residual and summed.out [B, N]. One launch where the GEMV takes x and [B, N] is one chunk of a
+    message (the sum in the GEMV's launch); else the product, then the one-shot kernel."""
+    from . import collectives  # here: the CPU runtime never loads triton
+
+    values = x.values if isinstance(x, QuantizedRows) else x
+    in_one = collectives.fits_one_chunk(summed.out) and (residual is None or residual.stride(-1) == 1)
+    if in_one and isinstance(weight, FP8Weight):
+        in_one = _fp8_gemv_fits(x, triton)
+    elif in_one:
+        in_one = _use_gemv(x, weight, triton)
+    if in_one:
+        from .gemv import gemv
+
+        if isinstance(weight, FP8Weight):
+            x = quantize_input(x, weight, triton, pdl)
+        gemv(x, weight, bias, residual=residual, use_pdl=_pdl(values, pdl), sum_after=summed)
+        return
+    if residual is not None:
+        linear_residual(x, weight, bias, residual, triton, pdl)
+        part = residual
+    else:
+        part = linear(x, weight, bias, triton, pdl)
+    collectives.one_shot(part, summed.out, summed.ends, False, _pdl(part, pdl), summed.norm)
 
 
 def rope_and_cache(

@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .errors import UserError
+from .kernels import ops
+from .kernels.fp8_weights import FP8Weight, QuantizedRows
 from .validate import check_parallel
 
 # NVLink multicast (NVLS) stays off on the machines this runs on: forced in every process before the
@@ -291,6 +293,22 @@ class OneShot:
         """out := the sum of every rank's x (out may be x); norm = (weight, eps, normed): also that
         sum's RMSNorm into normed (where can_norm)."""
         return self.collectives.one_shot(x, out, self.ends, False, self.use_pdl, norm)
+
+    def sum_of_linear(
+        self,
+        x: torch.Tensor | QuantizedRows,
+        weight: torch.Tensor | FP8Weight,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+        pdl: bool = False,
+    ) -> None:
+        """out := the sum over the group of every rank's linear(x) (+ residual: added into it in
+        place first), and with norm its RMSNorm, as sum's: in the GEMV's own launch where it takes
+        x (ops.linear_summed)."""
+        summed = self.collectives.SumAfter(self.ends, out, norm)
+        ops.linear_summed(x, weight, bias, summed, residual=residual, pdl=pdl)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in group-rank order."""

@@ -64,22 +64,21 @@ class RowParallelProjection(Projection):
         par = self.parallel
         if par.tp == 2 and (one_shot := par.one_shot_tp(residual)) is not None:
             # The residual stream (the same on every rank) folded into rank 0's partial sum, bias
-            # included, so the one-shot sum is the new residual, written in place: two launches
-            # a projection instead of three. It rounds the residual twice (x + y0, then + y1) where
-            # the unfolded sum rounds it once; at tp > 2 each further rank would add one more.
-            if par.tp_rank == 0:
-                ops.linear_residual(x, self.weight, self.bias, residual, pdl=pdl)
-                partial = residual
-            else:
-                partial = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]
+            # included, so the one-shot sum is the new residual, written in place, by the GEMV's own
+            # launch where it takes x (ops.linear_summed). It rounds the residual twice (x + y0,
+            # then + y1) where the unfolded sum rounds it once; at tp > 2 each further rank would
+            # add one more.
+            norm = None
             if not isinstance(then.feeds, FP8Weight) and one_shot.can_norm(residual, then.norm.weight):
                 # The next norm in the same kernel (its input rows need no e4m3 rounding): one
                 # launch fewer in the step's chain.
-                normed = torch.empty_like(residual)
-                one_shot.sum(partial, out=residual, norm=(then.norm.weight, then.norm.eps, normed))
-                return normed
-            one_shot.sum(partial, out=residual)
-            return then(residual, pdl)
+                norm = (then.norm.weight, then.norm.eps, torch.empty_like(residual))
+            first = par.tp_rank == 0
+            one_shot.sum_of_linear(
+                x, self.weight, self.bias if first else None, residual,
+                residual=residual if first else None, norm=norm, pdl=pdl,
+            )  # fmt: skip
+            return then(residual, pdl) if norm is None else norm[2]
         y = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]: this rank's partial sum
         par.all_reduce_tp(y)
         residual += y if self.bias is None else y + self.bias

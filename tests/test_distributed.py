@@ -130,8 +130,8 @@ def run_job(job: dict) -> dict:
 
 class GlooOneShot(OneShot):
     """OneShot's place in the model on CPU ranks (the tp 2 residual fold, which collectives take it,
-    the size limit), with its kernel (tests/test_collectives.py) stood in for by gloo's all-reduce
-    and all-gather."""
+    the size limit), with its kernels (tests/test_collectives.py: the one-shot kernel, and the GEMV
+    that sums in its launch) stood in for by the ops' twins and gloo's all-reduce and all-gather."""
 
     def __init__(self, group):
         self.group, self.size, self.rank, self.calls, self.norms = group, group.size(), group.rank(), 0, 0
@@ -151,6 +151,11 @@ class GlooOneShot(OneShot):
             normed.copy_(ops.rms_norm(total, weight, eps, triton=False))
             self.norms += 1
         return out.copy_(total)
+
+    def sum_of_linear(self, x, weight, bias, out, residual=None, norm=None, pdl=False) -> None:
+        if residual is not None:
+            ops.linear_residual(x, weight, bias, residual, triton=False)
+        self.sum(residual if residual is not None else ops.linear(x, weight, bias, triton=False), out, norm)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(self.size, *x.shape)
