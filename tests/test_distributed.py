@@ -616,3 +616,93 @@ def test_info_plans_each_gpu():
     )
     assert "context parallel pays at long contexts" in plan  # where it helps, measured
     assert "context parallel" not in describe("synthetic:llama-3-70b", context=4096, device="cpu", tp=4)
+
+
+def _summed_rank_main(rank: int, world: int, port: int, out: str) -> None:
+    """A row-split projection summed in its GEMV's launch (ops.linear_summed through OneShot), on
+    2 GPUs in bf16, with bf16 and FP8 weights: against the same product then the one-shot kernel
+    (equal bits), and against the float32 sum of the ranks' products, eager and replayed 20 times
+    in a CUDA graph of 32 chained calls with PDL (ordering between ranks and launches shows only on
+    GPUs). Rank 0 folds the residual stream and the bias in, as models/parallel.py does."""
+    from minidecode.distributed import init_parallel
+    from minidecode.kernels.fp8_weights import FP8Weight, quantize_weight
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    par = init_parallel(2, 1, None)
+    dev, errors = par.device, []
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank's columns of x and the weight
+    shared = torch.Generator().manual_seed(99)  # the residual stream, bias and norm every rank has
+    for fp8 in (False, True):
+        x = torch.randn(1, 2048, generator=gen).to(dev, torch.bfloat16)
+        w = torch.randn(4096, 2048, generator=gen) / 45
+        weight = (
+            FP8Weight(*(t.to(dev) for t in quantize_weight(w)), 1, 2048) if fp8 else w.to(dev, torch.bfloat16)
+        )
+        bias = torch.randn(4096, generator=shared).to(dev, torch.bfloat16)
+        h = torch.randn(1, 4096, generator=shared).to(dev, torch.bfloat16)
+        norm_w = (1 + torch.randn(4096, generator=shared)).to(dev, torch.bfloat16)
+        name = "fp8 weights" if fp8 else "bf16 weights"
+        errors += _check_summed(
+            par.tp_one_shot, rank, x, weight, bias if rank == 0 else None, h, norm_w, name
+        )
+    torch.cuda.synchronize()
+    torch.save(errors, Path(out) / f"{rank}.pt")
+
+
+def _check_summed(shot, rank, x, weight, bias, h, norm_w, name) -> list[str]:
+    def summed(residual, normed):
+        fold = residual if rank == 0 else None
+        shot.sum_of_linear(x, weight, bias, residual, fold, (norm_w, 1e-5, normed), pdl=True)
+
+    def apart(residual, normed):  # the product, then the one-shot kernel
+        if rank == 0:
+            ops.linear_residual(x, weight, bias, residual, pdl=True)
+        part = residual if rank == 0 else ops.linear(x, weight, None, pdl=True)
+        shot.sum(part, residual, (norm_w, 1e-5, normed))
+
+    part = h.clone()
+    if rank == 0:
+        ops.linear_residual(x, weight, bias, part)
+    else:
+        part = ops.linear(x, weight, None)
+    want = shot.gather(part).float().sum(0).to(torch.bfloat16)  # rank order, float32
+    got = {}
+    for way, fn in (("in the GEMV", summed), ("apart", apart)):
+        residual, normed = h.clone(), torch.empty_like(h)
+        fn(residual, normed)
+        got[way] = (residual, normed)
+    errors = []
+    if not torch.equal(got["in the GEMV"][0], want):
+        errors.append(f"{name}: the sum differs from the float32 sum of the ranks' products")
+    if not all(torch.equal(a, b) for a, b in zip(got["in the GEMV"], got["apart"], strict=True)):
+        errors.append(f"{name}: in the GEMV's launch and apart differ")
+    # 32 chained calls in a graph, each on its own row of the residual stream, replayed
+    rows, normed = h.repeat(32, 1), torch.empty(32, 1, h.shape[1], dtype=h.dtype, device=h.device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        summed(h.clone(), torch.empty_like(h))  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(32):
+            summed(rows[i : i + 1], normed[i])
+    for _ in range(20):
+        rows.copy_(h.expand(32, -1))
+        graph.replay()
+        same_norm = torch.equal(normed, got["apart"][1].expand(32, 1, -1))
+        if not (torch.equal(rows, want.expand(32, -1)) and same_norm):
+            errors.append(f"{name}: a graph replay differs")
+            break
+    return errors
+
+
+@pytest.mark.gpu
+def test_two_gpus_projection_summed_in_its_gemv_launch(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_ranks(_summed_rank_main, (2, _free_port(), str(tmp_path)), 2, timeout=150)
+    assert [torch.load(tmp_path / f"{r}.pt") for r in range(2)] == [[], []]
