@@ -23,7 +23,8 @@ time is the slowest rank's. Figures: median (min-max) tok/s over the windows. Ro
 bytes per step (its weights, the embedding table counted as one row; the KV rows it holds at that
 context) over the read ceiling measured on its GPU in the same part (minidecode.bench's
 measure_ceilings); the lowest rank's share is shown. The collectives alone: one step's worth
-(tp: 2 x layers all-reduces of [1, hidden] and the logits' all-gather; cp: per layer, the pack,
+(tp: 2 x layers all-reduces of [1, hidden], as the one-shot kernel, where the step's one-shot
+variant sums them in the projections' GEMV launches, and the logits' all-gather; cp: per layer, the pack,
 the all-gather of [1, heads, head_dim + 1] float32 and the merge) replayed in a CUDA graph, with
 their share of the step. NVLink multicast stays off (minidecode/distributed.py forces
 NCCL_NVLS_ENABLE=0 and the others in every process).
@@ -382,7 +383,8 @@ def parallel_section(result: dict, baseline: dict) -> list[str]:
     collectives' time alone with their share of the step."""
     name = part_name(result)
     what = (
-        "the 2 x layers all-reduces and the logits' all-gather"
+        "the 2 x layers all-reduces as the one-shot kernel, which the step runs in the GEMVs' own "
+        "launches, and the logits' all-gather"
         if result["mode"] == "tp"
         else "per layer: pack, all-gather, merge"
     )

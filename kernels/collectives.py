@@ -25,6 +25,9 @@ the call counts (one per CTA, in this rank's memory) advance the same way on eve
 all ranks make the same calls in the same order. Tags are compared for equality: a slot's stale
 words carry the tag of two calls before, so the counts may wrap.
 
+A GEMV can take a sum's part of this (SumAfter): its CTAs push the words as they store them, and
+its last CTA polls and sums, with the same tags, slots and call counts as this kernel's sum.
+
 The kernel launches under programmatic dependent launch on Hopper: it lets the next kernel launch
 as soon as it starts (a GEMV then issues its first weight tiles while the words travel), and waits
 for the previous kernel's output before reading it.

@@ -18,6 +18,11 @@ transformers rounds `h + o_proj(...)`: the projection to the model dtype first, 
 writes silu(gate) * up from the epilogue, so the activation costs no launch of its own.
 `split_k` (GemvConfig) splits K over CTAs, for o_proj and down at 17-32 rows, where a CTA's x tiles
 would be as many bytes as its weight tiles.
+`sum_after` (a tensor-parallel rank's o_proj and down): the same launch sums the result over the
+group's ranks (kernels/collectives.py's protocol): each block's outputs are pushed to the peers as
+they are stored, and the CTA that finishes last sums every rank's and writes the next RMSNorm, one
+launch and one grid-completion wait fewer than a separate all-reduce (2 x H100 tp 2: decode 1.024x at
+1k; bench/NOTES-distributed.md).
 FP8 weights (kernels/fp8_weights.py: e4m3 values, float32 scales per output channel or per block)
 take e4m3 x rows (the layer's input rounded by kernels/fp8_activations.py): the tiles enter e4m3
 tensor-core dots as stored, one byte a weight, and the scales multiply the float32 sums, in the
