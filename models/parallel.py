@@ -6,10 +6,11 @@ q/k/v and gate/up are split by output rows (column parallel: no communication), 
 down_proj by input columns (row parallel): each rank's product is a partial sum, all-reduced once
 per projection, with the bias added once after the sum (in the decode step on GPUs, over
 symmetric memory in the projection's own GEMV launch; at tp 2 rank 0 folds the residual into its
-part, so the sum lands in the residual stream: minidecode/distributed.py's OneShot). The lm_head is split by vocabulary rows
-and the logits all-gathered ([B, V] per step, 0.5 MB at V = 128k): replicating it would add the
-whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's per-step reads, about 6% of a
-70B rank's weights at tp 4. The embedding stays whole (a step reads one row of it).
+part, so the sum lands in the residual stream: minidecode/distributed.py's OneShot). The lm_head
+is split by vocabulary rows and the logits all-gathered ([B, V] per step, 0.5 MB at V = 128k):
+replicating it would add the whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's
+per-step reads, about 6% of a 70B rank's weights at tp 4. The embedding stays whole (a step
+reads one row of it).
 
 Context parallel (cp): rank c holds cache positions [c * span, (c + 1) * span) plus one scratch
 row, span = ceil(context / cp). A decode step writes the new token's K/V on the rank whose range
