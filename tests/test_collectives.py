@@ -68,33 +68,28 @@ def rms_norm_error(total: torch.Tensor, normed: torch.Tensor) -> float:
     return float((normed.double() - ref).abs().max() / ref.abs().max())
 
 
-def rank_main(rank: int, size: int, buffers: list[torch.Tensor], results) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        ends = collectives.RankBuffers.of(buffers[rank], [b.data_ptr() for b in buffers], rank)
-        ends.calls.fill_(START)
-        errors = []
-        for call in range(ROUNDS):
-            for (kind, x), want in zip(messages(rank, call), expected(size, call), strict=True):
-                if kind == "gather":
-                    got = collectives.one_shot(x, x.new_empty(size, *x.shape), ends, True)
-                elif kind == "sum":
-                    got = collectives.one_shot(x, torch.empty_like(x), ends, False)
-                elif kind == "sum_norm":
-                    normed = torch.empty_like(x)
-                    got = collectives.one_shot(
-                        x, torch.empty_like(x), ends, False, norm=(norm_weight(x), EPS, normed)
-                    )
-                    if (error := rms_norm_error(got, normed)) > (2e-3 if x.dtype == torch.float16 else 1e-6):
-                        errors.append(f"round {call} {kind}: RMSNorm off by {error:.1e}")
-                else:
-                    got = collectives.one_shot(x, x, ends, False)
-                if not torch.equal(got, want):
-                    diff = (got.double() - want.double()).abs().max()
-                    errors.append(f"round {call} {kind}: max diff {diff}")
-        results[rank] = errors
-    except Exception as e:  # reported to the test, not lost in the child
-        results[rank] = [repr(e)]
+def one_shot_calls(rank: int, size: int, ends: collectives.RankBuffers) -> list[str]:
+    """The decode step's pattern of plain calls, ROUNDS times: this rank's errors."""
+    errors = []
+    for call in range(ROUNDS):
+        for (kind, x), want in zip(messages(rank, call), expected(size, call), strict=True):
+            if kind == "gather":
+                got = collectives.one_shot(x, x.new_empty(size, *x.shape), ends, True)
+            elif kind == "sum":
+                got = collectives.one_shot(x, torch.empty_like(x), ends, False)
+            elif kind == "sum_norm":
+                normed = torch.empty_like(x)
+                got = collectives.one_shot(
+                    x, torch.empty_like(x), ends, False, norm=(norm_weight(x), EPS, normed)
+                )
+                if (error := rms_norm_error(got, normed)) > (2e-3 if x.dtype == torch.float16 else 1e-6):
+                    errors.append(f"round {call} {kind}: RMSNorm off by {error:.1e}")
+            else:
+                got = collectives.one_shot(x, x, ends, False)
+            if not torch.equal(got, want):
+                diff = (got.double() - want.double()).abs().max()
+                errors.append(f"round {call} {kind}: max diff {diff}")
+    return errors
 
 
 # A row-split projection's cases: (name, dtype, rows, out features, in features, norm after, fp8).
@@ -136,47 +131,55 @@ def projection_sum(size: int, name: str, call: int) -> torch.Tensor:
     return total.to(residual.dtype)
 
 
-def projection_rank_main(rank: int, size: int, buffers: list[torch.Tensor], results) -> None:
+def projection_calls(rank: int, size: int, ends: collectives.RankBuffers) -> list[str]:
+    """A row-split projection's calls, each case ROUNDS times, a plain sum after each: this rank's
+    errors."""
+    errors = []
+    for call in range(ROUNDS):
+        for name, dtype, *_, norm_after, _ in PROJECTIONS:
+            x, weight, residual, bias = projection_inputs(name, rank, call)
+            norm = (norm_weight(residual), EPS, torch.empty_like(residual)) if norm_after else None
+            summed = collectives.SumAfter(ends, residual, norm)
+            if rank == 0:  # as models/parallel.py: rank 0 folds the residual and the bias in
+                ops.linear_summed(x, weight, bias, summed, residual=residual, triton=True)
+            else:
+                ops.linear_summed(x, weight, None, summed, triton=True)
+            want = projection_sum(size, name, call)
+            if not torch.equal(residual, want):
+                diff = (residual.double() - want.double()).abs().max()
+                errors.append(f"round {call} {name}: max diff {diff}")
+            if norm is not None and (error := rms_norm_error(residual, norm[2])) > 2e-3:
+                errors.append(f"round {call} {name}: RMSNorm off by {error:.1e}")
+            # a plain sum between the projections: the call counts are shared
+            part = torch.full((1, 64), float(rank + call), dtype=dtype)
+            got = collectives.one_shot(part, torch.empty_like(part), ends, False)
+            if not torch.equal(got, torch.full_like(part, sum(r + call for r in range(size)))):
+                errors.append(f"round {call} after {name}: the plain sum is {got[0, 0].item()}")
+    if ends.ticket.item() != 0:
+        errors.append(f"the GEMV's ticket was left at {ends.ticket.item()}")
+    return errors
+
+
+def rank_main(calls, rank: int, size: int, buffers: list[torch.Tensor], results) -> None:
+    """One rank under the interpreter: its ends of the buffers (call counts just below the wrap),
+    then calls(rank, size, ends); its errors (or what it raised) into results[rank]."""
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         ends = collectives.RankBuffers.of(buffers[rank], [b.data_ptr() for b in buffers], rank)
         ends.calls.fill_(START)
-        errors = []
-        for call in range(ROUNDS):
-            for name, dtype, *_, norm_after, _ in PROJECTIONS:
-                x, weight, residual, bias = projection_inputs(name, rank, call)
-                norm = (norm_weight(residual), EPS, torch.empty_like(residual)) if norm_after else None
-                summed = collectives.SumAfter(ends, residual, norm)
-                if rank == 0:  # as models/parallel.py: rank 0 folds the residual and the bias in
-                    ops.linear_summed(x, weight, bias, summed, residual=residual, triton=True)
-                else:
-                    ops.linear_summed(x, weight, None, summed, triton=True)
-                want = projection_sum(size, name, call)
-                if not torch.equal(residual, want):
-                    diff = (residual.double() - want.double()).abs().max()
-                    errors.append(f"round {call} {name}: max diff {diff}")
-                if norm is not None and (error := rms_norm_error(residual, norm[2])) > 2e-3:
-                    errors.append(f"round {call} {name}: RMSNorm off by {error:.1e}")
-                # a plain sum between the projections: the call counts are shared
-                part = torch.full((1, 64), float(rank + call), dtype=dtype)
-                got = collectives.one_shot(part, torch.empty_like(part), ends, False)
-                if not torch.equal(got, torch.full_like(part, sum(r + call for r in range(size)))):
-                    errors.append(f"round {call} after {name}: the plain sum is {got[0, 0].item()}")
-        if ends.ticket.item() != 0:
-            errors.append(f"the GEMV's ticket was left at {ends.ticket.item()}")
-        results[rank] = errors
+        results[rank] = calls(rank, size, ends)
     except Exception as e:  # reported to the test, not lost in the child
         results[rank] = [repr(e)]
 
 
-def run_ranks(main, size: int) -> dict:
-    """main(rank, size, buffers, results) in one process per rank: every rank's list of errors."""
+def run_ranks(calls, size: int) -> dict:
+    """calls(rank, size, ends) in one process per rank: every rank's list of errors."""
     ctx = mp.get_context("spawn")
     nbytes = collectives.buffer_bytes(size)
     buffers = [torch.zeros(nbytes, dtype=torch.uint8).share_memory_() for _ in range(size)]
     with ctx.Manager() as manager:
         results = manager.dict()
-        ranks = [ctx.Process(target=main, args=(r, size, buffers, results)) for r in range(size)]
+        ranks = [ctx.Process(target=rank_main, args=(calls, r, size, buffers, results)) for r in range(size)]
         for p in ranks:
             p.start()
         deadline = time.monotonic() + 180  # a run takes seconds; a rank that never sees its data hangs
@@ -191,12 +194,12 @@ def run_ranks(main, size: int) -> dict:
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_ranks_in_processes_sum_and_gather_exactly(size):
-    assert run_ranks(rank_main, size) == {r: [] for r in range(size)}
+    assert run_ranks(one_shot_calls, size) == {r: [] for r in range(size)}
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_projection_summed_in_its_gemv_launch(size):
-    assert run_ranks(projection_rank_main, size) == {r: [] for r in range(size)}
+    assert run_ranks(projection_calls, size) == {r: [] for r in range(size)}
 
 
 def test_fits():
