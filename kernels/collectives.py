@@ -98,9 +98,9 @@ def _slot(Buffer, slot, src, SIZE: tl.constexpr):
 def _push(Buffer, Peers, word, words, ok, tag, slot, rank, SIZE: tl.constexpr):
     """This rank's words [W] of the message (int32, at word indices `word`, where ok), tagged, into
     every peer's buffer: stores over NVLink, which nobody waits for. A peer's buffer is ours plus
-    a multiple of 16 bytes: the compiler sees its pointers as aligned as ours, and stores two
-    words at a time (an address loaded as an integer and cast to a pointer would be accessed an
-    element at a time)."""
+    a multiple of 16 bytes: the compiler sees its pointers as aligned as ours, and stores a
+    thread's contiguous words two at a time (an address loaded as an integer and cast to a
+    pointer would be accessed an element at a time)."""
     mine = _slot(Buffer, slot, rank, SIZE) + word
     tagged = _tagged(words, tag)
     for peer in tl.static_range(SIZE):

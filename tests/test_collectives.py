@@ -107,12 +107,13 @@ PROJECTIONS = [
 def projection_inputs(name: str, rank: int, call: int):
     """Rank `rank`'s x and weight columns for round `call` of a case, and the residual stream and
     bias every rank holds."""
-    _, dtype, rows, n, k, _, fp8 = next(c for c in PROJECTIONS if c[0] == name)
-    gen = torch.Generator().manual_seed(7919 * call + 31 * rank + len(name))
+    case = next(i for i, c in enumerate(PROJECTIONS) if c[0] == name)
+    _, dtype, rows, n, k, _, fp8 = PROJECTIONS[case]
+    gen = torch.Generator().manual_seed(7919 * call + 31 * rank + case)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen) / k**0.5
     weight = FP8Weight(*quantize_weight(w), 1, k) if fp8 else w.to(dtype)
-    shared = torch.Generator().manual_seed(7919 * call + len(name))
+    shared = torch.Generator().manual_seed(7919 * call + 1000 + case)
     residual = torch.randn(rows, n, generator=shared).to(dtype)
     bias = torch.randn(n, generator=shared).to(dtype)
     return x, weight, residual, bias
