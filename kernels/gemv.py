@@ -38,7 +38,9 @@ The RMSNorm in front of qkv and gate/up stays a separate launch: folding it into
 scaled by the norm weight, x^2 summed alongside) made those GEMVs 3-6x slower, because elementwise
 work on x in the loop stops its loads from being pipelined; with the rms computed first, x tiles
 normalised in the loop made the decode step 5% slower, and loaded an iteration ahead 23% slower
-(bench/NOTES-attention.md).
+(bench/NOTES-attention.md). Nor does the GEMV before it write the norm: its last CTA (a grid-wide
+ticket, then the row read back) made the step 0.5-1.8% slower than the separate launch under PDL
+(bench/NOTES-fp8-weights.md); only a tensor-parallel sum carries it (`sum_after`).
 """
 
 from __future__ import annotations
