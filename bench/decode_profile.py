@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from timing import start_filled  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode import LLM
 from minidecode.bench import measure_ceilings, step_bytes
@@ -40,7 +41,7 @@ def main() -> None:
     for graph, pdl in ((True, True), (True, False), (False, True)):
         llm = LLM(name, cuda_graph=graph)
         llm.engine.pdl = pdl
-        llm.engine.start_filled(context, 256)  # random-valued cache: decode time only
+        start_filled(llm.engine, context, 256)  # random-valued cache: decode time only
         for t in llm.engine.cache.tensors().values():  # a bf16 cache (the default): K and V
             t.normal_()
         ms = step_ms(llm)

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from timing import fill_cache  # bench/timing.py (run as a script: bench/ is on the import path)
+from timing import fill_cache, start_filled  # bench/timing.py (a script: bench/ is on the import path)
 
 from minidecode import LLM
 from minidecode.bench import measure_ceilings, provenance
@@ -249,7 +249,7 @@ def every_rank(llm: LLM, value):
 
 def fill(llm: LLM, context: int) -> None:
     """The rank's cache, sized for `context` + MARGIN, filled with random values."""
-    fill_cache(llm.engine.start_filled(context, MARGIN))  # row 0 decodes from `context`, no prefill
+    fill_cache(start_filled(llm.engine, context, MARGIN))  # row 0 decodes from `context`, no prefill
 
 
 @torch.inference_mode()

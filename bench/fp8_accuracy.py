@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from timing import start_filled  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode import LLM
 from minidecode.cache import FP8, KVCache, kv_dtype_name
@@ -80,7 +81,7 @@ def fill_speed(llm: LLM, context: int, steps: int) -> None:
     """Decode tok/s at `context` with a cache FILLED WITH RANDOM VALUES (no prefill)."""
     engine = llm.engine
     llm.release_cache()
-    cache = engine.start_filled(context, WINDOWS * steps + 8)
+    cache = start_filled(engine, context, WINDOWS * steps + 8)
     if cache.dtype == FP8:
         for t in (cache.k, cache.v):
             t.view(torch.uint8).random_(0, 0x7E)  # finite positive e4m3 values (0x7F is NaN)

@@ -1,8 +1,10 @@
 """What FP8 prefill attention (kernels/fp8_prefill.py) does to a model's predictions, against the
 default bf16 SDPA prefill, at the model level (model.prefill with backend "fp8" vs the default).
 
-    python bench/fp8_prefill_accuracy.py --out bench/results/prefill-fp8-accuracy
-    python bench/fp8_prefill_accuracy.py --lengths 32768 131072 --no-needle
+    python -m bench.fp8_prefill_accuracy --out bench/results/prefill-fp8-accuracy
+    python -m bench.fp8_prefill_accuracy --lengths 32768 131072 --no-needle
+
+(from the repo root, as a module: the needle's haystack comes from training/stdlib_corpus.py)
 
 1. Synthetic Llama-3-8B (random weights, bf16) at each length: the next-token distributions of
    the last 256 positions of one random prompt, FP8 against the default: KL(default || fp8) mean
@@ -36,9 +38,9 @@ import torch
 from minidecode import LLM
 from minidecode.cache import KVCache
 from minidecode.kernels import prefill
+from training.stdlib_corpus import load_split
 
 K = 1024
-REPO = Path(__file__).resolve().parents[1]
 
 
 def new_cache(llm: LLM, length: int) -> KVCache:
@@ -95,10 +97,7 @@ def needle_prompts(
     llm: LLM, length: int, depths: list[float], seed: int
 ) -> list[tuple[float, list[int], int]]:
     """(depth, token ids, where the answer's tokens start) for a haystack of about `length` tokens."""
-    sys.path.insert(0, str(REPO / "training"))
-    import stdlib_corpus
-
-    _, texts = stdlib_corpus.load_split("heldout", max_chars=40 * length)
+    _, texts = load_split("heldout", max_chars=40 * length)
     lines = "\n".join(texts).splitlines(keepends=True)
     rng = random.Random(seed)
     word = "".join(rng.choice("bcdfghjkmnpqrstvwxz") for _ in range(4)) + str(rng.randint(10, 99))
@@ -225,7 +224,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit,
         "torch": torch.__version__,
-        "command": "python3 bench/fp8_prefill_accuracy.py " + " ".join(sys.argv[1:]),
+        "command": "python3 -m bench.fp8_prefill_accuracy " + " ".join(sys.argv[1:]),
     }
     synth, needles = [], []
 

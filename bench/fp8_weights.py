@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import torch
-from timing import event_ms, fill_cache, time_graph  # bench/timing.py (bench/ is on the import path)
+from timing import event_ms, fill_cache, start_filled, time_graph  # bench/timing.py (bench/ on the path)
 
 from minidecode import LLM, UserError
 from minidecode.bench import measure_ceilings, provenance
@@ -201,7 +201,7 @@ def in_step(ceiling: float, out_dir: Path) -> list[dict]:
     for quantization in (None, "fp8"):
         llm = LLM(MODEL, quantization=quantization, prefix_reuse=False)
         engine = llm.engine
-        fill_cache(engine.start_filled(STEP_CONTEXT, 16 + TRACED_STEPS))
+        fill_cache(start_filled(engine, STEP_CONTEXT, 16 + TRACED_STEPS))
         for _ in range(8):  # the first captures the step's graph
             engine.step(1, GREEDY, False)
         torch.cuda.synchronize()
@@ -263,7 +263,7 @@ def filled(contexts: list[int], ceiling: float) -> dict:
             rows.append(dict(context=context, refused=str(refusal)))
             print(f"  {context:,}: {refusal}", flush=True)
             continue
-        fill_cache(engine.start_filled(context, margin))
+        fill_cache(start_filled(engine, context, margin))
         window = lambda e=engine: [e.step(1, GREEDY, False) for _ in range(FILLED_STEPS)]  # noqa: E731
         # a warm-up window (its first step captures the graph), then the timed ones
         tok_s = [FILLED_STEPS * 1e3 / ms for ms in event_ms(window, FILLED_WINDOWS)]

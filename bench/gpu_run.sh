@@ -178,7 +178,7 @@ if [[ $STAGES == *fp8prefill* ]]; then
   fi
   if [[ $parts == *accuracy* ]]; then
     fp8p_part "model accuracy" 150 "$LOG_DIR/prefill-fp8-accuracy.log" \
-      python3 bench/fp8_prefill_accuracy.py --lengths 32768 131072 --out "$RESULTS_DIR/prefill-fp8-accuracy"
+      python3 -m bench.fp8_prefill_accuracy --lengths 32768 131072 --out "$RESULTS_DIR/prefill-fp8-accuracy"
   fi
   if [[ $parts == *probe* ]]; then
     fp8p_part "default prefill probe" 240 "$LOG_DIR/prefill-probe.log" \

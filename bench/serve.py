@@ -237,6 +237,7 @@ def server_process(model: str):
         str(port),
         "--served-model-name",
         "bench",
+        "--no-access-log",  # its stderr is a pipe read only on failure: a line a request would fill it
     ]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

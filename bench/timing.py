@@ -70,6 +70,19 @@ def event_ms(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
+def start_filled(engine, context: int, steps: int):
+    """For timing decode alone, on an idle engine (minidecode.engine.Engine, no requests in its
+    loop): a cache of one region for context + steps positions, whose contents the caller fills
+    (fill_cache), and row 0 decoding it greedily from position `context` with no prefill;
+    `engine.step(1, ...)` then runs its steps. -> the cache (a KVCache). The LLM's loop must forget
+    the cache afterwards (LLM.release_cache)."""
+    from minidecode.sampling import SamplingParams
+
+    engine.resize(engine.region_size(context + steps))
+    engine.start_row(0, 0, context, SamplingParams())
+    return engine.cache
+
+
 def fill_cache(cache) -> None:
     """A decode benchmark's cache (minidecode.cache.KVCache) filled with random values, a layer
     at a time (no cache-sized temporary): normal values, or for an FP8 cache finite positive e4m3

@@ -56,7 +56,7 @@ def _quantize_rows_kernel(
         w = tl.load(NormW + offs, mask=mask, other=0.0).to(tl.float32)
         xf = ((xf * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w).to(X.dtype.element_ty).to(tl.float32)
     # x times the scale's reciprocal (fp8_weights.quantize_rows): a multiply a value, where an IEEE
-    # division made this launch 1.5x as long in the decode step (bench/NOTES-fp8-weights.md)
+    # division a value would make this launch much longer (bench/NOTES-fp8-weights.md)
     if STATIC:
         scale = tl.load(Static)
         y = xf * tl.math.div_rn(1.0, scale)

@@ -29,7 +29,7 @@ FP8 forward pass does:
 
 On Hopper the same arithmetic runs in fp8_prefill_hopper's warp-specialized Gluon kernel (a TMA
 loader and two consumer warpgroups that take turns on the tensor cores; bit for bit this kernel's
-output, 1.11-1.23x faster at 32k-128k). This module's kernel serves Ada, head_dim 32, and the CPU
+output, and faster: bench/NOTES-prefill.md). This module's kernel serves Ada, head_dim 32, and the CPU
 tests (the Triton interpreter; Gluon has none).
 
 Units of the running state (per query row; m in log2 units of the scaled scores): l holds
@@ -81,12 +81,11 @@ class Fp8PrefillConfig:
 
 # Hopper, head_dim 128 and 64: the warp-specialized kernel, 2 x 64 query rows a CTA against
 # 128-key tiles, two K/V stages (82 KB of shared memory; its registers fill the SM: one CTA).
-# One layer of Llama-3-8B (bench/results/prefill-attention-h100.md, the sweep): 836 TFLOP/s at 32k
-# and 848 at 128k on an H100, against 736 and 687 for HOPPER_TRITON_CONFIG, the same output; three
-# stages 824 and 838.
+# The fastest of the sweep on one layer of Llama-3-8B (bench/results/prefill-attention-h100.md),
+# ahead of HOPPER_TRITON_CONFIG (the same output) and of three stages.
 HOPPER_CONFIG = Fp8PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, warp_specialized=True)
 # This module's kernel on Hopper: 64 x 128 tiles over one warpgroup, three stages (107 KB: two CTAs
-# an SM); the fastest Triton config of the 2026-11-25 sweep (738 TFLOP/s at 32k on an H100).
+# an SM); the fastest Triton config of that sweep.
 HOPPER_TRITON_CONFIG = Fp8PrefillConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
 # Hopper at head_dim 32 (not swept there): 128 x 128 tiles over two warpgroups (8 warps), each
 # holding a [64, D] accumulator and a [64, 128] score tile; three stages of K and V tiles.

@@ -25,10 +25,9 @@ def _rms_norm_kernel(X, W, Out, N, eps, BLOCK: tl.constexpr, USE_PDL: tl.constex
     mask = offs < N
     if USE_PDL:
         # Let the next kernel (a GEMV) launch before waiting here: it issues its first weight tiles
-        # while this norm waits for x (decode step 1.8% faster at 128k and 3.1% at 1k than with the
-        # trigger after the wait; bench/NOTES-attention.md). RoPE / cache write and SiLU * up do the
-        # same (0.2-0.5%); the GEMVs and the attention kernel trigger after their wait (the GEMV
-        # triggering first was 0.7% slower at 128k, attention a tie).
+        # while this norm waits for x (bench/NOTES-attention.md). RoPE / cache write and SiLU * up
+        # do the same; the GEMVs and the attention kernel trigger after their wait (triggering
+        # first gains them nothing).
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     xf = tl.load(X + row * N + offs, mask=mask, other=0.0).to(tl.float32)

@@ -21,8 +21,7 @@ would be as many bytes as its weight tiles.
 `sum_after` (a tensor-parallel rank's o_proj and down): the same launch sums the result over the
 group's ranks (kernels/collectives.py's protocol): each block's outputs are pushed to the peers as
 they are stored, and the CTA that finishes last sums every rank's and writes the next RMSNorm, one
-launch and one grid-completion wait fewer than a separate all-reduce (2 x H100 tp 2: decode 1.024x at
-1k; bench/NOTES-distributed.md).
+launch and one grid-completion wait fewer than a separate all-reduce (bench/NOTES-distributed.md).
 FP8 weights (kernels/fp8_weights.py: e4m3 values, float32 scales per output channel or per block)
 take e4m3 x rows (the layer's input rounded by kernels/fp8_activations.py): the tiles enter e4m3
 tensor-core dots as stored, one byte a weight, and the scales multiply the float32 sums, in the
@@ -30,16 +29,16 @@ epilogue (per channel and per token) or per K chunk (block scales, or x scaled p
 columns: a chunk then lies inside one scale block). Hopper's warpgroup e4m3 dots (weight rows on
 M) accumulate with less than float32 precision (about 14 bits kept), so each chunk's dot starts
 from zero and is added to the float32 accumulator (Triton does not fold that add into the dot for
-e4m3 operands on sm_90): 512 products a promotion, where DeepSeek-V3 promotes every 128 (float64
-error of a float32 result 3.4e-4 against 1.3e-4; a bf16 result's own rounding is ~2e-3). With x's
+e4m3 operands on sm_90): 512 products a promotion, where DeepSeek-V3 promotes every 128; the error
+that adds stays well below a bf16 result's own rounding (bench/NOTES-fp8-weights.md). With x's
 rows on M the e4m3 dots are mma.sync ones, whose float32 sums are exact to float32 rounding: they
 accumulate across chunks in the dot.
 The RMSNorm in front of qkv and gate/up stays a separate launch: folding it into the loop (x
-scaled by the norm weight, x^2 summed alongside) made those GEMVs 3-6x slower, because elementwise
-work on x in the loop stops its loads from being pipelined; with the rms computed first, x tiles
-normalised in the loop made the decode step 5% slower, and loaded an iteration ahead 23% slower
-(bench/NOTES-attention.md). Nor does the GEMV before it write the norm: its last CTA (a grid-wide
-ticket, then the row read back) made the step 0.5-1.8% slower than the separate launch under PDL
+scaled by the norm weight, x^2 summed alongside) makes those GEMVs several times slower, because
+elementwise work on x in the loop stops its loads from being pipelined, and with the rms computed
+first, normalising x tiles in the loop (or loading them an iteration ahead) still slows the step
+(bench/NOTES-attention.md). Nor does the GEMV before it write the norm: its last CTA would take a
+grid-wide ticket, then read the row back, which costs more than the separate launch under PDL
 (bench/NOTES-fp8-weights.md); only a tensor-parallel sum carries it (`sum_after`).
 """
 
@@ -56,11 +55,10 @@ from .device import INTERPRETER_CTAS, sm_count
 from .fp8_weights import FP8Weight, QuantizedRows
 
 # x's rows, padded to 16 or (from 17 rows) 32, are the dot's M or N axis; larger batches go to
-# cuBLAS. At 32 rows this beats cuBLAS now that one CTA fits an SM (32 x 4k batch step: 8.80
-# against 9.07 ms).
+# cuBLAS. Up to 32 rows this beats cuBLAS, with one CTA an SM (bench/NOTES-attention.md).
 MAX_ROWS = 32
-# Wider weights go to cuBLAS, except the fused gate/up (gated). lm_head (128,256 wide) through
-# WIDE_CONFIG was 0.2-0.3% faster a step: not worth routing the logits through here.
+# Wider weights go to cuBLAS, except the fused gate/up (gated). lm_head (128,256 wide) would gain
+# next to nothing through WIDE_CONFIG: the logits stay on cuBLAS.
 MAX_OUTPUTS = 16384
 
 
@@ -69,21 +67,20 @@ class GemvConfig:
     """Launch parameters: output features per block, reduction chunk, warps, pipeline depth."""
 
     # Output blocks are dealt round-robin to at most one CTA an SM: qkv's 6144 outputs are 192
-    # blocks, 2 for each of 96 CTAs (one block a CTA launched 192: two waves, and the second
-    # wave's 60 CTAs each filled a pipeline again; step 0.5-1.9% slower). Blocks of 16 outputs,
-    # 3 for each of 128 CTAs, were 4-9% slower (bench/NOTES-attention.md).
+    # blocks, 2 for each of 96 CTAs (one block a CTA would launch 192: two waves on 132 SMs, and
+    # each CTA of the second fills a pipeline again). Blocks of 16 outputs, 3 for each of 128
+    # CTAs, are slower (bench/NOTES-attention.md).
     block_n: int = 32
     block_k: int = 256  # a 16 KiB bf16 tile of W (and 8 KiB of x) per pipeline stage
     num_warps: int = 4
     # 6 stages keep 5 tiles in shared memory, 120 KiB: one CTA fits an SM. That is what matters
     # under PDL: a GEMV launched early is placed on whichever SMs its predecessor frees first, and
     # with room for two or three CTAs an SM they pile onto those SMs and stream from a few SMs
-    # (decode step 1-4% slower; bench/NOTES-attention.md).
+    # (bench/NOTES-attention.md).
     num_stages: int = 6
     # Weight tiles issued before the PDL wait, up to 16 rows (above, one: the padded x tiles cost
-    # registers there). Two hide more of the predecessor's tail: decode step 0.7-0.9% faster at
-    # batch 1 (1k and 128k, bf16 and FP8 caches); four were 0.3-2% slower, and two at 32 rows 4%
-    # slower (bench/NOTES-attention.md).
+    # registers there). Two hide more of the predecessor's tail than one; four, or two at 32 rows,
+    # are slower (bench/NOTES-attention.md).
     early_tiles: int = 2
     # The dot's operands: x [M_PAD, BLOCK_K] . W^T (x's padded rows on M: mma.sync, M = 16 or 32),
     # or W [BLOCK_N, BLOCK_K] . x^T (weight rows on M: Hopper's warpgroup MMA, which needs
@@ -93,7 +90,7 @@ class GemvConfig:
     # partial goes to a workspace, and after its loop each CTA draws its items' tickets; the last
     # part of a block sums the partials in part order (bitwise repeatable) and runs the
     # epilogue. Meant for one item a CTA: a CTA's later tickets wait for its whole loop (a batch's
-    # gate/up split in four, 7 items a CTA, was 10-30% slower; bench/NOTES-attention.md).
+    # gate/up split in four, 7 items a CTA, is much slower; bench/NOTES-attention.md).
     split_k: int = 1
 
 
@@ -111,14 +108,12 @@ SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=256, num_stages=4, w_on_m=True, 
 # FP8 weights (bench/tune_gemv.py --fp8, bench/NOTES-fp8-weights.md): 512-column chunks, 32 KiB
 # weight tiles of 64 rows, 4 stages (one CTA an SM at 16 and at 32 rows). Weight rows on M
 # (warpgroup MMA, each chunk's sums promoted to float32), one item per block: qkv (96 blocks,
-# whose 192 halves would take two rounds of CTAs). Against 128-column chunks at 13 stages at one
-# row on an H100: 1.18x.
+# whose 192 halves would take two rounds of CTAs). Faster than shorter chunks at more stages.
 FP8_CONFIG = GemvConfig(block_n=64, block_k=512, num_stages=4, w_on_m=True)
 # The same, K split in two: a weight of few 64-row blocks (o_proj, down), at most one item a CTA.
-# o_proj: 1.07x the 256-column chunks at 7 stages (one row, H100).
 FP8_SPLIT_K_CONFIG = GemvConfig(block_n=64, block_k=512, num_stages=4, w_on_m=True, split_k=2)
 # gate/up: x's rows on M (mma.sync e4m3, float32 sums across chunks), 64 weight rows (32 features)
-# a block, no split: 1.16x the weight-rows-on-M split at one row (H100), 86% of the read roofline.
+# a block, no split: faster than the weight-rows-on-M split at one row.
 FP8_GATED_CONFIG = GemvConfig(block_n=64, block_k=512, num_stages=4)
 # Block scales cut a chunk to the scale block (128 columns on the hub's checkpoints): the stages
 # grow to keep as many weight bytes in flight, up to this many.
@@ -138,16 +133,14 @@ def default_config(rows: int, out_features: int, gated: bool, ctas: int) -> Gemv
     """The config for `rows` of x and `out_features` outputs on `ctas` CTAs (H200 decode step,
     synthetic Llama-3-8B; bench/NOTES-attention.md):
     - weight rows on M wherever blocks of 64 keep as many CTAs as blocks of 32 dealt round-robin,
-      i.e. where those would deal two or more a CTA: qkv (6144 outputs, 96 CTAs either way) is
-      1.3-1.7% faster a step at batch 1 and 1.7% at 32 x 4k. The 4096-wide o_proj and down would
-      run on 64 CTAs instead of 128 (standalone 11% slower or worse): they keep x's rows on M,
+      i.e. where those would deal two or more a CTA: qkv (6144 outputs, 96 CTAs either way). The
+      4096-wide o_proj and down would run on 64 CTAs instead of 128: they keep x's rows on M,
     - except from 17 rows, where x (padded to 32 rows) is as many bytes a tile as the weights:
-      blocks of 64 weight rows on M with K split in two, one work item for each of 128 CTAs
-      (down 34.3 -> 32.5 us, o_proj 12.7 -> 12.2; 32 x 4k step 0.6% faster). At 8 and 16 rows
-      the split was 1-5% slower than x's rows on M.
-    - gate/up with silu * up, a batch (2-32 rows): weight rows on M, where x's rows on M lost to
-      cuBLAS + silu_mul; 1.0-2.9% faster a step than that (batches of 2-32, 4k-32k).
-    - gate/up, one row: x's rows on M (weight rows on M were 0.7% slower a step)."""
+      blocks of 64 weight rows on M with K split in two, one work item for each of 128 CTAs. At
+      8 and 16 rows the split is slower than x's rows on M.
+    - gate/up with silu * up, a batch (2-32 rows): weight rows on M, where x's rows on M lose to
+      cuBLAS + silu_mul (and this beats that).
+    - gate/up, one row: x's rows on M (weight rows on M are slower there)."""
     if gated:
         return DEFAULT_CONFIG if rows == 1 else GATED_BATCH_CONFIG
     if out_features > DEFAULT_CONFIG.block_n * ctas:

@@ -68,11 +68,11 @@ class LeanConfig:
     q_per_tile: bool = False
 
 
-# The best of a sweep on an H200 at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps
-# the splits per head, and so the merge, small; 2 x 64 KiB tiles in flight still stream K/V at
-# ~4.4 TB/s; 8 warps leave registers to spare (182, no spills); 4 partials in flight in the
-# merge hide their latency (_ticket_and_merge). head_dim 64 uses the same config (not swept
-# separately: its tiles are half the bytes, well within the same limits).
+# Chosen by a sweep at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps the splits
+# per head, and so the merge, small; two 64 KiB tiles (K and V of 128 positions) in flight are
+# enough to stream K/V at the memory's speed; 8 warps leave registers to spare (no spills); 4
+# partials in flight in the merge hide their latency (_ticket_and_merge). head_dim 64 uses the
+# same config (its tiles are half the bytes, within the same limits).
 DEFAULT_CONFIG = LeanConfig(block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4)
 
 
@@ -100,11 +100,11 @@ def default_config(
 # How the kernel reads an FP8 cache (kernel constexpr DEQUANT, from the config's fp8_mma;
 # bench/NOTES-attention.md has the numbers). MMA decodes nothing: K and V enter e4m3 tensor-core
 # dots as they are stored, q is split into three e4m3 terms (exact for bf16 / fp16) and p into two
-# (bf16's precision; kernels/e4m3.py), up to 4.4 TB/s of e4m3 bytes on an H200. CVT decodes every
-# K/V element to fp16 for fp16 dots: bounded by the conversions (at most 3.3 TB/s), but its tile is
-# a shorter chain of work, which is what a short cache's step waits for (FP8_SHORT_CONFIG). The
-# interpreter has no float8 cast: there MMA rounds to e4m3 with integer ops, and BITS stands in
-# for CVT (the same fp16 values times 2^-8).
+# (bf16's precision; kernels/e4m3.py), so a long cache streams at the memory's speed. CVT decodes
+# every K/V element to fp16 for fp16 dots: bounded by the conversions' rate, below the memory's,
+# but its tile is a shorter chain of work, which is what a short cache's step waits for
+# (FP8_SHORT_CONFIG). The interpreter has no float8 cast: there MMA rounds to e4m3 with integer
+# ops, and BITS stands in for CVT (the same fp16 values times 2^-8).
 DEQUANT_NONE = 0  # bf16 / fp16 / fp32 cache
 DEQUANT_BITS = 1  # e4m3 bits moved into an fp16 bit pattern with integer ops (value * 2^-8)
 DEQUANT_CVT = 2  # the hardware e4m3 -> fp16 conversion (value * 1)
@@ -113,25 +113,22 @@ DEQUANT_UNIT = {DEQUANT_BITS: 256.0, DEQUANT_CVT: 1.0}  # the decodes: e4m3 valu
 
 # FP8 cache: the e4m3 dots run as Hopper's warpgroup MMA (positions on M, the group's query heads
 # on N = 16), 128 positions a tile, one warpgroup, 2 CTAs an SM: more independent tiles in flight
-# than 256 positions over two warpgroups with one CTA an SM, which this config beat from 16k
-# positions up once its merge took 8 partials an iteration (decode step 1.4% faster at 16k, 2.8%
-# at 64k, 3.6% at 96k; H200, bench/NOTES-attention.md).
+# than 256 positions over two warpgroups with one CTA an SM, which this config beats from 16k
+# positions up with its merge taking 8 partials an iteration (bench/NOTES-attention.md).
 # - early_ticket: a CTA that holds two partial segments finishes last (it pays a segment switch),
-#   so at the end it drew the last ticket of both and merged twice. Drawn as it leaves the first
-#   segment, that ticket is almost never the last (128k: 3% faster; 16k: a tie).
-# - merge_chunk 8, 2 stages: a segment has ~33 partials here; 8 an iteration, their loads issued
-#   together, shorten the merge's chain of L2 round trips (decode step 0.8-1.4% faster at 16k-512k
-#   than one partial an iteration, 0.4% slower at 1M). The one-CTA-an-SM configs, whose segments
-#   have 4-17 partials, are faster with one an iteration.
+#   so at the end it would draw the last ticket of both and merge twice. Drawn as it leaves the
+#   first segment, that ticket is almost never the last.
+# - merge_chunk 8, 2 stages: a segment has tens of partials here (2 CTAs an SM); 8 an iteration,
+#   their loads issued together, shorten the merge's chain of L2 round trips. The one-CTA-an-SM
+#   configs, whose segments have a few partials, are faster with one an iteration.
 FP8_CONFIG = LeanConfig(
     block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=2, early_ticket=True, merge_chunk=8
 )
 # Below FP8_SHORT_POSITIONS (above the tiny tier, FP8_TINY_CONFIG below), each element decoded to
 # fp16 for fp16 dots, 256 positions a tile over 8 warps, one CTA an SM. A CTA holds one or two
 # tiles there, so the step waits on a tile's chain of work more than on bandwidth, and the
-# decode's two dots beat the tensor-core path's five and its q and p splits (decode step at 1k
-# 1.8% faster, at 8k 1.2%, at 4k 0.6% slower, at 12k 0.6% faster; H200,
-# bench/NOTES-attention.md).
+# decode's two dots beat the tensor-core path's five and its q and p splits (over the range as a
+# whole: bench/NOTES-attention.md).
 FP8_SHORT_CONFIG = LeanConfig(
     block_n=256, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, fp8_mma=False
 )
@@ -139,12 +136,10 @@ FP8_SHORT_POSITIONS = 16384  # cache positions (all rows) below which an FP8 cac
 # Up to 128 tiles of 128 positions (2048 positions of 8 KV heads: at most one tile a CTA on an
 # H200), 4 warps, and q's operand made in every tile: its load then leaves with the first K/V
 # loads, in the loop's pipeline, instead of being a round trip and a row maximum before them. At
-# 1k positions of 8 heads the kernel is that one tile's chain, 7.5 against 7.9 us for
-# FP8_SHORT_CONFIG (bf16 cache: 7.6); where CTAs hold two tiles or more (3k positions of 8
-# heads, 1k of 32), FP8_SHORT_CONFIG is 7-10% faster, and per-tile q slows its 8 warps (H200,
-# bench/NOTES-attention.md). Two stages: with one tile a CTA there is nothing to prefetch, and a
-# third stage's prologue cost 0.2-0.3 us at 1k-2k once the scales became one word (7.66 against
-# 7.43 us at 1k, same run).
+# these sizes the kernel is that one tile's chain of work, which this shortens; where CTAs hold
+# two tiles or more (3k positions of 8 heads, 1k of 32), FP8_SHORT_CONFIG is faster, and per-tile
+# q would slow its 8 warps (bench/NOTES-attention.md). Two stages: with one tile a CTA there is
+# nothing to prefetch, and a third stage only adds its prologue.
 FP8_TINY_CONFIG = LeanConfig(
     block_n=128, num_warps=4, num_stages=2, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
 )
@@ -157,8 +152,8 @@ P_RANGE = tl.constexpr(256.0)
 # cache stored per block of V_BLOCK positions with the positions contiguous,
 # [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK] (to_v_blocked_t): the P.V dot's B operand then has its
 # reduction axis (positions) contiguous, so it needs no transpose on its way from shared memory
-# to the tensor cores (sm_90 has no 8-bit transposing ldmatrix; V in K's layout was read one byte
-# an element there, 1.2-1.5x slower, bench/NOTES-attention.md). 64 positions: a block row is 64 bytes
+# to the tensor cores (sm_90 has no 8-bit transposing ldmatrix: V in K's layout is read one byte
+# an element there, bench/NOTES-attention.md). 64 positions: a block row is 64 bytes
 # (two 32-byte sectors, four 16-byte vector loads), a head's blocks are adjacent, so a tile is
 # still one contiguous run of D * BLOCK_N bytes; 64 divides every FP8 block_n (the layout must not
 # change with the launch config), and the padding and the region-start granularity stay small.
@@ -247,9 +242,9 @@ def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_ops, row_scale, m_i, l_i, ac
     q_hi, q_mid, q_lo = q_ops
     # Hopper's e4m3 tensor cores accumulate with less than fp32 precision (about 14 bits kept),
     # so q's small terms go into their own accumulator and reach the large one in fp32: chained
-    # into one, they were partly lost, up to 5.6e-2 error on heads whose K is 10x larger (peaked
-    # scores) at 1M positions, against 6.5e-3 this way, for 1-2% of the kernel's time. Chaining
-    # P.V's two terms costs no accuracy (bench/NOTES-attention.md).
+    # into one, they are partly lost (most on heads with peaked scores, over long caches), for
+    # one more fp32 add of a [BLOCK_N, G_PAD] tile. Chaining P.V's two terms costs no accuracy
+    # (bench/NOTES-attention.md).
     qk = tl.dot(k8, q_hi) + tl.dot(k8, q_lo, acc=tl.dot(k8, q_mid))  # [BLOCK_N, G_PAD] fp32
     qk = qk * k_scale[:, None] * row_scale[None, :]
     qk = tl.where(valid[:, None], qk, float("-inf"))
@@ -386,12 +381,11 @@ def _ticket_and_merge(
         # The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns and each
         # partial's lse is stored once per column (_store_segment), so one contributor is two
         # vector loads and an element-wise update: nothing shared across threads. The merge is a
-        # chain of dependent L2 reads unless they are issued ahead (16 us for 33 partials at
-        # 128k; bench/NOTES-attention.md): MERGE_STAGES iterations are in flight (async copies),
-        # and an iteration takes one contributor (MERGE_CHUNK 1, no reduction at all) or
-        # MERGE_CHUNK of them, whose loads leave together and whose reduction over the chunk
-        # stays inside each thread. Plain loads: the ticket's acquire already made every
-        # contributor's partial visible to this CTA.
+        # chain of dependent L2 reads unless they are issued ahead (bench/NOTES-attention.md):
+        # MERGE_STAGES iterations are in flight (async copies), and an iteration takes one
+        # contributor (MERGE_CHUNK 1, no reduction at all) or MERGE_CHUNK of them, whose loads
+        # leave together and whose reduction over the chunk stays inside each thread. Plain
+        # loads: the ticket's acquire already made every contributor's partial visible to this CTA.
         if MERGE_CHUNK == 1:
             for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
                 slot = tl.where(c == first, first_slot, 2 * c)
@@ -566,7 +560,7 @@ def _lean_decode_kernel(
     # with reductions over the batch, too slow to repeat per tile) restarts the loop. The e4m3
     # tensor-core path (MMA) runs one loop per head instead: its q operands are then
     # loop-invariant and stay in shared memory (a head switch inside the loop makes Triton copy
-    # them there every tile: 1.2-1.6x slower, bench/NOTES-attention.md).
+    # them there every tile; bench/NOTES-attention.md).
     MMA: tl.constexpr = DEQUANT == 3  # e4m3 tensor-core tile (_e4m3_mma_tile)
     if not MMA:
         m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)

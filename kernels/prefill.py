@@ -1,14 +1,14 @@
 """Prefill attention: PyTorch SDPA over the whole prompt, with the backend chosen by measurement.
 
-On Hopper, cuDNN's square causal attention runs ~1.7x faster than the flash backend, but not
+On Hopper, cuDNN's square causal attention runs much faster than the flash backend, but not
 everywhere (other GPUs, head sizes, versions): time both once per (device, head_dim, group) on
 a short causal problem and keep the faster.
 
 Long prompts on cuDNN go through in blocks of BLOCK queries: block i is a square causal call
 over its own BLOCK keys plus one full (non-causal) call over every earlier key, and the two are
-merged by their log-sum-exp. cuDNN's single causal call slows down past ~128k (472 TFLOP/s at
-512k against 598 at 128k); the blocked form keeps 593 at 512k, 20% less time
-(bench/NOTES-attention.md). Same FLOPs, same result up to rounding.
+merged by their log-sum-exp. cuDNN's single causal call slows down past ~128k positions; the
+blocked form keeps its 128k rate at 512k (bench/NOTES-attention.md). Same FLOPs, same result up
+to rounding.
 
 A short block after a long past (a question after a cached 512k-token document) is the opposite
 case: its full call over the past runs G x ceil(t / 128) CTAs (4 for 100 queries of Llama-3-8B),
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minidecode.errors import UserError
+from minidecode.validate import PREFILL_ATTENTION, check_choice
 
 from .device import sm_count
 
@@ -65,7 +66,6 @@ TILE_ROWS = 8192
 TILES_A_CALL = 8
 
 CHOICE_ROUNDS = 5  # choose_backend's interleaved timing rounds
-PREFILL_ATTENTION = ("auto", "fp8")  # the user's choice: SDPA (measured backend), or the FP8 kernel
 
 # attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
@@ -377,16 +377,15 @@ def fp8_prefill_problem(device: torch.device, head_dim: int) -> str | None:
 def check_prefill_attention(name: str, device: torch.device, head_dim: int) -> str:
     """The user's prefill attention (`auto` or `fp8`), checked against the device and model: the
     name, or one clear UserError."""
-    if name not in PREFILL_ATTENTION:
-        raise UserError(f"unknown prefill attention {name!r}; use one of {', '.join(PREFILL_ATTENTION)}")
+    check_choice("prefill attention", name, PREFILL_ATTENTION)
     if name == "fp8" and (problem := fp8_prefill_problem(device, head_dim)) is not None:
         raise UserError(problem)
     return name
 
 
 # Keys from which the FP8 kernel clearly beats SDPA's best bf16 attention on a whole layer of
-# Llama-3-8B (bench/results/prefill-attention-h100.md and -h200.md, the warp-specialized kernel):
-# 0.71x / 0.78x at 4k, 1.01x / 1.08x at 8k, 1.15x / 1.21x at 16k, 1.17-1.41x from 32k (H100 / H200).
+# Llama-3-8B (bench/results/prefill-attention-h100.md and -h200.md, the warp-specialized kernel;
+# below, it loses or ties: bench/NOTES-prefill.md).
 FP8_MIN_KEYS = 16384
 
 

@@ -19,8 +19,8 @@ Scheme: one scale per (token, KV head), computed when the row is written, held i
 - K's and V's scales of a (token, head) sit side by side, `kv_scale [..., 2]` (K, then V): one
   32-bit word that the decode kernel loads with one asynchronous copy (lean_attention: a
   2-byte load per element cannot be one, and stalls the tile loop). 4 bytes per (token, head),
-  1.5% of a head_dim-128 pair of e4m3 rows (float32 scales were 3%: that 1.5% of the step's bytes
-  made the decode kernel 2% faster at 128k on an H200, bench/NOTES-attention.md).
+  1.5% of a head_dim-128 pair of e4m3 rows (float32 scales would be 3%, bytes that every decode
+  step reads; bench/NOTES-attention.md).
 
 A checkpoint may ship a static per-layer scale instead (`k_scale` / `v_scale` scalars, e.g. a
 compressed-tensors `kv_cache_scheme`): pass it as `static_scale`. Every row then uses that scale,

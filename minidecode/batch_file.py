@@ -16,7 +16,8 @@ from .errors import UserError
 
 def result_fields(result) -> dict:
     """A GenerationResult as `--json` writes it: text, finish reason, new token ids, stats (and the
-    log-probabilities when they were asked for)."""
+    log-probabilities, and each token's top alternatives as [id, log p] pairs, when they were
+    asked for)."""
     fields = {
         "text": result.text,
         "finish_reason": result.finish_reason,
@@ -25,6 +26,8 @@ def result_fields(result) -> dict:
     }
     if result.logprobs is not None:
         fields["logprobs"] = result.logprobs
+    if getattr(result, "top_logprobs", None) is not None:
+        fields["top_logprobs"] = [[list(pair) for pair in top] for top in result.top_logprobs]
     return fields
 
 

@@ -224,6 +224,7 @@ class BenchSettings:
     peer_max_tokens: int | None = None  # every peer: only prompts up to this length
     compiled_max_tokens: int | None = None  # the compiled peer: only up to this length
     ceiling_gib: float = 2.0
+    allow_extrapolation: bool = False  # prompts past the model's trained positions (--allow-extrapolation)
 
     def validate(self) -> None:
         if not self.prompt_lengths or any(n < 1 for n in self.prompt_lengths):
@@ -245,10 +246,16 @@ class BenchSettings:
 
 # ---- minidecode --------------------------------------------------------------------------------
 def timed_generation(
-    llm: LLM, ids: list[int], new_tokens: int, max_context: int
+    llm: LLM,
+    ids: list[int],
+    new_tokens: int,
+    max_context: int,
+    allow_extrapolation: bool = True,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[GenerationStats, list[float]]:
     """Greedy generation of exactly new_tokens (eos ignored): its stats and the host time at which
-    each token was yielded."""
+    each token was yielded. allow_extrapolation: as the request's (the bench passes the user's;
+    other scripts time any length)."""
     times = []
     stream = llm.stream(
         token_ids=ids,
@@ -256,8 +263,9 @@ def timed_generation(
         max_new_tokens=new_tokens,
         max_context=max_context,
         ignore_eos=True,
-        allow_extrapolation=True,
+        allow_extrapolation=allow_extrapolation,
         reuse_prefix=False,  # every measured prefill runs in full, even on a repeated prompt
+        on_prefill_progress=on_prefill_progress,
     )
     for event in stream.events():
         if event.token is not None:
@@ -265,21 +273,38 @@ def timed_generation(
     return stream.result.stats, times
 
 
-def check_fits(llm: LLM, settings: BenchSettings) -> None:
-    """Refuse prompt lengths whose cache and activations do not fit with the memory plan's one-line
-    error, before any prompt is drawn (drawing 10^10 ids fails in the allocator first): the
-    longest prompt on the bench's one cache."""
-    longest = max(settings.prompt_lengths)
-    llm.check_fits(longest + 1 + settings.repeats * settings.window, longest)
+def check_lengths(
+    llm: LLM, longest: int, context: int, allow_extrapolation: bool, log: Callable[[str], None]
+) -> None:
+    """Refuse, before anything is measured or drawn (drawing 10^10 ids fails in the allocator
+    first), a request of `longest` prompt tokens on a cache of `context` positions that the
+    runtime would refuse: one the memory plan cannot hold (LLM.check_fits), or one past the
+    positions the model was trained for (LLM.check_context, the check every request passes: the
+    same message as generate's), which allow_extrapolation turns into a warning."""
+    llm.check_fits(context, longest)
+    if llm.check_context(context, allow_extrapolation):
+        log(
+            f"warning: a context of {context:,} positions exceeds the {llm.config.max_position_embeddings:,} "
+            f"{llm.name} was trained for: extrapolating (--allow-extrapolation)"
+        )
 
 
 def run_bench(
-    llm: LLM, settings: BenchSettings, log: Callable[[str], None] = print
+    llm: LLM,
+    settings: BenchSettings,
+    log: Callable[[str], None] = print,
+    progress: Callable[[], Callable[[int, int], None]] | None = None,
 ) -> tuple[list[LengthResult], Ceilings]:
-    """Benchmark `llm` (and the peers) at each prompt length; returns the results and the ceilings."""
+    """Benchmark `llm` (and the peers) at each prompt length; returns the results and the ceilings.
+    progress: makes a prefill progress display for each prompt length's first (timed) request."""
     settings.validate()
-    check_fits(llm, settings)
-    transformers = _import_transformers() if settings.peers else None
+    transformers = import_transformers("--compare transformers") if settings.peers else None
+    window, repeats, allow = settings.window, settings.repeats, settings.allow_extrapolation
+    new_tokens = 1 + repeats * window
+    # One cache for the longest request, allocated and graph-captured by the warm-up, so every
+    # measured length replays the same graph.
+    max_context = max(settings.prompt_lengths) + new_tokens
+    check_lengths(llm, max(settings.prompt_lengths), max_context, allow, log)
     ceilings = measure_ceilings(llm.device, settings.ceiling_gib if llm.device.type == "cuda" else 0.25)
     log(
         f"read ceiling {ceilings.read_bytes_per_s / 1e9:,.0f} GB/s, "
@@ -290,20 +315,16 @@ def run_bench(
     special = special_token_ids(llm)
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}
-    window, repeats = settings.window, settings.repeats
-    new_tokens = 1 + repeats * window
-    # One cache for the longest request, allocated and graph-captured by the warm-up, so every
-    # measured length replays the same graph.
-    max_context = max(settings.prompt_lengths) + new_tokens
     warm_ids = benchmark_prompt(llm.config.vocab_size, min(settings.prompt_lengths), 1, excluded)
-    timed_generation(llm, warm_ids, min(8, new_tokens), max_context)
+    timed_generation(llm, warm_ids, min(8, new_tokens), max_context, allow)
     results = []
     for length in settings.prompt_lengths:
         ids = benchmark_prompt(llm.config.vocab_size, length, length, excluded)
-        stats, times = timed_generation(llm, ids, new_tokens, max_context)
+        shown = progress() if progress is not None else None
+        stats, times = timed_generation(llm, ids, new_tokens, max_context, allow, shown)
         firsts = [stats]
         if length <= settings.prefill_repeat_max_tokens:
-            firsts += [timed_generation(llm, ids, 1, max_context)[0] for _ in range(repeats - 1)]
+            firsts += [timed_generation(llm, ids, 1, max_context, allow)[0] for _ in range(repeats - 1)]
         prefill = [s.prefill_seconds for s in firsts]
         # what the user waits beyond the prefill for the first token (sampling, host hand-out)
         wait = [s.time_to_first_token - s.prefill_seconds for s in firsts]
@@ -393,12 +414,14 @@ def _checkout_commit(folder: Path) -> str | None:
 
 
 # ---- transformers -----------------------------------------------------------------------------
-def _import_transformers():
+def import_transformers(option: str, hint: str = ""):
+    """The transformers module, which the peer `option` (the command line's words) runs: a
+    UserError when it does not import (`hint`: what else the user can do)."""
     try:
         import transformers
     except ImportError:
         raise UserError(
-            "--compare transformers needs the transformers package (pip install transformers)"
+            f"{option} needs the transformers package (pip install transformers){hint}"
         ) from None
     return transformers
 

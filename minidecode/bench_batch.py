@@ -26,8 +26,9 @@ from .bench import (
     StepBytes,
     TokenClock,
     _free,
-    _import_transformers,
     benchmark_prompt,
+    check_lengths,
+    import_transformers,
     measure_ceilings,
     out_of_memory_message,
     pad_id_for,
@@ -43,6 +44,24 @@ BATCH_PEERS = {
     "transformers": "transformers generate, left-padded batch (sdpa, dynamic cache)",
 }
 WARM_STEPS = 4  # decode steps before the first timed window (graph capture for the bucket)
+NO_PEER = "none"  # --batch-peer none: minidecode alone
+
+
+def batch_peers(text: str) -> tuple[str, ...]:
+    """--batch-peer's comma-separated peers (none, or nothing: no peer), each checked."""
+    peers = tuple(p.strip() for p in text.split(",") if p.strip() and p.strip() != NO_PEER)
+    unknown = [p for p in peers if p not in BATCH_PEERS]
+    if unknown:
+        known = ", ".join([*BATCH_PEERS, NO_PEER])
+        raise UserError(f"unknown batch peer {unknown[0]!r}; known: {known}")
+    return peers
+
+
+def import_peers(peers: tuple[str, ...]) -> None:
+    """Refuse peers that cannot run here before anything is loaded or measured."""
+    if "transformers" in peers:
+        hint = ", or run minidecode alone: --batch-peer none"
+        import_transformers("--batch-peer transformers (the default)", hint)
 
 
 def parse_batch_spec(spec: str) -> list[int]:
@@ -84,13 +103,16 @@ class BatchResult:
     peers: list[BatchPeerResult] = field(default_factory=list)
 
 
-def timed_batch(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+def timed_batch(
+    llm: LLM, prompts: list[list[int]], new_tokens: int, allow_extrapolation: bool = False
+) -> tuple[float, list[float]]:
     """Greedy decode of exactly new_tokens for every prompt, all in one batch: (prefill seconds,
     host time of each step's hand-out; the first is the prefilled tokens')."""
     t0, times, seen = time.perf_counter(), [], 0
     stream = llm.stream_batch(
-        prompts, temperature=0, max_new_tokens=new_tokens, ignore_eos=True, allow_extrapolation=True
-    )
+        prompts, temperature=0, max_new_tokens=new_tokens, ignore_eos=True,
+        allow_extrapolation=allow_extrapolation,
+    )  # fmt: skip
     for event in stream.events():
         if event.error is not None:
             raise UserError(f"request {event.index} was refused: {event.error}")
@@ -134,21 +156,25 @@ def run_batch_bench(
     peers: tuple[str, ...] = ("transformers",),
     peer_max_batch_tokens: int = 300_000,
     log: Callable[[str], None] = print,
+    allow_extrapolation: bool = False,
 ) -> tuple[list[BatchResult], Ceilings]:
     """Each batch spec: minidecode's batched decode (median and range of `repeats` windows of
     `window` steps), its batched roofline, and the peers (transformers only where the padded
-    batch holds at most peer_max_batch_tokens tokens)."""
-    unknown = [p for p in peers if p not in BATCH_PEERS]
-    if unknown:
-        raise UserError(f"unknown batch peer {unknown[0]!r}; known: {', '.join(BATCH_PEERS)}")
+    batch holds at most peer_max_batch_tokens tokens). Everything that would refuse the run
+    (the specs, the peers, a batch the model or the memory cannot take) is checked before
+    anything is measured."""
+    peers = batch_peers(",".join(peers))
     batches = [(spec, parse_batch_spec(spec)) for spec in specs]
+    import_peers(peers)
+    new_tokens = 1 + WARM_STEPS + repeats * window
+    for spec, lengths in batches:
+        check_batch(llm, spec, lengths, new_tokens, allow_extrapolation, log)
     ceilings = measure_ceilings(llm.device, 2.0 if llm.device.type == "cuda" else 0.25)
     # the weights a step reads as loaded (FP8 weights: 1 byte a weight and their scales)
     per_step = StepBytes(step_weight_bytes(llm.model), llm.engine.planner.kv_bytes_per_token)
     special = special_token_ids(llm)
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}
-    new_tokens = 1 + WARM_STEPS + repeats * window
     short = benchmark_prompt(llm.config.vocab_size, 64, 1, excluded)
     results = []
     for spec, lengths in batches:
@@ -160,7 +186,7 @@ def run_batch_bench(
         ]
         if llm.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(llm.device)
-        prefill, times = timed_batch(llm, prompts, new_tokens)
+        prefill, times = timed_batch(llm, prompts, new_tokens, allow_extrapolation)
         B = len(prompts)
         rates = [B * r for r in window_rates(times[WARM_STEPS:], window)]
         contexts = [
@@ -188,7 +214,6 @@ def run_batch_bench(
         )
         results.append(result)
     if "transformers" in peers:
-        _import_transformers()
         llm.release_cache()
         _free(llm.device)
         model = transformers_peer(llm)
@@ -210,6 +235,20 @@ def run_batch_bench(
             result.peers.append(peer)
             log(f"  {BATCH_PEERS['transformers']} {result.spec}: {_summary(peer)}")
     return results, ceilings
+
+
+def check_batch(
+    llm: LLM, spec: str, lengths: list[int], new_tokens: int, allow_extrapolation: bool, log: Callable
+) -> None:
+    """A batch the runtime would refuse, refused now: its longest sequence past the model's
+    positions, or its sequences' cache (their contexts together, on the longest prefill) past
+    the memory (bench.check_lengths)."""
+    total = sum(n + new_tokens for n in lengths)
+    try:
+        check_lengths(llm, max(lengths), max(lengths) + new_tokens, allow_extrapolation, log)
+        llm.check_fits(total, max(lengths))
+    except UserError as e:
+        raise UserError(f"--batch {spec}: {e}") from None
 
 
 def _summary(peer: BatchPeerResult) -> str:

@@ -183,7 +183,3 @@ class Regions:
         if capacity > self.capacity:
             self.give(self.capacity, capacity - self.capacity)
             self.capacity = capacity
-
-    @property
-    def largest_free(self) -> int:
-        return max((n for _, n in self.free), default=0)

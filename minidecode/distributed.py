@@ -196,13 +196,13 @@ class Parallel:
         rank, first = errors[0]
         return first if len(errors) == self.world_size else f"rank {rank}: {first}"
 
-    def smallest(self, value: int) -> int:
+    def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's value (free memory: every rank then plans alike)."""
         values: list[int | None] = [None] * self.world_size
         dist.all_gather_object(values, int(value))
         return min(values)
 
-    def agree(self, run: Callable[[], T]) -> T:
+    def fail_together(self, run: Callable[[], T]) -> T:
         """run() on every rank; a UserError on any rank is raised on every rank."""
         value, error = None, None
         try:

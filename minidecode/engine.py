@@ -31,8 +31,8 @@ from .cache import KVCache
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
-from .request import DEFAULT_MAX_BATCH, check_int
-from .sampling import SamplingParams, SamplingRows, sample
+from .request import DEFAULT_MAX_BATCH, MAX_TOP_LOGPROBS, check_int
+from .sampling import ProcessorRows, SamplingParams, SamplingRows, process, sample, top_logprobs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 # The most work (FLOPs) in one unit of a prefill that runs beside decoding sequences: they may
@@ -64,6 +64,10 @@ class DecodeState:
     sampling: SamplingRows  # each sequence's sampling settings
     starts: torch.Tensor  # int64: where each sequence's region begins in the cache row
     active: torch.Tensor  # int32 0/1: 0 is an idle slot (reads nothing, does not advance)
+    # [B, MAX_TOP_LOGPROBS]: the most likely ids and their log p at the token just sampled (when asked for)
+    top_ids: torch.Tensor  # int64
+    top_logprob: torch.Tensor  # float32
+    processors: ProcessorRows | None = None  # logits-processor state, once a sequence uses one
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeState:
@@ -71,36 +75,69 @@ class DecodeState:
             return torch.zeros(batch, dtype=dtype, device=device)
 
         tokens, positions, starts = (new(torch.long) for _ in range(3))
+        top_ids = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.long, device=device)
+        top_logprob = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device)
         # active is int32, as the decode kernel's lengths (lengths * active stays int32)
-        return cls(
-            tokens, positions, new(torch.float32), SamplingRows.zeros(batch, device), starts, new(torch.int32)
-        )
+        sampling, logprob, active = SamplingRows.zeros(batch, device), new(torch.float32), new(torch.int32)
+        return cls(tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob)
+
+    def add_processors(self, vocab: int) -> ProcessorRows:
+        """The logits-processor state ([B, vocab] buffers), allocated on first use."""
+        if self.processors is None:
+            self.processors = ProcessorRows.zeros(self.tokens.shape[0], vocab, self.tokens.device)
+        return self.processors
 
     def rows(self, n: int, first: int = 0) -> DecodeState:
         """Rows first..first+n-1, as views."""
-        tokens, positions, logprob, starts, active = (x[first : first + n] for x in self._columns())
-        return DecodeState(tokens, positions, logprob, self.sampling.rows(n, first), starts, active)
+        tokens, positions, logprob, starts, active, top_ids, top_logprob = (
+            x[first : first + n] for x in self._columns()
+        )
+        processors = None if self.processors is None else self.processors.rows(n, first)
+        return DecodeState(
+            tokens, positions, logprob, self.sampling.rows(n, first), starts, active, top_ids, top_logprob,
+            processors,
+        )  # fmt: skip
 
     def _columns(self) -> tuple[torch.Tensor, ...]:
-        return self.tokens, self.positions, self.logprob, self.starts, self.active
+        rows = self.tokens, self.positions, self.logprob, self.starts, self.active
+        return (*rows, self.top_ids, self.top_logprob)
 
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""
         for t in self._columns():
             t[dst] = t[src]
         self.sampling.move(src, dst)
+        if self.processors is not None:
+            self.processors.move(src, dst)
 
 
 def decode_step(
-    model: Transformer, cache: KVCache, state: DecodeState, mode: str, want_logprobs: bool, pdl: bool
+    model: Transformer,
+    cache: KVCache,
+    state: DecodeState,
+    mode: str,
+    want_logprobs: bool,
+    pdl: bool,
+    adjust: bool = False,
+    top: bool = False,
 ) -> None:
     """One token for every row of `state`, reading and writing only its device buffers (so it can
     be captured in a CUDA graph): each row's sequence lives in its region of the cache's one row
-    (state.starts); idle rows (state.active 0) read nothing."""
+    (state.starts); idle rows (state.active 0) read nothing. adjust: some row uses a logits
+    processor (state.processors); top: some row reports its top log-probs (implies want_logprobs)."""
     hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active)
     logits = model.logits(hidden)  # [B, V] float32
-    nxt = sample(logits, state.sampling, state.positions + 1, mode)  # [B]
-    if want_logprobs:
+    if adjust:  # rows that use no processor have neutral state: their logits pass unchanged
+        positions = state.positions + 1
+        nxt = sample(process(logits, state.processors, positions), state.sampling, positions, mode)  # [B]
+        state.processors.count(nxt, state.active)
+    else:
+        nxt = sample(logits, state.sampling, state.positions + 1, mode)  # [B]
+    if top:
+        logprobs = logits.log_softmax(-1)  # [B, V]: of the model's own distribution, not the processed one
+        state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
+        top_logprobs(logprobs, state.top_logprob, state.top_ids)
+    elif want_logprobs:
         state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
     state.tokens.copy_(nxt)
     state.positions.add_(state.active)
@@ -142,7 +179,7 @@ class Engine:
         pdl: bool = True,
         max_batch: int = DEFAULT_MAX_BATCH,
         prefill_unit_flops: float | None = None,
-        exact: bool = False,
+        one_sequence: bool = False,
         prefill_attention: str = "auto",
     ):
         if (problem := ops.decode_attention_problem(device, model.config.head_dim)) is not None:
@@ -153,11 +190,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(device)
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
         self.pdl = pdl  # chain the decode step's kernels by programmatic dependent launch (Hopper+)
-        # exact: one sequence at a time, in a cache of exactly its region, which the decode step
+        # one_sequence: one sequence at a time, in a cache of exactly its region, which the decode step
         # reads as its whole row (context parallelism splits the row's positions over the ranks).
-        self.exact = exact
+        self.one_sequence = one_sequence
         self.prefill_attention = prefill_attention  # "auto": SDPA's faster backend; "fp8": the e4m3 kernel
-        self.max_batch = 1 if exact else check_max_batch(max_batch)
+        self.max_batch = 1 if one_sequence else check_max_batch(max_batch)
         self.prefill_unit_flops = prefill_unit_flops or PREFILL_UNIT_FLOPS[device.type]
         self.weights = weights_description(model)  # "bfloat16", or the FP8 scheme that runs
         self.planner = Planner(
@@ -190,7 +227,8 @@ class Engine:
         return -(-positions // self.granule) * self.granule
 
     @property
-    def spare(self) -> int:
+    def spare_start(self) -> int:
+        """Where the spare granule begins (idle rows write their ignored K/V there): after the regions."""
         return self.capacity
 
     @property
@@ -223,7 +261,7 @@ class Engine:
                 t[:, :, :, : copied[name]] = old.tensors()[name][:, :, :, : copied[name]]
         self.cache, self.capacity, self._graphs = new, capacity, {}
         self.resizes += 1
-        self.state.starts.masked_fill_(self.state.active == 0, self.spare)  # idle rows: the new spare
+        self.state.starts.masked_fill_(self.state.active == 0, self.spare_start)  # idle rows: the new spare
 
     def release(self) -> None:
         """Free the cache and the graphs captured on it."""
@@ -239,22 +277,22 @@ class Engine:
     def free_bytes(self) -> int:
         return free_memory(self.device)
 
-    def start_filled(self, context: int, steps: int, params: SamplingParams | None = None) -> KVCache:
-        """For timing decode alone (benchmarks, on an idle engine: no requests in its loop): a cache
-        of one region for context + steps positions, whose contents the caller fills, and row 0
-        decoding it from position `context` with no prefill; `step(1, ...)` then runs its steps.
-        The engine's loop must forget the cache afterwards (LLM.release_cache)."""
-        self.resize(self.region_size(context + steps))
-        self.start_row(0, 0, context, params or SamplingParams())
-        return self.cache
-
     # ---- decode rows -------------------------------------------------------------------------
-    def start_row(self, row: int, start: int, position: int, params: SamplingParams) -> None:
+    def start_row(
+        self, row: int, start: int, position: int, params: SamplingParams, prompt_ids: list[int] | None = None
+    ) -> None:
         """Row `row` now decodes a sequence whose region starts at `start`, its next token at
-        `position` (the prompt's length)."""
+        `position` (the prompt's length); `prompt_ids` are its prompt (for a repetition penalty)."""
         state = self.state
         state.sampling.set(row, params)
+        if params.adjusts:
+            self._processors()
+        if state.processors is not None:  # neutral values for a sequence that uses none
+            state.processors.set(row, params, prompt_ids or [], position)
         state.positions[row], state.starts[row], state.active[row] = position, start, 1
+
+    def _processors(self) -> ProcessorRows:
+        return self.state.add_processors(self.config.vocab_size)
 
     def move_row(self, src: int, dst: int) -> None:
         self.state.move(src, dst)
@@ -262,7 +300,8 @@ class Engine:
     def clear_row(self, row: int) -> None:
         """An idle row: reads nothing, writes its K/V to the spare granule."""
         state = self.state
-        state.active[row], state.starts[row], state.positions[row], state.tokens[row] = 0, self.spare, 0, 0
+        state.active[row], state.starts[row] = 0, self.spare_start
+        state.positions[row], state.tokens[row] = 0, 0
 
     # ---- prefill -----------------------------------------------------------------------------
     def prefill(
@@ -298,14 +337,25 @@ class Engine:
             raise nonfinite_logits_error(self.model, run)
         return logits
 
-    def sample_first(self, row: int, logits: torch.Tensor, params: SamplingParams, logprobs: bool) -> int:
+    def sample_first(
+        self, row: int, logits: torch.Tensor, params: SamplingParams, logprobs: bool, top: bool = False
+    ) -> int:
         """Sample the first new token of the sequence of `row` (started) from its prefill logits
-        [1, V] into its decode buffers; -> the token (a host sync: prefill's end)."""
+        [1, V] into its decode buffers (top: its top log-probs too); -> the token (a host sync:
+        prefill's end)."""
         one = self.state.rows(1, row)
-        first = sample(logits, one.sampling, one.positions, params.mode)  # [1]
+        if params.adjusts:
+            chosen = process(logits, one.processors, one.positions)  # [1, V]
+            first = sample(chosen, one.sampling, one.positions, params.mode)
+            one.processors.count(first, one.active)
+        else:
+            first = sample(logits, one.sampling, one.positions, params.mode)  # [1]
         one.tokens.copy_(first)
-        if logprobs:
-            one.logprob.copy_(logits.log_softmax(-1).gather(-1, first[:, None])[:, 0])
+        if logprobs or top:
+            logprobs_all = logits.log_softmax(-1)  # [1, V]
+            one.logprob.copy_(logprobs_all.gather(-1, first[:, None])[:, 0])
+            if top:
+                top_logprobs(logprobs_all, one.top_logprob, one.top_ids)
         return int(first.item())
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -323,35 +373,44 @@ class Engine:
         return self.model.logits(hidden[0])
 
     # ---- decode ------------------------------------------------------------------------------
-    def step(self, n: int, mode: str, logprobs: bool) -> None:
+    def step(self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False) -> None:
         """One decode step of rows 0..n-1 (a CUDA graph replay of their bucket on CUDA): tokens ->
-        the next tokens, positions += 1."""
+        the next tokens, positions += 1. adjust: some row uses a logits processor; top: some row
+        reports top log-probs (decode_step)."""
         if not self.use_cuda_graph:
-            decode_step(self.model, self._decoded(), self.state.rows(n), mode, logprobs, self.pdl)
+            if adjust:
+                self._processors()
+            kind = (mode, logprobs, self.pdl, adjust, top)
+            decode_step(self.model, self._decoded(), self.state.rows(n), *kind)
             return
-        self.prepare(n, mode, logprobs)
-        self._graphs[min(bucket(n), self.max_batch), mode, logprobs].replay()
+        self.prepare(n, mode, logprobs, adjust, top)
+        self._graphs[min(bucket(n), self.max_batch), mode, logprobs, adjust, top].replay()
 
-    def prepare(self, n: int, mode: str, logprobs: bool) -> None:
+    def prepare(self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False) -> None:
         """Capture the graph of n rows' step (its bucket), once per cache allocation: the loop calls
         this before a prefill, so that capture stays out of the decode steps' time."""
         b = min(bucket(n), self.max_batch)
-        key = (b, mode, logprobs)
+        key = (b, mode, logprobs, adjust, top)
         if not self.use_cuda_graph or key in self._graphs:
             return
+        if adjust:  # the graph reads the processors' buffers: they exist before it is captured
+            self._processors()
         cache = self._decoded()
-        step = functools.partial(decode_step, self.model, cache, self.state.rows(b), mode, logprobs, self.pdl)
+        kind = (mode, logprobs, self.pdl, adjust, top)
+        step = functools.partial(decode_step, self.model, cache, self.state.rows(b), *kind)
         idle = DecodeState.zeros(b, self.device)  # the warm-up writes only the spare granule
-        idle.starts.fill_(self.spare)
-        warm_up = functools.partial(decode_step, self.model, cache, idle, mode, logprobs, self.pdl)
+        idle.starts.fill_(self.spare_start)
+        if adjust:
+            idle.add_processors(self.config.vocab_size)
+        warm_up = functools.partial(decode_step, self.model, cache, idle, *kind)
         t0 = time.perf_counter()
         self._graphs[key] = capture(step, warm_up)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
 
     def _decoded(self) -> KVCache:
-        """What the decode step reads: the whole cache row, or (exact) the one region."""
-        return self.region(0, self.capacity) if self.exact else self.cache
+        """What the decode step reads: the whole cache row, or (one_sequence) the one region."""
+        return self.region(0, self.capacity) if self.one_sequence else self.cache
 
     def warm_up(self) -> None:
         """Compile the prefill's and the decode step's kernels on a small cache (the first request

@@ -12,27 +12,25 @@ from .config import ModelConfig
 from .errors import UserError
 from .loading import DEFAULT_MODEL, resolve_model_dir
 from .memory import Planner, default_prefill_chunk, gib
-from .validate import check_kv_cache_dtype_name
+from .validate import DEVICES, DTYPE_NAMES, check_device_name, check_dtype_name, check_kv_cache_dtype_name
 
 SYNTHETIC = "synthetic:"
-DTYPES = {  # name -> dtype, with short aliases
-    **dict.fromkeys(("float32", "fp32"), torch.float32),
-    **dict.fromkeys(("float16", "fp16"), torch.float16),
-    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
-}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}  # name -> dtype
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        check_device_name(device)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+        raise UserError(f"unknown device {device!r} (use {DEVICES})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device 'cuda' was asked for but no CUDA GPU is available")
     if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {device!r} (use cpu, cuda or cuda:N)")
+        raise UserError(f"unsupported device {device!r} (use {DEVICES})")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -45,8 +43,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         if dtype not in DTYPES.values():
             raise UserError(f"unsupported dtype {dtype}")
         return dtype
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    check_dtype_name(dtype)
     return DTYPES[dtype]
 
 

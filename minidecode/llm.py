@@ -27,7 +27,15 @@ from .errors import UserError
 from .info import SYNTHETIC, resolve_device, resolve_dtype, resolve_kv_cache_dtype, synthetic_config
 from .loading import DEFAULT_MODEL, build_model, resolve_model_dir
 from .loop import EngineLoop
-from .request import DEFAULT_MAX_BATCH, PROMPTS, SETTINGS, Request, check_token_ids
+from .request import (
+    DEFAULT_MAX_BATCH,
+    Request,
+    about,
+    check_in_vocab,
+    check_known,
+    check_token_ids,
+    logit_bias_ids,
+)
 from .sampling import SamplingParams
 from .sequence import Event, GenerationResult, GenerationStats, Sequence
 from .tokenizer import ByteTokenizer, Tokenizer
@@ -242,10 +250,10 @@ class LLM:
         # Context-parallel ranks split one sequence's positions: one at a time, no prefix reuse.
         self.engine = Engine(
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,
-            max_batch=max_batch, exact=cp_ranks > 1, prefill_attention=prefill_attention,
+            max_batch=max_batch, one_sequence=cp_ranks > 1, prefill_attention=prefill_attention,
         )  # fmt: skip
-        agree = int if self.parallel is None else self.parallel.smallest
-        self.loop = EngineLoop(self.engine, self.tokenizer, prefix_reuse, agree=agree)
+        min_over_ranks = int if self.parallel is None else self.parallel.min_over_ranks
+        self.loop = EngineLoop(self.engine, self.tokenizer, prefix_reuse, min_over_ranks=min_over_ranks)
         # The loop's thread holds the model (not this object): dropping the LLM stops it, and frees
         # the weights and the cache.
         weakref.finalize(self, EngineLoop.close, self.loop)
@@ -288,7 +296,7 @@ class LLM:
             return check_token_ids(request.token_ids, self.config.vocab_size)
         ids = self.tokenizer.encode_long(request.prompt)
         if not ids:
-            raise UserError("the prompt is empty")
+            raise UserError("the prompt is empty", field="prompt")
         return ids
 
     def _resolve(self, request: Request) -> dict[str, Any]:
@@ -303,6 +311,7 @@ class LLM:
             top_k=d.top_k if request.top_k is None else int(request.top_k),
             top_p=d.top_p if request.top_p is None else float(request.top_p),
             seed=seed,
+            **self._processor_settings(request),
         )
         new = request.new_tokens
         needed = len(ids) + new
@@ -312,9 +321,44 @@ class LLM:
                 f"max_new_tokens ({new:,}) = {needed:,}"
             )
         context = request.max_context or needed
+        self.check_context(context, request.allow_extrapolation)
+        self.check_fits(context, len(ids))
+        eos = frozenset() if request.ignore_eos else frozenset(self.eos_ids)
+        return dict(
+            prompt_ids=ids, params=params, max_new_tokens=new, context=context, stops=request.stops,
+            eos_ids=eos, want_logprobs=bool(request.logprobs or request.top_logprobs),
+            reuse_prefix=request.reuse_prefix is not False, stop_ids=frozenset(request.stop_token_ids or ()),
+            want_top=request.top_logprobs or 0,
+        )  # fmt: skip
+
+    def _processor_settings(self, request: Request) -> dict[str, Any]:
+        """A checked request's logits-processor settings for its SamplingParams (neutral where
+        unset), their token ids checked against the vocabulary."""
+        vocab = self.config.vocab_size
+        with about("logit_bias"):
+            bias = logit_bias_ids(request.logit_bias) if request.logit_bias else None
+            check_in_vocab(list(bias or ()), vocab, "logit_bias token ids")
+        with about("stop_token_ids"):
+            stop_ids = check_in_vocab(list(request.stop_token_ids or ()), vocab, "stop_token_ids")
+        min_tokens = request.min_tokens or 0
+        eos = frozenset() if request.ignore_eos else frozenset(self.eos_ids)
+        repetition = request.repetition_penalty
+        end_ids = eos | frozenset(stop_ids) if min_tokens else frozenset()  # what min_tokens holds back
+        return dict(
+            logit_bias=bias, min_tokens=min_tokens, end_ids=end_ids,
+            repetition_penalty=1.0 if repetition is None else float(repetition),
+            presence_penalty=float(request.presence_penalty or 0),
+            frequency_penalty=float(request.frequency_penalty or 0),
+        )  # fmt: skip
+
+    def check_context(self, context: int, allow_extrapolation: bool | None = False) -> bool:
+        """Refuse a context this model could never run: past the positions it was trained for
+        (unless allow_extrapolation), or past a sliding window (not implemented). -> whether it
+        extrapolates (past the trained positions, allowed)."""
         cfg = self.config
         # Synthetic models are noise at any length: only their speed matters, so no position limit.
-        if context > cfg.max_position_embeddings and not (request.allow_extrapolation or self.synthetic):
+        beyond = context > cfg.max_position_embeddings and not self.synthetic
+        if beyond and not allow_extrapolation:
             raise UserError(
                 f"a context of {context:,} positions (max_context, else prompt + max_new_tokens) exceeds "
                 f"the {cfg.max_position_embeddings:,} the model was trained for; shorten it or opt in with "
@@ -325,12 +369,7 @@ class LLM:
                 f"this model uses sliding-window attention ({cfg.sliding_window:,} tokens), which minidecode "
                 f"does not implement; keep prompt + max_new_tokens within {cfg.sliding_window:,} tokens"
             )
-        self.check_fits(context, len(ids))
-        eos = frozenset() if request.ignore_eos else frozenset(self.eos_ids)
-        return dict(
-            prompt_ids=ids, params=params, max_new_tokens=new, context=context, stops=request.stops,
-            eos_ids=eos, want_logprobs=bool(request.logprobs), reuse_prefix=request.reuse_prefix is not False,
-        )  # fmt: skip
+        return beyond
 
     def check_fits(self, context: int, prompt_len: int) -> None:
         """Refuse a context whose cache and prefill could never fit this device (beside the
@@ -343,11 +382,7 @@ class LLM:
 
     def _request(self, prompt: Any, settings: dict[str, Any]) -> Request:
         """The one Request of a call's prompt and keyword settings, checked."""
-        unknown = sorted(set(settings) - set(PROMPTS) - set(SETTINGS))
-        if unknown:
-            raise UserError(
-                f"unknown setting {', '.join(unknown)}; known: {', '.join([*PROMPTS, *SETTINGS])}"
-            )
+        check_known(settings, "setting")
         if isinstance(prompt, Request):
             return prompt.with_defaults(Request(**settings)).check()
         return Request(prompt=prompt, **settings).check()
@@ -380,7 +415,7 @@ class LLM:
             fields = self._resolve(request)
         else:  # rank 0's prompt and seed: every rank then samples the same tokens
             fields = self.parallel.from_rank0(lambda: self._resolve(request))
-            self.parallel.agree(lambda: self.check_fits(fields["context"], len(fields["prompt_ids"])))
+            self.parallel.fail_together(lambda: self.check_fits(fields["context"], len(fields["prompt_ids"])))
         seq = Sequence(**fields, sink=sink, on_progress=on_prefill_progress)
         self.loop.submit([seq])
         return seq
@@ -388,10 +423,11 @@ class LLM:
     def generate(self, prompt: str | Request | list[Prompt] | None = None, **settings: Any) -> Any:
         """Generate a continuation of `prompt` (or of `token_ids=`, or a chat reply to
         `messages=`); the keywords are `Request`'s fields (max_new_tokens, temperature, top_k,
-        top_p, seed, stop, max_context, allow_extrapolation, logprobs, ignore_eos, reuse_prefix).
-        Sampling defaults come from the checkpoint's generation_config.json (greedy when it does
-        not sample); temperature=0 is greedy. A list of prompts runs as one batch and returns a
-        list of results in order (see `stream_batch`)."""
+        top_p, seed, stop, max_context, allow_extrapolation, logprobs, ignore_eos, reuse_prefix,
+        logit_bias, min_tokens, repetition_penalty, presence_penalty, frequency_penalty,
+        stop_token_ids, top_logprobs). Sampling defaults come from the checkpoint's
+        generation_config.json (greedy when it does not sample); temperature=0 is greedy. A list of
+        prompts runs as one batch and returns a list of results in order (see `stream_batch`)."""
         if isinstance(prompt, list | tuple):
             return self.generate_batch(prompt, **settings)
         with self.stream(prompt, **settings) as stream:
@@ -423,7 +459,7 @@ class LLM:
             raise UserError("batched generation is not supported with tp / cp > 1: run one prompt at a time")
         if not isinstance(prompts, list | tuple) or not prompts:
             raise UserError("give a non-empty list of prompts")
-        base = Request(**self._settings(defaults)).check(need_prompt=False)
+        base = Request.settings(defaults, "batch setting")
         events: queue.SimpleQueue = queue.SimpleQueue()
         results: list[GenerationResult | None] = [None] * len(prompts)
         seqs = []
@@ -436,13 +472,6 @@ class LLM:
         if seqs:
             self.loop.submit(seqs)
         return BatchStream(self.loop, seqs, results, events, on_result)
-
-    @staticmethod
-    def _settings(settings: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(settings) - set(SETTINGS))
-        if unknown:
-            raise UserError(f"unknown batch settings {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
-        return settings
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""

@@ -365,9 +365,10 @@ def _weight_quantization(
     import torch
 
     from .config import ON_LOAD_SCHEME, Quantization
+    from .validate import QUANTIZATIONS, check_choice
 
-    if quantization not in (None, "none", "fp8"):
-        raise UserError(f"unknown quantization {quantization!r}; use fp8 (or none)")
+    if quantization is not None:
+        check_choice("quantization", quantization, QUANTIZATIONS)
     quant = cfg.quantization
     if quant is None and quantization == "fp8":
         quant = Quantization("on-load", ((("Linear",), ON_LOAD_SCHEME),))

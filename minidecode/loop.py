@@ -69,11 +69,11 @@ class EngineLoop:
         engine: Engine,
         tokenizer: Any,
         prefix_reuse: bool = True,
-        agree: Callable[[int], int] = int,
+        min_over_ranks: Callable[[int], int] = int,
     ):
         self.engine, self.tokenizer = engine, tokenizer
-        self._scheduler_args = (prefix_reuse, agree)
-        self.scheduler = Scheduler(engine, prefix_reuse, agree)
+        self._scheduler_args = (prefix_reuse, min_over_ranks)
+        self.scheduler = Scheduler(engine, prefix_reuse, min_over_ranks)
         self.stats = LoopStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -81,12 +81,16 @@ class EngineLoop:
         self.error: BaseException | None = None  # what ended the last loop, if it died
         self._prefilling: Sequence | None = None
         self._interleave = False  # the running sequences decode between the prefill's units
-        self._step_kind: tuple[str, bool] | None = None  # the running rows' (sampling mode, log-probs)
+        # the running rows' step: (sampling mode, log-probs, logits processors, top log-probs)
+        self._step_kind: tuple[str, bool, bool, bool] | None = None
         self._stopping = False
         self._at_exit = False
         cuda = engine.device.type == "cuda"
         self._host_tokens = torch.empty(engine.max_batch, dtype=torch.long, pin_memory=cuda)
         self._host_logprobs = torch.empty(engine.max_batch, dtype=torch.float32, pin_memory=cuda)
+        top = engine.state.top_ids.shape[1]
+        self._host_top_ids = torch.empty(engine.max_batch, top, dtype=torch.long, pin_memory=cuda)
+        self._host_top_logprobs = torch.empty(engine.max_batch, top, dtype=torch.float32, pin_memory=cuda)
         self._pacer = Pacer(engine.device)
 
     # ---- the callers' side (any thread) --------------------------------------------------------
@@ -158,7 +162,7 @@ class EngineLoop:
                         break
                     self._admit()
                     if self.scheduler.running:
-                        self._round()
+                        self._decode_step()
             self._die(RuntimeError("the engine loop was closed"))
         except BaseException as e:  # a device error, a bug: every caller hears of it
             self._die(e)
@@ -233,8 +237,7 @@ class EngineLoop:
             torch.cuda.reset_peak_memory_stats(engine.device)
         # The step graph it will decode in, captured now (before its time to first token is taken:
         # prefill_seconds), not in the middle of its decoding.
-        engine.prepare(len(scheduler.running) + 1, batch_mode([s.params for s in [*scheduler.running, seq]]),
-                       any(s.want_logprobs for s in [*scheduler.running, seq]))  # fmt: skip
+        engine.prepare(len(scheduler.running) + 1, *step_kind([*scheduler.running, seq]))
         t0 = time.perf_counter()
         self._prefilling = seq  # (an error of the loop's own reaches it through _die)
         try:
@@ -243,8 +246,8 @@ class EngineLoop:
                 interleave=self._interleave, on_progress=seq.on_progress,
             )  # fmt: skip
             row = len(scheduler.running)
-            engine.start_row(row, seq.start, n, seq.params)
-            first = engine.sample_first(row, logits, seq.params, seq.want_logprobs)
+            engine.start_row(row, seq.start, n, seq.params, seq.prompt_ids)
+            first = engine.sample_first(row, logits, seq.params, seq.want_logprobs, seq.want_top > 0)
         except (_Aborted, UserError, torch.OutOfMemoryError) as e:
             self._prefilling = None
             scheduler.free(seq)
@@ -263,7 +266,8 @@ class EngineLoop:
         self._step_kind = None
         seq.skip = True  # its first token, handed out now, is also what its row holds
         logprob = float(engine.state.logprob[row]) if seq.want_logprobs else None
-        if self._hand_out(seq, first, logprob):
+        top = _top(seq, engine.state.top_ids[row], engine.state.top_logprob[row])
+        if self._hand_out(seq, first, logprob, top):
             self._end([seq])
 
     def _between(self, flops: float) -> None:
@@ -273,22 +277,25 @@ class EngineLoop:
         if self._stopping or (self._prefilling is not None and self._prefilling.aborted):
             raise _Aborted
         if self._interleave and self.scheduler.running and self._pacer.unit_done(flops):
-            self._round()
+            self._decode_step()
 
-    def _round(self) -> None:
+    def _decode_step(self) -> None:
         """One decode step of every running sequence, and the hand-out of the previous step's tokens."""
         engine, running = self.engine, self.scheduler.running
         n = len(running)
         if self._step_kind is None:  # changes only when a sequence starts or ends, not every step
-            self._step_kind = batch_mode([s.params for s in running]), any(s.want_logprobs for s in running)
-        mode, logprobs = self._step_kind
+            self._step_kind = step_kind(running)
+        mode, logprobs, adjust, top = self._step_kind
         state = engine.state
         self._host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
         if logprobs:
             self._host_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
+        if top:
+            self._host_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
+            self._host_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
         pacer = self._pacer
         copied = pacer.step_started()
-        engine.step(n, mode, logprobs)  # the next step runs while these tokens are handed out
+        engine.step(n, mode, logprobs, adjust, top)  # the next step runs while these tokens are handed out
         pacer.step_ended()
         for seq in running:
             seq.fed += 1  # the step writes the K/V of the token its row holds
@@ -301,11 +308,14 @@ class EngineLoop:
                     ended.append(seq)
                 continue
             logprob = float(self._host_logprobs[row]) if seq.want_logprobs else None
-            if self._hand_out(seq, int(self._host_tokens[row]), logprob):
+            top = _top(seq, self._host_top_ids[row], self._host_top_logprobs[row])
+            if self._hand_out(seq, int(self._host_tokens[row]), logprob, top):
                 ended.append(seq)
         self._end(ended)
 
-    def _hand_out(self, seq: Sequence, token: int, logprob: float | None) -> bool:
+    def _hand_out(
+        self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]] | None = None
+    ) -> bool:
         """A new token of seq: its event (with the text it completes); -> True once seq has ended."""
         if seq.aborted:
             seq.finish_reason = "abort"
@@ -322,15 +332,20 @@ class EngineLoop:
         if token in seq.eos_ids:
             seq.finish_reason = "eos"
             return True
+        if token in seq.stop_ids:  # like an end-of-sequence token: not returned
+            seq.finish_reason = "stop"
+            return True
         seq.token_ids.append(token)
         self.stats.generation_tokens += 1
         if logprob is not None:
             seq.logprobs.append(logprob)
+        if top is not None:
+            seq.top_logprobs.append(top)
         piece = seq.text.push(token)
         if seq.text.stopped:
             seq.finish_reason = "stop"
             return True
-        seq.sink(Event(seq.index, token, piece, logprob))
+        seq.sink(Event(seq.index, token, piece, logprob, top_logprobs=top))
         if len(seq.token_ids) >= seq.max_new_tokens:
             seq.finish_reason = "length"
             return True
@@ -379,6 +394,7 @@ class EngineLoop:
             finish_reason=reason,
             stats=stats,
             logprobs=seq.logprobs if seq.want_logprobs else None,
+            top_logprobs=seq.top_logprobs if seq.want_top else None,
         )
         self.stats.requests_finished += 1
         self._observe("e2e", time.perf_counter() - seq.arrived)
@@ -417,6 +433,25 @@ class EngineLoop:
                 item.done.set()
         for seq in victims:
             self._fail(seq, message, fatal=not isinstance(error, UserError))
+
+
+def step_kind(seqs: list[Sequence]) -> tuple[str, bool, bool, bool]:
+    """What a decode step of these sequences must do (its graph's key, less the bucket): the
+    sampling mode, log-probs, logits processors, top log-probs; each on if any sequence needs it."""
+    return (
+        batch_mode([s.params for s in seqs]),
+        any(s.want_logprobs for s in seqs),
+        any(s.params.adjusts for s in seqs),
+        any(s.want_top for s in seqs),
+    )
+
+
+def _top(seq: Sequence, ids: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]] | None:
+    """seq's top log-probs at a token from its row of the top buffers (ids, logprobs [20], on the
+    host or, for the first token, the device), most likely first; None unless it asked for them."""
+    if not seq.want_top:
+        return None
+    return list(zip(ids[: seq.want_top].tolist(), logprobs[: seq.want_top].tolist(), strict=True))
 
 
 def _close_at_exit(loop: weakref.ref) -> None:

@@ -1,9 +1,12 @@
-"""Next-token choice: greedy, temperature, top-k, top-p, per sequence, on the device, no host sync.
+"""Next-token choice: greedy, temperature, top-k, top-p, per sequence, on the device, no host sync;
+before it, for the sequences that ask, the logits processors (logit bias, min_tokens, repetition,
+presence and frequency penalties: `process`).
 
-Each sequence's settings live in device tensors (`SamplingRows`), so one captured decode step
-serves any mix of settings in a batch. The randomness is a counter-based hash of (the request's
-seed, the position being sampled, the token id): a seeded request draws the same tokens whatever
-batch it runs in, in whatever order, and no generator state is shared between sequences.
+Each sequence's settings live in device tensors (`SamplingRows`, and `ProcessorRows` once a
+sequence uses a processor), so one captured decode step serves any mix of settings in a batch.
+The randomness is a counter-based hash of (the request's seed, the position being sampled, the
+token id): a seeded request draws the same tokens whatever batch it runs in, in whatever order,
+and no generator state is shared between sequences.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .request import check_sampling
+from .request import MAX_TOP_LOGPROBS, check_sampling
 
 GREEDY, SAMPLE, FILTER = "greedy", "sample", "filter"  # what a batch's decode step must do
 
@@ -26,6 +29,13 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1: no nucleus cut
     seed: int | None = None  # None: a fresh random seed per request
+    # Logits processors, applied before temperature / top-k / top-p (these defaults: off)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # end_ids get -inf logits until this many new tokens were generated
+    end_ids: frozenset[int] = frozenset()  # what would end the sequence: its eos ids and stop_token_ids
+    repetition_penalty: float = 1.0  # over prompt + generated ids: > 0 logits divided, < 0 multiplied
+    presence_penalty: float = 0.0  # subtracted once from each generated id's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence of each generated id
 
     def validate(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
@@ -33,6 +43,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether a logits processor changes this sequence's logits (its step then runs `process`)."""
+        return (
+            bool(self.logit_bias)
+            or (self.min_tokens > 0 and bool(self.end_ids))
+            or self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
 
     @property
     def mode(self) -> str:
@@ -79,6 +100,104 @@ class SamplingRows:
     def move(self, src: int, dst: int) -> None:
         for t in self.tensors():
             t[dst] = t[src]
+
+
+@dataclass
+class ProcessorRows:
+    """Per-sequence logits-processor state, device tensors that a captured step reads, [B] or
+    [B, V] each (V: the vocabulary). Allocated once a sequence first uses a processor; a row is
+    written when its sequence starts (`set`: every row of a started sequence, neutral values for
+    one that uses none) and its counts grow in the decode step (`count`), so no step syncs."""
+
+    bias: torch.Tensor  # [B, V] float32: added to the logits (logit_bias; 0 elsewhere)
+    end_mask: torch.Tensor  # [B, V] bool: the ids min_tokens holds back (eos ids, stop_token_ids)
+    min_end: torch.Tensor  # [B] int64: a token sampled for a position below it cannot be end_mask's
+    prompt_seen: torch.Tensor  # [B, V] bool: the prompt's ids (repetition penalty)
+    counts: torch.Tensor  # [B, V] int32: how often each id was generated so far
+    repetition: torch.Tensor  # [B] float32, 1: off
+    presence: torch.Tensor  # [B] float32, 0: off
+    frequency: torch.Tensor  # [B] float32, 0: off
+
+    @classmethod
+    def zeros(cls, batch: int, vocab: int, device: torch.device) -> ProcessorRows:
+        def new(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            bias=new(batch, vocab, dtype=torch.float32),
+            end_mask=new(batch, vocab, dtype=torch.bool),
+            min_end=new(batch, dtype=torch.long),
+            prompt_seen=new(batch, vocab, dtype=torch.bool),
+            counts=new(batch, vocab, dtype=torch.int32),
+            repetition=torch.ones(batch, dtype=torch.float32, device=device),
+            presence=new(batch, dtype=torch.float32),
+            frequency=new(batch, dtype=torch.float32),
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.bias, self.end_mask, self.min_end, self.prompt_seen, self.counts,
+            self.repetition, self.presence, self.frequency,
+        )  # fmt: skip
+
+    def rows(self, n: int, first: int = 0) -> ProcessorRows:
+        """Rows first..first+n-1 (views: a graph captured on them sees later writes)."""
+        return ProcessorRows(*(t[first : first + n] for t in self.tensors()))
+
+    def move(self, src: int, dst: int) -> None:
+        for t in self.tensors():
+            t[dst] = t[src]
+
+    def set(self, row: int, params: SamplingParams, prompt_ids: list[int], position: int) -> None:
+        """Row `row` starts a sequence with `params` whose first new token goes at `position`
+        (the prompt's length); its counts start at zero."""
+        device = self.bias.device
+        self.bias[row] = 0
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+            values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+            self.bias[row, ids] = values
+        self.end_mask[row] = False
+        if params.min_tokens and params.end_ids:
+            self.end_mask[row, torch.tensor(sorted(params.end_ids), dtype=torch.long, device=device)] = True
+        self.min_end[row] = position + params.min_tokens
+        self.prompt_seen[row] = False
+        if params.repetition_penalty != 1:
+            self.prompt_seen[row, torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        self.counts[row] = 0
+        self.repetition[row] = params.repetition_penalty
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+
+    def count(self, tokens: torch.Tensor, active: torch.Tensor) -> None:
+        """tokens [B] int64 were just sampled: each active row (active [B] int32 0/1) counts its."""
+        self.counts.scatter_add_(1, tokens[:, None], active[:, None])
+
+
+def process(logits: torch.Tensor, rows: ProcessorRows, positions: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 -> the logits to sample from, [B, V], in vLLM's and transformers'
+    order: logit bias (added), min_tokens (end ids at -inf while the token's position [B] int64 is
+    below min_end), repetition penalty over prompt + generated ids (transformers'
+    RepetitionPenaltyLogitsProcessor), then presence and frequency penalties over the generated
+    ids (OpenAI's formula: logit -= frequency * count + presence * (count > 0))."""
+    x = logits + rows.bias
+    early = (positions < rows.min_end)[:, None]  # [B, 1]
+    x = x.masked_fill(rows.end_mask & early, -math.inf)
+    generated = rows.counts > 0  # [B, V]
+    penalty = rows.repetition[:, None]  # [B, 1]
+    penalized = torch.where(x < 0, x * penalty, x / penalty)
+    x = torch.where(rows.prompt_seen | generated, penalized, x)
+    x = x - rows.frequency[:, None] * rows.counts
+    return x - rows.presence[:, None] * generated
+
+
+def top_logprobs(logprobs: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> None:
+    """The MAX_TOP_LOGPROBS most likely of logprobs [B, V] (most likely first) into values [B, 20]
+    float32 and ids [B, 20] int64 (a sequence keeps as many as it asked for)."""
+    k = min(MAX_TOP_LOGPROBS, logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1)
+    values[:, :k].copy_(top.values)
+    ids[:, :k].copy_(top.indices)
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, mode: str) -> torch.Tensor:

@@ -6,7 +6,9 @@ sequence's K/V stay in its region as a cached prefix (evicted least-recently-use
 room is needed); a new request whose tokens start like a cached prefix (or a loaded cache file)
 reuses the longest common part: in place where the prefix's region is large enough (or can grow
 into free positions after it), else copied on the device into a new region (milliseconds, where
-prefilling it again takes seconds at long context). The cache grows when a request needs more
+prefilling it again takes seconds at long context). A running sequence whose prefill has ended
+is a source too (its prompt and the tokens fed back so far, never in place): several choices of
+one prompt (the server's `n`) prefill it once. The cache grows when a request needs more
 room than is free, keeping everything in place (one device copy); with nothing running it is
 reallocated to the demand."""
 
@@ -34,6 +36,7 @@ class Prefix:
     angles_len: int  # the longest pass (RoPE seq_len) under which any of its positions was computed
     used: int  # when it was last made or used (the scheduler's clock): the least recent goes first
     file: CacheFile | None = None
+    running: Sequence | None = None  # a running sequence's positions (copied, never taken over)
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -46,15 +49,15 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 class Scheduler:
     """The queue, the rows and the regions of one engine (the engine loop's thread only).
-    `agree(value)` makes a memory figure the same on every rank (tensor / context parallelism:
+    `min_over_ranks(value)` makes a memory figure the same on every rank (tensor / context parallelism:
     every rank must decide alike)."""
 
-    def __init__(self, engine: Engine, prefix_reuse: bool, agree: Callable[[int], int] = int):
-        self.engine, self.agree = engine, agree
-        # engine.exact: one sequence at a time, in a cache of exactly its region (context
+    def __init__(self, engine: Engine, prefix_reuse: bool, min_over_ranks: Callable[[int], int] = int):
+        self.engine, self.min_over_ranks = engine, min_over_ranks
+        # engine.one_sequence: one sequence at a time, in a cache of exactly its region (context
         # parallelism: every rank's share of the positions follows from the cache's length)
-        self.exact = engine.exact
-        self.prefix_reuse = prefix_reuse and not self.exact
+        self.one_sequence = engine.one_sequence
+        self.prefix_reuse = prefix_reuse and not self.one_sequence
         self.regions = Regions(engine.capacity)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # row i of the decode state is running[i]
@@ -68,23 +71,43 @@ class Scheduler:
         return self.clock
 
     def best_prefix(self, seq: Sequence) -> tuple[Prefix | None, int]:
-        """The cached prefix sharing the most leading tokens with seq's prompt (leaving at least one
-        to prefill: its logits give the first new token), and that count."""
+        """The cached prefix (or running sequence) sharing the most leading tokens with seq's
+        prompt (leaving at least one to prefill: its logits give the first new token), and that
+        count. At equal counts a cached prefix wins (it may be taken over in place), the most
+        recently used first."""
         if not (self.prefix_reuse and seq.reuse_prefix):
             return None, 0
         self.queries += 1
         # Dynamic NTK / LongRoPE: angles depend on the pass's length; reuse positions only when they
         # and a fresh prefill of this prompt both ran below the length where they change.
         limit = self.engine.model.rope.length_free_up_to
+        prompt, most = seq.prompt_ids, len(seq.prompt_ids) - 1
         best, shared = None, 0
         for prefix in sorted(self.prefixes, key=lambda p: -p.used):
-            if limit is not None and max(prefix.angles_len, len(seq.prompt_ids)) > limit:
+            if limit is not None and max(prefix.angles_len, len(prompt)) > limit:
                 continue
-            n = common_prefix(prefix.ids, seq.prompt_ids, len(seq.prompt_ids) - 1)
+            n = common_prefix(prefix.ids, prompt, most)
             if n > shared:
                 best, shared = prefix, n
+        for other in self.running:  # (its ids are built only if it wins: a prompt may be long)
+            angles = self._angles(other, len(other.prompt_ids) + other.fed)
+            if limit is not None and max(angles, len(prompt)) > limit:
+                continue
+            n = common_prefix(other.prompt_ids, prompt, most)
+            if n == len(other.prompt_ids) and n < most:  # then the tokens fed back
+                n += common_prefix(other.sampled[: other.fed], prompt[n:], most - n)
+            if n > shared:
+                best, shared = other, n
         self.hits += shared > 0
+        if isinstance(best, Sequence):
+            ids = best.cached_ids
+            best = Prefix(ids, best.start, best.size, self._angles(best, len(ids)), self.clock, running=best)
         return best, shared
+
+    @staticmethod
+    def _angles(seq: Sequence, written: int) -> int:
+        """The longest pass under which any of seq's `written` positions was computed."""
+        return max(written, seq.reused_angles if seq.reused else 0)
 
     def keep(self, seq: Sequence) -> None:
         """A sequence has ended: its region becomes a cached prefix (or is freed)."""
@@ -92,8 +115,7 @@ class Scheduler:
         if not self.prefix_reuse or not ids:
             self.regions.give(seq.start, seq.size)
             return
-        angles = max(len(ids), seq.reused_angles if seq.reused else 0)
-        self.prefixes.append(Prefix(ids, seq.start, seq.size, angles, self._tick()))
+        self.prefixes.append(Prefix(ids, seq.start, seq.size, self._angles(seq, len(ids)), self._tick()))
 
     def drop(self, prefix: Prefix, free: bool = True) -> None:
         self.prefixes.remove(prefix)
@@ -118,11 +140,13 @@ class Scheduler:
         UserError."""
         engine = self.engine
         size = engine.region_size(seq.context)
-        if self.exact and engine.capacity != size:
+        if self.one_sequence and engine.capacity != size:
             if self.running:
                 return False
             self._reallocate(size, size, engine.planner.activations(self._longest_prompt), seq.context)
         prefix, shared = self.best_prefix(seq)
+        if prefix is not None and prefix.running is not None:
+            return self._place_from_running(seq, size, prefix, shared)
         if prefix is not None and prefix.file is None and shared:
             grow = size - prefix.size
             if grow <= 0 or self.regions.take_at(prefix.start + prefix.size, grow):  # in place
@@ -150,6 +174,17 @@ class Scheduler:
                 engine.copy_positions(prefix.start, start, shared)
                 prefix.used = self._tick()
             self._reuse(seq, shared, prefix)
+        return True
+
+    def _place_from_running(self, seq: Sequence, size: int, source: Prefix, shared: int) -> bool:
+        """seq in a region of its own, with the first `shared` positions copied from a running
+        sequence's region (which stays where it is: growing the cache keeps every live region)."""
+        start = self._take(size, seq.context, keep=None)
+        if start is None:
+            return False
+        seq.start, seq.size = start, size
+        self.engine.copy_positions(source.start, start, shared)  # (after the queued steps' writes)
+        self._reuse(seq, shared, source)
         return True
 
     def _reuse(self, seq: Sequence, shared: int, prefix: Prefix) -> None:
@@ -189,7 +224,7 @@ class Scheduler:
         used = max((a + n for a, n in live), default=0)
         per_token = planner.kv_bytes_per_token
         if live:  # grow in place: the old cache stays allocated during the copy
-            free = self.agree(engine.free_bytes()) - reserve
+            free = self.min_over_ranks(engine.free_bytes()) - reserve
             room = max(0, free // per_token - engine.granule) // engine.granule * engine.granule
             if room >= used + size:
                 target = min(room, max(used + self._demand(size), 2 * engine.capacity))
@@ -209,7 +244,7 @@ class Scheduler:
         engine, planner = self.engine, self.engine.planner
         for prefix in [p for p in self.prefixes if p.file is None]:
             self.drop(prefix)
-        free = self.agree(engine.free_bytes() + engine.cache_bytes)
+        free = self.min_over_ranks(engine.free_bytes() + engine.cache_bytes)
         room = max(0, (free - reserve) // planner.kv_bytes_per_token - engine.granule)
         room = room // engine.granule * engine.granule
         if room < size:

@@ -56,6 +56,8 @@ class GenerationResult:
     stats: GenerationStats
     logprobs: list[float] | None = None  # log p(token) of each new token, when asked for
     error: str | None = None  # why a request was refused or failed (finish_reason "error")
+    # per new token, its top_logprobs most likely (token id, log p), most likely first (when asked for)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -73,6 +75,8 @@ class Sequence:
     reuse_prefix: bool
     sink: Callable[[Event], None]  # where its events go (the caller's queue)
     index: int = 0  # the caller's index of this request (a prompt list's position)
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids: end generation (not returned), "stop"
+    want_top: int = 0  # top_logprobs: how many most likely alternatives each new token reports
     on_progress: Callable[[int, int], None] | None = None  # prefill progress (done, total)
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.perf_counter)
@@ -92,6 +96,7 @@ class Sequence:
     stats: GenerationStats = field(default_factory=GenerationStats)
     text: TextStream | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def cached_ids(self) -> list[int]:
@@ -111,6 +116,7 @@ class Event:
     result: GenerationResult | None = None
     error: str | None = None
     fatal: bool = False  # the error is the engine loop's failure, not this request's
+    top_logprobs: list[tuple[int, float]] | None = None  # the token's most likely (id, log p), when asked
 
     @property
     def done(self) -> bool:

@@ -10,31 +10,40 @@ from typing import Any
 from .errors import UserError
 from .request import check_int
 
-DTYPE_NAMES = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+# The one list of each choice (a tuple's first is the default); the CLI's options, `info` and
+# the runtime's checks import them from here.
+DEVICES = "cpu, cuda or cuda:N"
+DTYPE_NAMES = {  # name -> the torch dtype's name, with short aliases
+    **dict.fromkeys(("float32", "fp32"), "float32"),
+    **dict.fromkeys(("float16", "fp16"), "float16"),
+    **dict.fromkeys(("bfloat16", "bf16"), "bfloat16"),
+}
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 with per-row scales
+QUANTIZATIONS = ("none", "fp8")  # none: the checkpoint's weights; fp8: e4m3 per output channel on load
+PREFILL_ATTENTION = ("auto", "fp8")  # auto: SDPA's measured backend; fp8: the FP8 flash-attention kernel
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...] | dict[str, Any]) -> str:
+    """The one check of a setting against its list of choices: `value`, or a UserError naming
+    `name` (the caller's spelling: "--quantization" on the command line, "quantization" in the API)."""
+    if not isinstance(value, str) or value not in choices:
+        raise UserError(f"unknown {name} {value!r}; use one of {', '.join(choices)}")
+    return value
 
 
 def check_device_name(device: str | None) -> None:
     if device is not None and not _DEVICE.fullmatch(device):
-        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
+        raise UserError(f"unknown device {device!r} (use {DEVICES})")
 
 
 def check_dtype_name(dtype: str | None) -> None:
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+    if dtype is not None:
+        check_choice("dtype", dtype, DTYPE_NAMES)
 
 
 def check_kv_cache_dtype_name(kv_cache_dtype: Any) -> str:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise UserError(f"unknown KV cache dtype {kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
-    return kv_cache_dtype
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise UserError(f"unknown {name} {value!r}; use one of {', '.join(choices)}")
-    return value
+    return check_choice("KV cache dtype", kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 def check_vocab(tokenizer_vocab: int, model_vocab: int) -> None:

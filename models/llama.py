@@ -335,9 +335,8 @@ class Transformer(nn.Module):
         SDPA over the whole prompt, which is cuDNN's fastest case on Hopper, for as many KV heads a
         call as its temporaries fit in one chunk's (memory.prefill_attention_kv_heads: a whole
         layer in one GQA call up to long prompts, else fewer), and its output overwrites those
-        heads' queries. Calls per KV head were most of a short prompt's time (each too small to
-        fill the GPU): a 1k prompt of Llama-3-8B took 0.047 s on an H100 with them, 0.030 s with
-        one call a layer (bench/NOTES-prefill.md). RoPE cos/sin are made once for every layer
+        heads' queries. Calls per KV head would be most of a short prompt's time (each too small
+        to fill the GPU; bench/NOTES-prefill.md). RoPE cos/sin are made once for every layer
         where together they take no more than the one chunk's float64 angles the memory plan
         counts (a prompt of up to two chunks), else per layer. Beyond the weights and cache this
         holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out. Dynamic / long
@@ -368,36 +367,36 @@ class Transformer(nn.Module):
 
         # Every chunk's cos/sin (B x T x D float32 each) made once for all layers where together
         # they take no more than the one chunk's float64 angles the memory plan counts.
-        hoisted = B * T * D * 8 <= rope_bytes(cfg, min(chunk, T))
-        chunk_angles = [angles(s, e) for s, e in spans] if hoisted else None
+        angles_for_all_layers = B * T * D * 8 <= rope_bytes(cfg, min(chunk, T))
+        chunk_angles = [angles(s, e) for s, e in spans] if angles_for_all_layers else None
         # KV heads per attention call, each over the whole prompt (under unit_flops: one KV head at a
         # time, in units of attention_units).
         heads = prefill_attention_kv_heads(cfg, B, T, end, chunk, x.dtype, backend == "fp8")
-        pause = between or (lambda flops: None)
+        after_unit = between or (lambda flops: None)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
             if quantized and start:
                 _dequantize_prefix(cache.layer(i), staging, start, chunk)
             for j, (s, e) in enumerate(spans):
-                cos, sin = chunk_angles[j] if hoisted else angles(s, e)  # [B, c, D]
+                cos, sin = chunk_angles[j] if angles_for_all_layers else angles(s, e)  # [B, c, D]
                 at = slice(start + s, start + e)  # the chunk's cache positions
                 normed = layer.input_layernorm(x[:, s:e])
                 attn.project_into(normed, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at])
-                pause(B * (e - s) * qkv_row)
+                after_unit(B * (e - s) * qkv_row)
             if unit_flops is not None:
                 for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit
                     group, kv = q_all[:, h * G : (h + 1) * G], slice(h, h + 1)
                     keys, values = k_cache[:, kv], v_cache[:, kv]  # [B, 1, S, D]
                     for flops in attention_units(group, keys, values, start, attn.scale, backend, unit_flops):
-                        pause(flops)
+                        after_unit(flops)
             else:
                 for h in range(0, Hkv, heads):
                     kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
                     group = q_all[:, kv.start * G : kv.stop * G]  # [B, n G, T, D], overwritten
                     keys, values = k_cache[:, kv, :end], v_cache[:, kv, :end]
                     causal_attention(group, keys, values, attn.scale, backend, out=group)
-                    pause(4 * B * group.shape[1] * D * T * end)
+                    after_unit(4 * B * group.shape[1] * D * T * end)
             if quantized:
                 _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
             for s, e in spans:
@@ -406,7 +405,7 @@ class Transformer(nn.Module):
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
                 if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
                     on_progress(i * T + e, cfg.num_layers * T)
-                pause(B * (e - s) * out_row)
+                after_unit(B * (e - s) * out_row)
         return self.model.norm(x[:, -1] if last_only else x)
 
     def flops_per_row(self) -> tuple[float, float]:

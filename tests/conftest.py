@@ -110,3 +110,15 @@ def random_ids(n: int, seed: int = 0, vocab_size: int = 384) -> list[int]:
 @pytest.fixture(scope="session")
 def prompt_ids():
     return random_ids
+
+
+@pytest.fixture(scope="session")
+def chat_model(checkpoint_factory):
+    """A tiny Llama with a chat template (the server's chat tests)."""
+    return checkpoint_factory("llama", "default", max_positions=1024)
+
+
+@pytest.fixture(scope="session")
+def long_model(checkpoint_factory):
+    """A tiny model with room for requests that would run for minutes (until aborted)."""
+    return checkpoint_factory("llama", "default", max_positions=65536)

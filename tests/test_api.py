@@ -20,7 +20,8 @@ from transformers.generation.logits_process import (
 
 import minidecode
 from minidecode import LLM, SamplingParams
-from minidecode.sampling import SamplingRows, argmax, sample
+from minidecode.sampling import SamplingRows, _uniform, argmax, sample
+from minidecode.sequence import TextStream
 from minidecode.tokenizer import StreamDecoder
 
 MAX_POS = 512
@@ -181,6 +182,58 @@ def test_stop_string_cuts_output(llama, hf):
     assert full.text == ref_text and full.finish_reason in ("length", "eos")
 
 
+class PieceTokenizer:
+    """Token id i decodes to pieces[i] (no merges, no specials): TextStream's tokenizer."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], **_) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    "pieces, stop, last, text",
+    [
+        (["ab", "c", "de", "f", "g"], "cde", 2, "ab"),  # across tokens: ends at the one completing it
+        (["ab", "xcdey", "f", "g"], "cde", 1, "abx"),  # inside one token
+        (["cd", "e", "f"], "cde", 1, ""),  # at the start
+        (["a", "b", "c", "d", "e"], "e", 4, "abcd"),  # the last token
+        (["ab", "cd", "cde", "f"], "cdc", 2, "ab"),  # a partial match first, then the whole
+    ],
+)
+def test_text_stream_stops_at_the_token_completing_the_stop_string(pieces, stop, last, text):
+    """TextStream.push reports the stop on the token whose text completes the stop string (not one
+    later), keeps the text before it, and hands out none of the stop string."""
+    stream = TextStream(PieceTokenizer(pieces), ["<never>", stop])
+    out = ""
+    for i in range(len(pieces)):
+        out += stream.push(i)
+        assert stream.stopped == (i == last), (i, stream.text)
+        if stream.stopped:
+            break
+    assert stream.text == text and (out + stream.flush()) == text
+
+
+def test_stop_string_ends_generation_at_the_token_completing_it(llama, hf):
+    """Generation ends on the very token whose text completes a stop string: the new tokens are
+    the reference's up to and including that one, none after, and the text stops before it."""
+    tok = hf.tokenizer(llama)
+    prompt = "The quick brown fox"
+    ref_ids = hf.greedy(llama, tok(prompt).input_ids, 64, eos=True)
+    ref_text = tok.decode(ref_ids, skip_special_tokens=True)
+    llm = load(llama)
+    cases = [next(stop_candidates(tok, ref_ids, ref_text, n)) for n in (2, 3, 5)]
+    for start, stop in cases:
+        count = next(
+            i for i in range(1, len(ref_ids) + 1) if stop in tok.decode(ref_ids[:i], skip_special_tokens=True)
+        )
+        out = llm.generate(prompt, max_new_tokens=64, temperature=0, stop=stop)
+        assert out.finish_reason == "stop", stop
+        assert out.token_ids == ref_ids[:count], (stop, len(out.token_ids), count)
+        assert out.text == ref_text[:start] and out.stats.new_tokens == count
+
+
 # ---- sampling --------------------------------------------------------------------------------
 
 
@@ -222,6 +275,29 @@ def test_sample_distribution_matches_transformers_warpers(params):
     freq = torch.bincount(draws, minlength=V).double() / N
     assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(ref).flatten().tolist())
     assert (freq - ref.double()).abs().max().item() < 0.015  # > 6 standard deviations
+
+
+@pytest.mark.parametrize("seed", [1234, 2**40 + 7])
+def test_one_seeds_draws_at_successive_positions_are_independent(seed):
+    """One request's draws from flat logits, positions 0..N-1: uniform over the V tokens (a
+    chi-square bound), no more repeats of the previous draw than chance, and the underlying
+    uniforms of consecutive positions uncorrelated (a draw that ignored the position would repeat
+    one token: each draw's distribution right, the sequence not random at all)."""
+    V, N = 64, 8192
+    rows = SamplingRows.zeros(N, torch.device("cpu"))
+    for i in range(N):  # N rows of one request: one seed, each row another position
+        rows.set(i, SamplingParams(temperature=1.0, seed=seed))
+    positions = torch.arange(N)
+    draws = sample(torch.zeros(N, V), rows, positions, SamplingParams(temperature=1.0).mode)
+    counts = torch.bincount(draws, minlength=V).double()
+    chi2 = ((counts - N / V) ** 2 / (N / V)).sum().item()
+    assert chi2 < (V - 1) + 6 * (2 * (V - 1)) ** 0.5  # mean V - 1, sd sqrt(2 (V - 1))
+    repeats = (draws[1:] == draws[:-1]).double().mean().item()
+    assert repeats < 1 / V + 6 * (1 / V / N) ** 0.5  # chance: 1 / V
+    u = _uniform(rows.seed, positions, V)  # [N, V]
+    a, b = u[:-1].flatten().double(), u[1:].flatten().double()
+    corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+    assert abs(corr) < 6 / a.numel() ** 0.5
 
 
 def test_seeded_sampling_is_reproducible(llama):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,7 @@ from minidecode.bench import (
     window_contexts,
     window_rates,
 )
+from minidecode.loading import DEFAULT_MODEL
 from minidecode.models.presets import preset_config
 from minidecode_cli.cli import app
 
@@ -229,6 +232,104 @@ def test_a_prompt_too_large_for_the_memory_is_refused_before_it_is_drawn(tiny_ll
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: a context of 10,000,000,193 tokens needs"), line
+
+
+CLI = [sys.executable, "-m", "minidecode_cli.cli"]
+
+
+def run_cli(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def without_transformers(tmp_path) -> dict:
+    """An environment in which `import transformers` fails: a package of that name first on the
+    path, raising ImportError as a missing one would."""
+    shim = tmp_path / "shim" / "transformers"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text('raise ImportError("No module named \'transformers\'")\n')
+    path = [str(shim.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--prompt-tokens", 16, "--compare", "transformers"],
+            "error: --compare transformers needs the transformers package (pip install transformers)",
+        ),
+        (  # the batch bench's default peer
+            ["--batch", "2x64"],
+            "error: --batch-peer transformers (the default) needs the transformers package (pip install "
+            "transformers), or run minidecode alone: --batch-peer none",
+        ),
+    ],
+)
+def test_a_peer_that_does_not_import_is_refused_before_the_model_loads(tiny_llama, tmp_path, args, message):
+    """Not after minutes of measuring: the peer is imported before anything loads. The model's
+    weights are broken too, so the peer's line can only come first if nothing was loaded."""
+    broken = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, broken)
+    (broken / "model.safetensors").write_bytes(b"")
+    env = without_transformers(tmp_path)
+    proc = run_cli("bench", broken, *args, "--device", "cpu", "--out", tmp_path / "results", env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [message], proc.stderr
+    assert proc.stdout == "" and not list(tmp_path.glob("results*"))
+    # without a peer the same (broken) model is loaded, and refused for its weights
+    alone = run_cli("bench", broken, "--batch", "2x64", "--batch-peer", "none", "--device", "cpu")
+    assert alone.returncode == 2 and "could not read model.safetensors" in alone.stderr
+
+
+def test_a_prompt_past_the_trained_positions_is_refused_as_generate_refuses_it():
+    """100k tokens on the shipped 4,096-position model: refused in seconds, with generate's line
+    (the same check in the runtime), not prefilled for minutes. The bench's context is the prompt
+    + 1 + 3 windows of 64 new tokens, generate's the prompt + -n."""
+    bench = run_cli("bench", DEFAULT_MODEL, "--prompt-tokens", 100_000, "--device", "cpu", timeout=60)
+    generate = run_cli("generate", "--prompt-tokens", 100_000, "-n", 193, "--device", "cpu", timeout=60)
+    assert bench.returncode == generate.returncode == 2, bench.stderr
+    (line,) = bench.stderr.splitlines()
+    assert line == generate.stderr.strip()
+    assert line.startswith("error: a context of 100,193 positions") and "exceeds the 4,096" in line
+
+
+def test_allow_extrapolation_warns_and_shows_the_prefill(checkpoint_factory):
+    """--allow-extrapolation runs it, with a warning first and the prefill's progress (plain
+    lines in a log); without it, generate's refusal."""
+    model = checkpoint_factory("llama", "default", max_positions=512)
+    args = ["bench", model, "--prompt-tokens", 16384, "--new-tokens", 2, "--repeats", 1, "--device", "cpu"]
+    refused = invoke(*args)
+    assert refused.exit_code == 2
+    assert refused.stderr.startswith("error: a context of 16,387 positions (max_context, else prompt +")
+    result = invoke(*args, "--allow-extrapolation")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0] == (
+        f"warning: a context of 16,387 positions exceeds the 512 {model} was trained for: extrapolating "
+        "(--allow-extrapolation)"
+    )
+    assert "prefill 100% 16,384/16,384 tok" in result.stderr
+    assert "| 16,384 |" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--batch", "2x16", "--json", "--prompt-tokens", 8],
+            "--prompt-tokens / --json do not apply to bench --batch",
+        ),
+        (["--batch", "2x16", "--quantization", "fp8"], "--quantization does not apply to bench --batch"),
+        (["--batch-peer", "none"], "--batch-peer does not apply without --batch"),
+        (["--batch", "2x16", "--batch-peer", "vllm"], "unknown batch peer 'vllm'; known: transformers, none"),
+        (["--compare", "vllm"], "unknown --compare 'vllm'; only 'transformers' is supported"),
+    ],
+)
+def test_options_that_do_not_apply_are_refused_before_loading(args, message):
+    result = invoke("bench", "synthetic:llama-3-8b", *args)  # 15 GiB of weights: never loaded
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"error: {message}"], result.stderr
 
 
 def git(folder, *args: str) -> str:

@@ -178,3 +178,82 @@ def test_weights_and_prefill_attention_options(model_dir):
         bad = invoke(*generate_args(model_dir, "--prompt", PROMPT, *args))
         assert bad.exit_code == 2 and bad.stderr.strip().splitlines() == [bad.stderr.strip()]
         assert bad.stderr.startswith(message), bad.stderr
+
+
+PROCESSORS = {  # the request options of the logits processors, as the API's keywords and as options
+    "min_tokens": (4, ["--min-tokens", 4]),
+    "repetition_penalty": (1.3, ["--repetition-penalty", 1.3]),
+    "presence_penalty": (0.5, ["--presence-penalty", 0.5]),
+    "frequency_penalty": (-0.25, ["--frequency-penalty", -0.25]),
+    "logit_bias": ({7: 4.0, 9: -100.0}, ["--logit-bias", "7=4", "--logit-bias", " 9 = -100"]),
+    "stop_token_ids": ([11, 12], ["--stop-token-id", 11, "--stop-token-id", 12]),
+    "top_logprobs": (3, ["--top-logprobs", 3]),
+}
+
+
+def test_every_request_option_reaches_the_api(model_dir, tmp_path):
+    """generate's and batch's request options are the API's keywords: the same tokens and top
+    log-probabilities (in --json and in each result line) as LLM.generate with them."""
+    from minidecode import LLM
+
+    kwargs = {name: value for name, (value, _) in PROCESSORS.items()}
+    expected = LLM(model_dir, device="cpu").generate(PROMPT, max_new_tokens=NEW, temperature=0, **kwargs)
+    top = [[list(pair) for pair in token] for token in expected.top_logprobs]
+    assert len(top) == len(expected.token_ids) and all(len(token) == 3 for token in top)
+    options = [arg for _, args in PROCESSORS.values() for arg in args]
+    out = json.loads(invoke(*generate_args(model_dir, "--prompt", PROMPT, "--json", *options)).stdout)
+    assert out["token_ids"] == expected.token_ids and out["top_logprobs"] == top
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    batch = invoke("batch", model_dir, requests, "--device", "cpu", "-n", NEW, "--temperature", 0, *options)
+    assert batch.exit_code == 0, batch.stderr
+    (line,) = [json.loads(text) for text in batch.stdout.splitlines()]
+    assert line["token_ids"] == expected.token_ids and line["top_logprobs"] == top
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [  # parsed by the command, checked by Request.check (the API's names)
+        (["--logit-bias", "7"], "--logit-bias takes ID=BIAS (a token id and a number), got '7'"),
+        (["--logit-bias", "7=much"], "--logit-bias takes ID=BIAS (a token id and a number), got '7=much'"),
+        (["--logit-bias", "x=1"], "logit_bias keys must be token ids (integers or decimal strings), got 'x'"),
+        (["--logit-bias", "7=101"], r"logit_bias['7'] must be in [-100, 100], got 101.0"),
+        (["--presence-penalty", 3], "presence_penalty must be in [-2, 2], got 3.0"),
+        (["--top-logprobs", 21], "top_logprobs must be <= 20, got 21"),
+        (["--min-tokens", 20], "min_tokens (20) must be <= max_new_tokens (12)"),
+        (["--stop-token-id", "x"], "Invalid value for '--stop-token-id'"),  # click's, as one line
+        (["--stop-token-id", 5000], r"stop_token_ids out of range [0, "),  # against the model's vocabulary
+    ],
+)
+def test_a_bad_request_option_is_one_error_line(model_dir, args, message):
+    """In generate, and in batch (where a default that only the model can refuse, an id past
+    its vocabulary, is each request's error instead)."""
+    result = invoke(*generate_args(model_dir, "--prompt", PROMPT, *args))
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and message in line, line
+    lines = json.dumps({"prompt": PROMPT})
+    batch = invoke("batch", model_dir, "-", "--device", "cpu", "-n", NEW, *args, input=lines)
+    if "out of range" in message:
+        assert batch.exit_code == 1 and message in json.loads(batch.stdout)["error"]
+    else:
+        assert batch.exit_code == 2 and batch.stderr.strip() == line
+
+
+def test_one_list_of_each_choice():
+    """The CLI's choices, `info`'s dtypes and the runtime's checks read validate.py's lists."""
+    from typer.main import get_command
+
+    from minidecode import info, validate
+    from minidecode.kernels import prefill
+
+    assert prefill.PREFILL_ATTENTION is validate.PREFILL_ATTENTION
+    assert list(info.DTYPES) == list(validate.DTYPE_NAMES)
+    options = {opt: param for param in get_command(app).commands["generate"].params for opt in param.opts}
+    for option, choices in (
+        ("--kv-cache-dtype", validate.KV_CACHE_DTYPES),
+        ("--quantization", validate.QUANTIZATIONS),
+        ("--prefill-attention", validate.PREFILL_ATTENTION),
+        ("--dtype", tuple(validate.DTYPE_NAMES)),
+    ):
+        assert options[option].metavar == "[" + "|".join(choices) + "]"

@@ -73,6 +73,22 @@ def test_answers_without_torch(args):
     assert code == (0 if args[-1] in ("--help", "--version") else 2)
 
 
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["generate", "--no-such-option"], r"^error: No such option: --no-such-option"),
+        (["generate", "-p", "hi", "--top-k", "abc"], r"^error: Invalid value for '--top-k'"),
+        (["bench", "--logit-bias", "1=2"], r"^error: No such option: --logit-bias"),  # generate / batch only
+        (["no-such-command"], r"^error: No such command 'no-such-command'"),
+    ],
+)
+def test_a_mistyped_command_line_is_one_error_line(args, match):
+    """click's own refusals too: one line (not the usage and a message), exit 2."""
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    one_error_line(proc.stderr, match)
+
+
 def test_chat_without_template_is_refused_before_loading(model_dir, tmp_path):
     no_template = tmp_path / "ckpt"
     shutil.copytree(model_dir, no_template)

@@ -70,9 +70,9 @@ def record_steps(monkeypatch) -> list[int]:
     """The running rows of every decode step."""
     rows, real = [], Engine.step
 
-    def step(self, n, mode, logprobs):
+    def step(self, n, mode, logprobs, *flags):
         rows.append(n)
-        real(self, n, mode, logprobs)
+        real(self, n, mode, logprobs, *flags)
 
     monkeypatch.setattr(Engine, "step", step)
     return rows
@@ -192,10 +192,10 @@ def test_a_dying_loop_reaches_every_caller_and_the_next_call_restarts(llama, gre
     real = Engine.step
     gate = threading.Barrier(2, timeout=WAIT)
 
-    def step(self, n, mode, logprobs):
+    def step(self, n, mode, logprobs, *flags):
         if n >= 3:  # both callers' requests run: fail
             raise RuntimeError("boom: an illegal memory access (planted)")
-        real(self, n, mode, logprobs)
+        real(self, n, mode, logprobs, *flags)
 
     monkeypatch.setattr(Engine, "step", step)
 

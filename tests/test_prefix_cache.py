@@ -142,6 +142,25 @@ def test_off_switches_and_a_region_too_small(model_dir, hf):
     assert out.stats.reused_tokens == len(DOC) and out.token_ids == hf.greedy(model_dir, prompt, NEW)
 
 
+def test_memory_pressure_evicts_the_least_recently_used_prefix(model_dir):
+    """A and B run together (a cache of exactly their two regions), both stay cached; A's prompt
+    comes back (A is now the more recent); an unrelated request C then needs a region with none
+    free and nothing running: the least recently used prefix, B's, is evicted for it, not A's."""
+    prompt_a, prompt_b, prompt_c = (random_ids(100, seed=s) for s in (11, 12, 13))
+    llm = load(model_dir)
+    ask = dict(max_new_tokens=NEW, temperature=0, ignore_eos=True, max_context=120)
+    first = llm.generate_batch([prompt_a, prompt_b], **ask)
+    assert [r.stats.reused_tokens for r in first] == [0, 0]
+    scheduler = llm.loop.scheduler
+    assert len(scheduler.prefixes) == 2 and not scheduler.regions.free  # no room for a third
+    assert llm.generate(token_ids=prompt_a, **ask).stats.reused_tokens == len(prompt_a) - 1  # touch A
+    assert llm.generate(token_ids=prompt_c, **ask).stats.reused_tokens == 0  # evicts one
+    held = sorted(p.ids[:5] for p in scheduler.prefixes)
+    assert held == sorted([prompt_a[:5], prompt_c[:5]])  # B went first
+    assert llm.generate(token_ids=prompt_a + QUESTION_A, **ask).stats.reused_tokens == len(prompt_a)
+    assert llm.generate(token_ids=prompt_b, **ask).stats.reused_tokens == 0
+
+
 @pytest.mark.parametrize("rope", ["dynamic", "longrope"])
 def test_length_dependent_rope_reuses_only_below_its_switch(checkpoint_factory, hf, rope):
     """Dynamic NTK rescales past max_position_embeddings (64 here), LongRoPE switches factors

@@ -19,7 +19,7 @@ from typer.main import get_command
 
 from minidecode import Request
 from minidecode.sequence import GenerationStats
-from minidecode_cli.cli import app
+from minidecode_cli.cli import REQUEST_OPTIONS, app
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -51,17 +51,19 @@ def test_the_stats_line_shown_is_the_runtime_format():
 
 
 def test_each_listed_option_is_on_generate_and_batch_with_the_api_default():
-    listed = re.findall(
-        r"`(--[a-z-]+)`", section("Command line").split("share one set of request options")[1][:600]
-    )
-    assert {"--max-new-tokens", "--stop", "--logprobs", "--ignore-eos", "--max-context"} <= set(listed)
+    """README's list is the one table of request options (REQUEST_OPTIONS), each a Request field
+    by its API name, on both commands, its default the API's (None, a flag off, or 256)."""
+    paragraph = section("Command line").split("share one set of request options")[1].split("\n\n")[0]
+    listed = re.findall(r"`(--[a-z-]+)`", paragraph)
     defaults = Request()
     for name in ("generate", "batch"):
         command = get_command(app).commands[name]
-        options = {opt: param for param in command.params for opt in param.opts}
-        for option in listed:
-            assert option in options, (name, option)
-        assert options["--max-new-tokens"].default == defaults.new_tokens
+        table = [param for param in command.params if param.name in REQUEST_OPTIONS]
+        assert [param.name for param in table] == list(REQUEST_OPTIONS)
+        assert sorted(listed) == sorted(param.opts[0] for param in table)
+        for param in table:
+            api = defaults.new_tokens if param.name == "max_new_tokens" else getattr(defaults, param.name)
+            assert (param.default or None) == api, (name, param.name)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Served:
+    base: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+    log: Path  # its stdout and stderr
+
+
 @contextmanager
-def server(model: Path | None, *options: str):
+def server(model: Path | None, *options: str, env: dict[str, str] | None = None):
     """`minidecode serve` in a subprocess, up once /health answers 200; -> its base URL."""
+    with started(model, *options, env=env) as served:
+        yield served.base
+
+
+@contextmanager
+def started(model: Path | None, *options: str, env: dict[str, str] | None = None):
+    """`minidecode serve` in a subprocess, up once /health answers 200; -> Served (stopped by
+    SIGTERM at the end, killed if it has not exited 30 s later)."""
     port = free_port()
     args = [] if model is None else [str(model)]
     command = [
@@ -52,7 +68,8 @@ def server(model: Path | None, *options: str):
         "cpu",
     ]
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"minidecode-serve-{port}.log", "w+")  # noqa: SIM115
-    proc = subprocess.Popen([*command, *options], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    environment = {**ENV, **(env or {})}
+    proc = subprocess.Popen([*command, *options], stdout=log, stderr=subprocess.STDOUT, env=environment)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + WAIT
@@ -65,10 +82,14 @@ def server(model: Path | None, *options: str):
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
-        yield base
+        yield Served(base, proc, Path(log.name))
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         log.close()
 
 
@@ -95,17 +116,6 @@ def metrics(base: str) -> dict[str, float]:
 def shipped():
     with server(None) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def chat_model(checkpoint_factory):
-    return checkpoint_factory("llama", "default", max_positions=1024)
-
-
-@pytest.fixture(scope="module")
-def long_model(checkpoint_factory):
-    """A tiny model with room for requests that would run for minutes (until aborted)."""
-    return checkpoint_factory("llama", "default", max_positions=65536)
 
 
 @pytest.fixture(scope="module")
@@ -174,36 +184,38 @@ def test_tokenize_detokenize_and_models(shipped):
     assert card.id == "stdlib-tiny" and card.max_model_len > 0
 
 
-BAD_REQUESTS = [
-    (b"{not json", "not valid JSON"),
-    ({"model": "stdlib-tiny", "prompt": "x", "temperature": -1}, "temperature"),
-    ({"model": "stdlib-tiny", "prompt": "x", "max_tokens": "5"}, "max_new_tokens must be an integer"),
-    ({"model": "stdlib-tiny", "prompt": "x", "n": 2}, "n must be 1"),
-    ({"model": "gpt-4", "prompt": "x"}, "does not exist"),
-    ({"model": "stdlib-tiny"}, "prompt must be a string"),
-    ({"model": "stdlib-tiny", "prompt": "x", "stop": 5}, "stop must be a string"),
-    ({"model": "stdlib-tiny", "prompt": "x", "stream": "yes"}, "stream must be true or false"),
-    ({"model": "stdlib-tiny", "prompt": "x " * 5000, "max_tokens": 10}, "exceeds"),
-    ({"model": "stdlib-tiny", "prompt": "x", "logprobs": 5}, "logprobs must be 0"),
-    ({"model": "stdlib-tiny", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty is not supported"),
+X = {"model": "stdlib-tiny", "prompt": "x"}
+BAD_REQUESTS = [  # (body, in the message, param: the client's field)
+    (b"{not json", "not valid JSON", None),
+    ({**X, "temperature": -1}, "temperature", "temperature"),
+    ({**X, "max_tokens": "5"}, "max_tokens must be an integer", "max_tokens"),
+    ({**X, "n": 0}, "n must be an integer in [1, 128]", "n"),
+    ({"model": "gpt-4", "prompt": "x"}, "does not exist", "model"),
+    ({"model": "stdlib-tiny"}, "prompt must be a string", "prompt"),
+    ({**X, "stop": 5}, "stop must be a string", "stop"),
+    ({**X, "stream": "yes"}, "stream must be true or false", "stream"),
+    ({**X, "prompt": "x " * 5000, "max_tokens": 10}, "exceeds", "prompt"),
+    ({**X, "logprobs": 21}, "logprobs must be <= 20", "logprobs"),
+    ({**X, "presence_penalty": 3}, "presence_penalty must be in", "presence_penalty"),
+    ({**X, "foo": 1}, "unknown field 'foo'", "foo"),
 ]
 
 
-@pytest.mark.parametrize(("body", "message"), BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
-def test_every_bad_request_is_a_400_in_openai_shape(shipped, body, message):
+@pytest.mark.parametrize(("body", "message", "param"), BAD_REQUESTS, ids=[m for _, m, _ in BAD_REQUESTS])
+def test_every_bad_request_is_a_400_in_openai_shape(shipped, body, message, param):
     status, answer = post(shipped, "/v1/completions", body)
     assert status == 400, answer
     error = answer["error"]
     assert set(error) == {"message", "type", "param", "code"} and message in error["message"]
-    assert error["type"] == "invalid_request_error"
+    assert error["type"] == "invalid_request_error" and error["param"] == param
 
 
-def test_unknown_fields_are_ignored_and_logprobs_given(shipped, hf):
+def test_logprobs_given_and_user_accepted(shipped, hf):
     status, answer = post(
         shipped,
         "/v1/completions",
         {"model": "stdlib-tiny", "prompt": "x = 1", "max_tokens": 4, "temperature": 0, "logprobs": 0,
-         "user": "me", "foo": 1},
+         "user": "me"},
     )  # fmt: skip
     assert status == 200
     logprobs = answer["choices"][0]["logprobs"]["token_logprobs"]
