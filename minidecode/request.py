@@ -144,11 +144,7 @@ class Request:
                 check_id_list(self.stop_token_ids, name("stop_token_ids"))
         if self.top_logprobs is not None:
             with about("top_logprobs"):
-                check_int(name("top_logprobs"), self.top_logprobs, 0)
-                if self.top_logprobs > MAX_TOP_LOGPROBS:
-                    raise UserError(
-                        f"{name('top_logprobs')} must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
-                    )
+                check_int(name("top_logprobs"), self.top_logprobs, 0, MAX_TOP_LOGPROBS)
 
     @property
     def new_tokens(self) -> int:
@@ -186,12 +182,15 @@ def about(field: str) -> Iterator[None]:
         raise
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """An integer >= minimum: rejects 2.5 (which would round), '5' and True (not numbers of tokens)."""
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """An integer in [minimum, maximum]: rejects 2.5 (which would round), '5' and True (not numbers
+    of tokens)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise UserError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise UserError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
 
 
