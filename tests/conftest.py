@@ -122,3 +122,18 @@ def chat_model(checkpoint_factory):
 def long_model(checkpoint_factory):
     """A tiny model with room for requests that would run for minutes (until aborted)."""
     return checkpoint_factory("llama", "default", max_positions=65536)
+
+
+@pytest.fixture(scope="module")
+def shipped_server():
+    """`minidecode serve` of the shipped model in a subprocess (tests/test_server.py's `started`)."""
+    from test_server import started
+
+    with started(None) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def shipped(shipped_server):
+    """That server's base URL."""
+    return shipped_server.base

@@ -113,12 +113,6 @@ def metrics(base: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    with server(None) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
 def chat(chat_model):
     with server(chat_model, "--served-model-name", "tiny-chat", "--max-tokens-default", "40") as base:
         yield base

@@ -28,17 +28,6 @@ MODEL = "stdlib-tiny"
 
 
 @pytest.fixture(scope="module")
-def shipped_server():
-    with started(None) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def shipped(shipped_server):
-    return shipped_server.base
-
-
-@pytest.fixture(scope="module")
 def reference():
     """The shipped model through the Python API, as the server loads it."""
     return LLM(device="cpu")
