@@ -23,6 +23,11 @@ dealt evenly to an SM-sized grid, like stream-K GEMM:
   resets the counter to zero. Nobody ever waits for another CTA, so the scheme cannot
   deadlock however many CTAs are resident, and the counters are zero after every launch.
 
+Verifying speculative drafts (q_lens): each sequence has up to Q_MAX new query positions, causal
+among themselves over the whole cache. They join the group in a tile's rows (G * Q_MAX of them:
+the same K/V bytes read once for all), each row's causal limit masks its scores, and the schedule
+is the one above (positions, not queries, make the tiles). Q_MAX = 1 compiles none of it.
+
 The schedule is computed inside the kernel from the device tensor of lengths: a growing context
 needs no host sync and no recompilation, and a CUDA graph captured once replays for every later
 step. The workspace (partials, counters) is allocated on the first eager call and cached.
@@ -97,6 +102,45 @@ def default_config(
     return DEFAULT_CONFIG
 
 
+# Several query positions a sequence (q_lens) make a tile G * Q_MAX rows (padded to a power of
+# two, G_PAD) instead of G: the score and output tiles, and the shared memory that the segment's
+# stores stage through inside the tile loop, grow with them. The single-query configs hold up to
+# 32 rows (bf16: 147 KiB of shared memory at 16 rows, OutOfResources from 64 rows on an H200);
+# above, smaller tiles and fewer stages keep a CTA within the 227 KiB and its registers unspilled
+# as far as they can (the shared memory and spills of offline sm_90 compiles, Triton 3.6). The FP8
+# paths spill from 64 rows whatever the tile; the fp16 decode with q made per tile spills least.
+MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)
+MULTI_QUERY_BF16 = {  # G_PAD -> tile positions, pipeline stages (model-dtype cache, 8 warps)
+    64: (64, 3),
+    128: (64, 2),
+    256: (64, 1),
+}
+MULTI_QUERY_FP8_WIDE = LeanConfig(  # FP8 cache from 64 rows: the fp16 decode, q per tile
+    block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
+)
+
+
+def multi_query_config(config: LeanConfig, g_pad: int, dtype: torch.dtype, fp8: bool) -> LeanConfig:
+    """The launch config for tiles of g_pad rows (G * Q_MAX padded), from the single-query
+    config `config` that default_config chose for the cache."""
+    if g_pad <= 16:
+        return config
+    if fp8:
+        if g_pad >= 64:
+            return MULTI_QUERY_FP8_WIDE
+        # 32 rows: the e4m3 tensor-core tile over two warpgroups (one CTA an SM: its registers),
+        # the fp16 decode at FP8_SHORT_CONFIG's tile; neither spills there.
+        if config.fp8_mma:
+            return dataclasses.replace(config, num_warps=8, ctas_per_sm=1)
+        return FP8_SHORT_CONFIG
+    if g_pad <= 32:
+        return config
+    block_n, stages = MULTI_QUERY_BF16[min(g_pad, 256)]
+    if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
+        block_n, stages = block_n // 2, max(1, stages - 1)
+    return dataclasses.replace(config, block_n=block_n, num_stages=stages)
+
+
 # How the kernel reads an FP8 cache (kernel constexpr DEQUANT, from the config's fp8_mma;
 # bench/NOTES-attention.md has the numbers). MMA decodes nothing: K and V enter e4m3 tensor-core
 # dots as they are stored, q is split into three e4m3 terms (exact for bf16 / fp16) and p into two
@@ -164,6 +208,7 @@ P_RANGE = tl.constexpr(256.0)
 # the kernel instead (tl.where on the bytes or on the fp16 operand, even only in the last tile)
 # brings the shared-memory round trip back (offline sm_90 SASS, bench/NOTES-attention.md).
 V_BLOCK = quant.V_BLOCK  # 64: the layout the FP8 cache stores (kernels/quant.py)
+MULTI_MERGE_ROWS = 16  # q_lens: partial rows (query heads x positions) a merge pass takes at most
 
 
 @triton.jit
@@ -183,43 +228,46 @@ def _e4m3_to_fp16(x, DEQUANT: tl.constexpr):
 
 
 @triton.jit
-def _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT: tl.constexpr):
-    """Query heads q_rows as float32 q [G_PAD, D] times a power of two that takes each row's
-    largest |q| into [128, 256) (exact; within fp16's and e4m3's range whatever q's dtype), and
-    the [G_PAD] factor that undoes it (and the softmax scale, and UNIT) on the scores."""
-    q = tl.load(q_b + q_rows[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+def _fp8_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT: tl.constexpr):
+    """The tile's query rows (q_offs [G_PAD]: their element offsets from q_b, _row_offsets) as
+    float32 q [G_PAD, D] times a power of two that takes each row's largest |q| into [128, 256)
+    (exact; within fp16's and e4m3's range whatever q's dtype), and the [G_PAD] factor that undoes
+    it (and the softmax scale, and UNIT) on the scores."""
+    q = tl.load(q_b + q_offs[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     qf = q.to(tl.float32)
     q_exp = _pow2_exponent(tl.max(tl.abs(qf), 1))  # [G_PAD]
     return qf * _pow2(127 + 134 - q_exp)[:, None], qk_scale * UNIT * _pow2(q_exp - 7)
 
 
 @triton.jit
-def _fp16_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT: tl.constexpr):
+def _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT: tl.constexpr):
     """The fp16 decode's q operand [G_PAD, D] (_fp8_query's pre-scaled q, in fp16) and its factor."""
-    q, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
+    q, row_scale = _fp8_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
     return q.to(tl.float16), row_scale
 
 
 @triton.jit
-def _e4m3_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, HW: tl.constexpr):
+def _e4m3_query(q_b, q_offs, offs_d, row_ok, qk_scale, HW: tl.constexpr):
     """q.k's B operands for the e4m3 tensor-core dots: the pre-scaled q (_fp8_query) split into
     three e4m3 terms (split3_e4m3: exact for a bf16 or fp16 q), each [D, G_PAD]; and the [G_PAD]
     factor for the scores. Once per segment: the third term costs one more dot a tile, on tensor
     cores that are otherwise idle."""
-    qs, row_scale = _fp8_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, 1.0)
+    qs, row_scale = _fp8_query(q_b, q_offs, offs_d, row_ok, qk_scale, 1.0)
     q_hi, q_mid, q_lo = split3_e4m3(qs, HW)
     return tl.trans(q_hi), tl.trans(q_mid), tl.trans(q_lo), row_scale
 
 
 @triton.jit
-def _empty_state(G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr):
+def _empty_state(G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, L_ROWS: tl.constexpr, MMA: tl.constexpr):
     """Online-softmax state of one segment: running max m [G_PAD] (log2 units), running sum l,
     unnormalised output acc. The e4m3 tensor-core tile (MMA) holds positions x query heads:
-    acc [D, G_PAD], and l [BLOCK_N, G_PAD] per position, summed over positions once at the
-    segment's end (a sum over positions every tile is a reduction across warps)."""
+    acc [D, G_PAD], and l [L_ROWS, G_PAD]: per position (L_ROWS = BLOCK_N), summed over positions
+    once at the segment's end (a sum over positions every tile is a reduction across warps); with
+    several query positions (MULTI_Q: G_PAD up to 256 rows) one row (L_ROWS = 1), summed every
+    tile, so that the state's registers stay within the warpgroup's."""
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     if MMA:
-        l_sum = tl.zeros([BLOCK_N, G_PAD], tl.float32)
+        l_sum = tl.zeros([L_ROWS, G_PAD], tl.float32)
         acc = tl.zeros([HEAD_DIM, G_PAD], tl.float32)
     else:
         l_sum = tl.zeros([G_PAD], tl.float32)
@@ -228,7 +276,10 @@ def _empty_state(G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_ops, row_scale, m_i, l_i, acc, HW: tl.constexpr):
+def _e4m3_mma_tile(
+    k, v, k_scale, v_scale, valid, seen, q_ops, row_scale, m_i, l_i, acc,
+    HW: tl.constexpr, MULTI_Q: tl.constexpr,
+):  # fmt: skip
     """One tile of the FP8 cache on e4m3 tensor cores, transposed (positions on the dots' M axis:
     Hopper's warpgroup MMA needs M >= 64, the group's G query heads fill only N = G_PAD).
 
@@ -237,7 +288,8 @@ def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_ops, row_scale, m_i, l_i, ac
     Scores: k . (each of q's three terms, q_ops) with fp32 accumulation, times the K scales and
     q's factor. P.V: p times v_scale / (the tile's largest), times P_RANGE, split into two e4m3
     terms; the tile's largest v_scale / P_RANGE multiplies the fp32 result. fp32 softmax and fp32
-    accumulation across tiles, as in the fp16 paths."""
+    accumulation across tiles, as in the fp16 paths. MULTI_Q: seen [BLOCK_N, G_PAD] is the causal
+    mask of the tile's query rows (_row_limits), and a row may see none of the tile."""
     k8 = k.to(tl.float8e4nv, bitcast=True)
     q_hi, q_mid, q_lo = q_ops
     # Hopper's e4m3 tensor cores accumulate with less than fp32 precision (about 14 bits kept),
@@ -247,11 +299,19 @@ def _e4m3_mma_tile(k, v, k_scale, v_scale, valid, q_ops, row_scale, m_i, l_i, ac
     # (bench/NOTES-attention.md).
     qk = tl.dot(k8, q_hi) + tl.dot(k8, q_lo, acc=tl.dot(k8, q_mid))  # [BLOCK_N, G_PAD] fp32
     qk = qk * k_scale[:, None] * row_scale[None, :]
-    qk = tl.where(valid[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 0))  # finite: every tile holds a valid position
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[None, :])  # [BLOCK_N, G_PAD]
-    l_i = l_i * alpha[None, :] + p
+    if MULTI_Q:
+        qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 0))  # -inf for a row that has seen nothing yet
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # such a row: alpha = p = 0, no NaN
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[None, :])  # [BLOCK_N, G_PAD]
+        l_i = l_i * alpha[None, :] + tl.sum(p, 0)[None, :]  # [1, G_PAD]
+    else:
+        qk = tl.where(valid[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 0))  # finite: every tile holds a valid position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[None, :])  # [BLOCK_N, G_PAD]
+        l_i = l_i * alpha[None, :] + p
     v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
     p_hi, p_lo = split_e4m3(p * (v_scale * (P_RANGE / v_top))[:, None], HW)
     v8 = v.to(tl.float8e4nv, bitcast=True)
@@ -294,6 +354,26 @@ def _pow2(e):
 
 
 @triton.jit
+def _row_offsets(rows, b, h, G, stride_b, stride_j, stride_h, MULTI_Q: tl.constexpr):
+    """Element offsets [G_PAD] of a tile's rows `rows` (KV head h of sequence b) in a tensor with
+    strides stride_b (sequence), stride_j (query position), stride_h (query head): q, out, lse.
+    One query position: row r is query head h * G + r. MULTI_Q: row r is query position r // G of
+    query head h * G + r % G (a tile holds the group's heads for each of the q_len positions)."""
+    if MULTI_Q:
+        return b * stride_b + (rows // G) * stride_j + (h * G + rows % G) * stride_h
+    else:
+        return b * stride_b + (h * G + rows) * stride_h
+
+
+@triton.jit
+def _row_limits(length, q_len, rows, G):
+    """MULTI_Q: how many of the segment's positions each row [G_PAD] sees. The q_len new tokens are
+    the segment's last positions, so query position j = rows // G sees the first
+    length - q_len + j + 1 (causal among the new tokens); padding rows (j >= q_len) see them all."""
+    return length - q_len + 1 + tl.minimum(rows // G, q_len - 1)
+
+
+@triton.jit
 def _range_start(cta, per, big, span_ctas, span_tiles):
     """First tile of CTA `cta`. Tiles are dealt in spans of span_tiles tiles to span_ctas CTAs each
     (the whole step, or one segment: _lean_decode_kernel's schedule); inside a span, its CTAs
@@ -333,6 +413,84 @@ def _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv):
 
 
 @triton.jit
+def _merge_rows(
+    row0,  # the first partial row merged here
+    n_rows,  # the rows that are real: G (MULTI_Q: G * q_len)
+    first,  # the segment's contributing CTAs: first .. last
+    last,
+    first_slot,  # the partial slot of CTA `first` (the others': 2 * c)
+    b,
+    h,
+    Out,
+    Lse,
+    PartO,
+    PartLse,
+    G,
+    Hkv,
+    stride_ob,
+    stride_oj,
+    stride_oh,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,  # rows row0 .. row0 + ROWS - 1 (those below n_rows)
+    MERGE_STAGES: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    Q_MAX: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+):
+    """Merge the partials of segment (b, h) for ROWS of its rows, in CTA order; write them."""
+    cols = row0 * HEAD_DIM + tl.arange(0, ROWS * HEAD_DIM)
+    col_g = cols // HEAD_DIM  # row of the partial of each column (query head; MULTI_Q: and position)
+    col_ok = col_g < n_rows
+    m = tl.full([ROWS * HEAD_DIM], float("-inf"), tl.float32)
+    l_sum = tl.zeros([ROWS * HEAD_DIM], tl.float32)
+    o = tl.zeros([ROWS * HEAD_DIM], tl.float32)
+    # The group's rows are flattened with head_dim into ROWS * HEAD_DIM columns and each
+    # partial's lse is stored once per column (_store_segment), so one contributor is two
+    # vector loads and an element-wise update: nothing shared across threads. The merge is a
+    # chain of dependent L2 reads unless they are issued ahead (bench/NOTES-attention.md):
+    # MERGE_STAGES iterations are in flight (async copies), and an iteration takes one
+    # contributor (MERGE_CHUNK 1, no reduction at all) or MERGE_CHUNK of them, whose loads
+    # leave together and whose reduction over the chunk stays inside each thread. Plain
+    # loads: the ticket's acquire already made every contributor's partial visible to this CTA.
+    if MERGE_CHUNK == 1:
+        for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
+            slot = tl.where(c == first, first_slot, 2 * c)
+            lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
+            o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
+            m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse_c - m_new)
+            o = o * alpha + o_c * w
+            l_sum = l_sum * alpha + w
+            m = m_new
+    else:
+        offs_c = tl.arange(0, MERGE_CHUNK)
+        for c0 in tl.range(first, last + 1, MERGE_CHUNK, num_stages=MERGE_STAGES):
+            c = c0 + offs_c  # [MERGE_CHUNK] contributors; past `last`: masked, weight 0
+            slot = tl.where(c == first, first_slot, 2 * c)
+            part = slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :]
+            ok = (c <= last)[:, None] & col_ok[None, :]
+            lse_c = tl.load(PartLse + part, mask=ok, other=float("-inf"))  # [MERGE_CHUNK, ROWS * D]
+            o_c = tl.load(PartO + part, mask=ok, other=0.0)
+            m_new = tl.maximum(m, tl.max(lse_c, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding columns: no NaN
+            alpha = tl.exp2(m - m_ref)
+            w = tl.exp2(lse_c - m_ref[None, :])
+            o = o * alpha + tl.sum(o_c * w, 0)
+            l_sum = l_sum * alpha + tl.sum(w, 0)
+            m = m_new
+    o_rows = _row_offsets(col_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
+    o_ptrs = Out + o_rows + cols % HEAD_DIM
+    tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
+    if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
+        lse_ptrs = Lse + _row_offsets(col_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
+        first_col = col_ok & (cols % HEAD_DIM == 0)
+        tl.store(lse_ptrs, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=first_col)
+
+
+@triton.jit
 def _ticket_and_merge(
     b,
     h,
@@ -347,17 +505,22 @@ def _ticket_and_merge(
     PartO,
     PartLse,
     Counters,
+    QLens,
     G,
     Hkv,
     stride_ob,
+    stride_oj,
     stride_oh,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     G_MERGE: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
     MERGE_STAGES: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    Q_MAX: tl.constexpr,
+    MULTI_Q: tl.constexpr,
 ):
     """Draw a ticket for segment (b, h); the CTA that draws the last one merges all its partials
     in CTA order (bitwise reproducible), writes the output and zeroes the counter."""
@@ -372,53 +535,20 @@ def _ticket_and_merge(
         # can have begun in an earlier segment (every later contributor's range starts inside
         # this one), so one _range_start serves the whole merge: none in its loop.
         first_slot = 2 * first + (_range_start(first, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
-        cols = tl.arange(0, G_MERGE * HEAD_DIM)
-        col_g = cols // HEAD_DIM  # query head (row of the partial) of each column
-        col_ok = col_g < G
-        m = tl.full([G_MERGE * HEAD_DIM], float("-inf"), tl.float32)
-        l_sum = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
-        o = tl.zeros([G_MERGE * HEAD_DIM], tl.float32)
-        # The group's rows are flattened with head_dim into G_MERGE * HEAD_DIM columns and each
-        # partial's lse is stored once per column (_store_segment), so one contributor is two
-        # vector loads and an element-wise update: nothing shared across threads. The merge is a
-        # chain of dependent L2 reads unless they are issued ahead (bench/NOTES-attention.md):
-        # MERGE_STAGES iterations are in flight (async copies), and an iteration takes one
-        # contributor (MERGE_CHUNK 1, no reduction at all) or MERGE_CHUNK of them, whose loads
-        # leave together and whose reduction over the chunk stays inside each thread. Plain
-        # loads: the ticket's acquire already made every contributor's partial visible to this CTA.
-        if MERGE_CHUNK == 1:
-            for c in tl.range(first, last + 1, num_stages=MERGE_STAGES):
-                slot = tl.where(c == first, first_slot, 2 * c)
-                lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
-                o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
-                m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
-                alpha = tl.exp2(m - m_new)
-                w = tl.exp2(lse_c - m_new)
-                o = o * alpha + o_c * w
-                l_sum = l_sum * alpha + w
-                m = m_new
+        if MULTI_Q:  # the rows in blocks of MERGE_ROWS (up to G * Q_MAX rows: registers)
+            n_rows = G * tl.load(QLens + b)
+            for row0 in range(0, n_rows, MERGE_ROWS):
+                # fmt: off
+                _merge_rows(row0, n_rows, first, last, first_slot, b, h, Out, Lse, PartO, PartLse, G, Hkv,
+                            stride_ob, stride_oj, stride_oh, G_PAD, HEAD_DIM, MERGE_ROWS, MERGE_STAGES,
+                            MERGE_CHUNK, WRITE_LSE, Q_MAX, MULTI_Q)
+                # fmt: on
         else:
-            offs_c = tl.arange(0, MERGE_CHUNK)
-            for c0 in tl.range(first, last + 1, MERGE_CHUNK, num_stages=MERGE_STAGES):
-                c = c0 + offs_c  # [MERGE_CHUNK] contributors; past `last`: masked, weight 0
-                slot = tl.where(c == first, first_slot, 2 * c)
-                part = slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :]
-                ok = (c <= last)[:, None] & col_ok[None, :]
-                lse_c = tl.load(PartLse + part, mask=ok, other=float("-inf"))  # [MERGE_CHUNK, G_MERGE * D]
-                o_c = tl.load(PartO + part, mask=ok, other=0.0)
-                m_new = tl.maximum(m, tl.max(lse_c, 0))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding columns: no NaN
-                alpha = tl.exp2(m - m_ref)
-                w = tl.exp2(lse_c - m_ref[None, :])
-                o = o * alpha + tl.sum(o_c * w, 0)
-                l_sum = l_sum * alpha + tl.sum(w, 0)
-                m = m_new
-        o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
-        tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
-        if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
-            lse_ptrs = Lse + b * (Hkv * G) + h * G + col_g
-            first_col = col_ok & (cols % HEAD_DIM == 0)
-            tl.store(lse_ptrs, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=first_col)
+            # fmt: off
+            _merge_rows(0, G, first, last, first_slot, b, h, Out, Lse, PartO, PartLse, G, Hkv, stride_ob,
+                        stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, MERGE_CHUNK, WRITE_LSE,
+                        Q_MAX, MULTI_Q)
+            # fmt: on
         tl.store(counter, 0)  # every contributor has drawn its ticket: ready for the next launch
 
 
@@ -429,31 +559,35 @@ def _store_segment(
     l_row,  # [G_PAD] running sum
     whole,  # our tiles cover the whole segment: write the output, else a partial
     slot,  # our partial slot: 2 * cta (our first segment) or 2 * cta + 1 (our last)
-    b,
-    q_rows,
+    n_rows,  # the tile's rows that are real: G (MULTI_Q: G * q_len)
+    o_offs,  # [G_PAD] element offsets of the rows in Out (_row_offsets)
+    lse_offs,  # [G_PAD] element offsets of the rows in Lse
     Out,
     Lse,
     PartO,
     PartLse,
-    Hkv,
-    G,
-    stride_ob,
-    stride_oh,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    MULTI_Q: tl.constexpr,
 ):
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_g < G
+    row_ok = offs_g < n_rows
     if whole:  # no partials
-        out_ptrs = Out + b * stride_ob + q_rows[:, None] * stride_oh + offs_d[None, :]
+        out_ptrs = Out + o_offs[:, None] + offs_d[None, :]
         tl.store(out_ptrs, o_seg.to(Out.dtype.element_ty), mask=row_ok[:, None])
         if WRITE_LSE:  # log2 units -> natural log
-            lse_ptrs = Lse + b * (Hkv * G) + q_rows
+            lse_ptrs = Lse + lse_offs
             tl.store(lse_ptrs, (m_i + tl.log2(l_row)) * 0.6931471805599453, mask=row_ok)
     else:
         offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
+        if MULTI_Q:
+            # A row that saw none of our positions (a segment's last tile, whose draft positions
+            # are past its causal limit) has m = -inf, l = 0 (the tiles' guard): its partial is
+            # o = 0, lse = -inf, weight 0 in the merge. Never the segment's first partial, whose
+            # tile 0 every row sees, so the merge's running max is finite by then.
+            o_seg = tl.where((l_row > 0)[:, None], o_seg, 0.0)
         tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_seg, mask=row_ok[:, None])
         # each row's lse once per column, as the merge reads it (_ticket_and_merge)
         lse_row = tl.broadcast_to((m_i + tl.log2(l_row))[:, None], [G_PAD, HEAD_DIM])
@@ -462,14 +596,15 @@ def _store_segment(
 
 @triton.jit
 def _lean_decode_kernel(
-    Q,  # [B, Hq, D]
+    Q,  # [B, Hq, D]; Q_MAX > 1: [B, Q_MAX, Hq, D]
     K,  # [B, Hkv, S, D], last dim contiguous (FP8: the uint8 view of the e4m3 cache)
     V,  # [B, Hkv, S, D]; V_BLOCK > 0: [B, Hkv, S / V_BLOCK, D, V_BLOCK], positions contiguous
     KVScale,  # FP8: [B, Hkv, S] int32, last dim contiguous: the bf16 K (low half) and V scales
-    Out,  # [B, Hq, D]
-    Lse,  # [B, Hq] float32, contiguous: log-sum-exp of the scaled scores, natural log (WRITE_LSE)
+    Out,  # [B, Hq, D]; Q_MAX > 1: [B, Q_MAX, Hq, D]
+    Lse,  # [B, Hq] ([B, Q_MAX, Hq]) float32, contiguous: log-sum-exp of the scaled scores, natural log
     Lengths,  # [B] int32
     Starts,  # [B] int64 with HAS_STARTS: sequence b's positions begin at Starts[b] of its cache row
+    QLens,  # Q_MAX > 1: [B] int32, query positions of sequence b (1 <= QLens[b] <= min(Q_MAX, length))
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD, D] fp32: log2-sum-exp of each partial row, once per column
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
@@ -478,6 +613,7 @@ def _lean_decode_kernel(
     Hkv,
     G,
     stride_qb,
+    stride_qj,  # Q_MAX > 1: the stride of q's query positions
     stride_qh,
     stride_kb,
     stride_kh,
@@ -489,6 +625,7 @@ def _lean_decode_kernel(
     stride_sb,
     stride_sh,
     stride_ob,
+    stride_oj,
     stride_oh,
     BLOCK_B: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -496,6 +633,7 @@ def _lean_decode_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     G_MERGE: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,  # MULTI_Q: partial rows a merge pass takes (of G * q_len)
     MERGE_STAGES: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
@@ -508,6 +646,7 @@ def _lean_decode_kernel(
     E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
     EARLY_TICKET: tl.constexpr,  # MMA: draw a partial first segment's ticket on leaving it
     Q_PER_TILE: tl.constexpr,  # fp16 decode: q's operand made in every tile, not once a segment
+    Q_MAX: tl.constexpr,  # query positions a sequence (q's axis 1); 1: the single-query decode step
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -543,6 +682,10 @@ def _lean_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_g < G  # [G_PAD] rows past the group are padding for the dot's M >= 16
+    # Several query positions a sequence (verification of drafts): a tile's rows are the group's
+    # heads for each position (_row_offsets), all reading the tile's K/V once; each row's causal
+    # limit masks its scores (_row_limits). Q_MAX 1 compiles none of it.
+    MULTI_Q: tl.constexpr = Q_MAX > 1
     # Loop-invariant int32 offsets inside one block; only the scalar block offset moves.
     offs_k = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
     if V_BLOCK == 0:
@@ -579,63 +722,72 @@ def _lean_decode_kernel(
         else:  # blocked: start is a multiple of V_BLOCK (the caller's contract)
             v_b = V + b.to(tl.int64) * stride_vb + (start // V_BLOCK) * stride_vn
         s_b = b.to(tl.int64) * stride_sb + start
+        if MULTI_Q:  # this sequence's query positions: its rows and their causal limits
+            q_len = tl.load(QLens + b)
+            row_ok = offs_g < G * q_len
+            lim = _row_limits(length, q_len, offs_g, G)  # [G_PAD]
         if MMA:
             while tile < stop:  # our tiles of one head (segment) at a time
                 h = (tile - seq_lo) // n_blk
                 seg_lo = seq_lo + h * n_blk
                 seg_stop = tl.minimum(stop, seg_lo + n_blk)
-                q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
-                q_hi, q_mid, q_lo, row_scale = _e4m3_query(
-                    q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, E4M3_HW
-                )
+                q_offs = _row_offsets(offs_g, 0, h, G, 0, stride_qj, stride_qh, MULTI_Q)  # [G_PAD] rows' q
+                q_hi, q_mid, q_lo, row_scale = _e4m3_query(q_b, q_offs, offs_d, row_ok, qk_scale, E4M3_HW)
                 k_h = k_b + h.to(tl.int64) * stride_kh  # 64-bit head offset, int32 within (host check)
                 v_h = v_b + h.to(tl.int64) * stride_vh
                 s_h = s_b + h * stride_sh
-                m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
+                m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, 1 if MULTI_Q else BLOCK_N, MMA)
                 for t in range(tile, seg_stop):
                     n0 = (t - seg_lo) * BLOCK_N
                     valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
                     k = tl.load(k_h + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0)
                     k_scale, v_scale = _load_scales(KVScale + s_h + n0, offs_n, valid)
                     v = _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK)
+                    if MULTI_Q:
+                        seen = (n0 + offs_n)[:, None] < lim[None, :]  # [BLOCK_N, G_PAD] causal
+                    else:
+                        seen = valid
                     # fmt: off
-                    m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, (q_hi, q_mid, q_lo),
-                                                   row_scale, m_i, l_i, acc, E4M3_HW)
+                    m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, seen, (q_hi, q_mid, q_lo),
+                                                   row_scale, m_i, l_i, acc, E4M3_HW, MULTI_Q)
                     # fmt: on
                 l_row = tl.sum(l_i, 0)  # [G_PAD]
                 o_seg = tl.trans(acc / l_row[None, :])  # back to [G_PAD, HEAD_DIM]
                 whole = (seg_lo >= range_lo) & (seg_stop == seg_lo + n_blk)
                 slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
+                o_offs = _row_offsets(offs_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
+                lse_offs = _row_offsets(offs_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
                 # fmt: off
-                _store_segment(o_seg, m_i, l_row, whole, slot, b, q_rows, Out, Lse, PartO, PartLse, Hkv, G,
-                               stride_ob, stride_oh, G_PAD, HEAD_DIM, WRITE_LSE)
+                _store_segment(o_seg, m_i, l_row, whole, slot, G * q_len if MULTI_Q else G, o_offs, lse_offs,
+                               Out, Lse, PartO, PartLse, G_PAD, HEAD_DIM, WRITE_LSE, MULTI_Q)
                 if EARLY_TICKET:
                     if _ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi):
                         tl.debug_barrier()  # the partial's stores precede the ticket (release)
                         _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles,
-                                          Out, Lse, PartO, PartLse, Counters, G, Hkv, stride_ob, stride_oh,
-                                          G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE,
-                                          WRITE_LSE)
+                                          Out, Lse, PartO, PartLse, Counters, QLens, G, Hkv, stride_ob,
+                                          stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_ROWS,
+                                          MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE, Q_MAX,
+                                          MULTI_Q)
                 # fmt: on
                 tile = seg_stop
         else:
             if (DEQUANT != 0) and not Q_PER_TILE:
                 # q's fp16 operand depends only on the head: made once per segment, not per tile
-                q_h, row_scale = _fp16_query(
-                    q_b, ((tile - seq_lo) // n_blk) * G + offs_g, offs_d, row_ok, stride_qh, qk_scale, UNIT
-                )
+                h = (tile - seq_lo) // n_blk
+                q_offs = _row_offsets(offs_g, 0, h, G, 0, stride_qj, stride_qh, MULTI_Q)
+                q_h, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
             for t in range(tile, stop):
                 h = (t - seq_lo) // n_blk
                 seg_lo = seq_lo + h * n_blk
                 n0 = (t - seg_lo) * BLOCK_N
-                q_rows = h * G + offs_g  # [G_PAD] query heads of KV head h
+                q_offs = _row_offsets(offs_g, 0, h, G, 0, stride_qj, stride_qh, MULTI_Q)  # [G_PAD] rows' q
                 if DEQUANT == 0:
-                    q_ptrs = q_b + q_rows[:, None] * stride_qh + offs_d[None, :]
+                    q_ptrs = q_b + q_offs[:, None] + offs_d[None, :]
                     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
                 elif Q_PER_TILE:  # its load is then pipelined with the tile's (FP8_TINY_CONFIG)
-                    q_h, row_scale = _fp16_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
+                    q_h, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
                 elif (t == seg_lo) & (t != tile):  # a new head starts inside our range
-                    q_h, row_scale = _fp16_query(q_b, q_rows, offs_d, row_ok, stride_qh, qk_scale, UNIT)
+                    q_h, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
                 valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
                 # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
                 k = tl.load(
@@ -651,12 +803,21 @@ def _lean_decode_kernel(
                     k_scale, v_scale = _load_scales(KVScale + s_b + h * stride_sh + n0, offs_n, valid)
                     qk = tl.dot(q_h, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
                     qk = qk * row_scale[:, None] * k_scale[None, :]
-                qk = tl.where(valid[None, :], qk, float("-inf"))
-                # Every block holds a valid position, so m_new is finite and alpha is 0 on a
-                # segment's first block (m_i = -inf there).
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
+                if MULTI_Q:
+                    qk = tl.where((n0 + offs_n)[None, :] < lim[:, None], qk, float("-inf"))  # causal
+                    # A row may see none of this tile (the last one's draft positions past its limit):
+                    # while it has seen nothing, m = -inf and alpha = p = 0, with no NaN.
+                    m_new = tl.maximum(m_i, tl.max(qk, 1))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_ref)
+                    p = tl.exp2(qk - m_ref[:, None])  # [G_PAD, BLOCK_N]
+                else:
+                    qk = tl.where(valid[None, :], qk, float("-inf"))
+                    # Every block holds a valid position, so m_new is finite and alpha is 0 on a
+                    # segment's first block (m_i = -inf there).
+                    m_new = tl.maximum(m_i, tl.max(qk, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
                 l_i = l_i * alpha + tl.sum(p, 1)
                 if V_BLOCK == 0:
                     v = tl.load(
@@ -685,9 +846,12 @@ def _lean_decode_kernel(
                 if (t == seg_hi - 1) | (t == range_hi - 1):  # our piece of this segment ends here
                     whole = (seg_lo >= range_lo) & (t == seg_hi - 1)
                     slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
+                    o_offs = _row_offsets(offs_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
+                    lse_offs = _row_offsets(offs_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
                     # fmt: off
-                    _store_segment(acc / l_i[:, None], m_i, l_i, whole, slot, b, q_rows, Out, Lse, PartO,
-                                   PartLse, Hkv, G, stride_ob, stride_oh, G_PAD, HEAD_DIM, WRITE_LSE)
+                    _store_segment(acc / l_i[:, None], m_i, l_i, whole, slot, G * q_len if MULTI_Q else G,
+                                   o_offs, lse_offs, Out, Lse, PartO, PartLse, G_PAD, HEAD_DIM, WRITE_LSE,
+                                   MULTI_Q)
                     # fmt: on
                     m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
             tile = stop
@@ -707,8 +871,9 @@ def _lean_decode_kernel(
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
                 _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles, Out, Lse,
-                                  PartO, PartLse, Counters, G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM,
-                                  G_MERGE, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
+                                  PartO, PartLse, Counters, QLens, G, Hkv, stride_ob, stride_oj, stride_oh,
+                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_ROWS, MERGE_STAGES, MERGE_CHUNK,
+                                  COUNTER_STRIDE, WRITE_LSE, Q_MAX, MULTI_Q)
                 # fmt: on
 
 
@@ -754,7 +919,7 @@ def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segme
 
 
 def lean_attention(
-    q: torch.Tensor,  # [B, Hq, D]
+    q: torch.Tensor,  # [B, Hq, D]; with q_lens: [B, Q_MAX, Hq, D]
     k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared), last dim contiguous
     v_cache: torch.Tensor,  # [C, Hkv, S, D]; FP8: [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK] (blocked_t)
     lengths: torch.Tensor,  # [B] int32 on q's device, 0 <= starts[b] + lengths[b] <= S
@@ -767,7 +932,8 @@ def lean_attention(
     out: torch.Tensor | None = None,
     use_pdl: bool = False,
     lse: torch.Tensor | None = None,
-) -> torch.Tensor:  # [B, Hq, D] in q.dtype
+    q_lens: torch.Tensor | None = None,  # [B] int32 on q's device: query positions of each sequence
+) -> torch.Tensor:  # [B, Hq, D] ([B, Q_MAX, Hq, D] with q_lens) in q.dtype
     """softmax(q k^T * scale) v over each sequence's lengths[b] cached positions, which begin at
     position starts[b] (default 0) of its cache row: row b, or the one row when C = 1 (a batch
     whose sequences own contiguous regions of one shared position axis). A sequence of length 0
@@ -789,11 +955,42 @@ def lean_attention(
     `use_pdl` launches with programmatic dependent launch (Hopper+), chained to the step's kernels.
     `lse` ([B, Hq] float32, contiguous) receives each query head's log-sum-exp of the scaled scores
     (natural log), written with the output (a sequence of length 0 writes neither).
+
+    Several query positions a sequence (`q_lens`: verifying speculative drafts): q is
+    [B, Q_MAX, Hq, D] and sequence b has q_lens[b] of them, 1 <= q_lens[b] <= Q_MAX and
+    q_lens[b] <= lengths[b] where lengths[b] > 0. Their K/V are already cached as the last q_lens[b]
+    of its lengths[b] positions, and query position j sees the first lengths[b] - q_lens[b] + j + 1
+    (causal among the new tokens). `out` and the result are [B, Q_MAX, Hq, D], `lse`
+    [B, Q_MAX, Hq]; rows j >= q_lens[b] are left unwritten. The tile's rows hold the group's query
+    heads for each position (G * Q_MAX of them, padded to a power of two), so K/V are read once for
+    all of them, and the schedule is the same as with one position. q_lens is a device tensor: a
+    graph captured once replays for any q_lens up to Q_MAX. Q_MAX = 1 runs the single-query kernel.
     """
+    if q_lens is not None:
+        if q.dim() != 4:
+            raise ValueError(f"with q_lens, q must be [B, Q_MAX, Hq, D], got {tuple(q.shape)}")
+        B, q_max = q.shape[:2]
+        if q_lens.shape != (B,):
+            raise ValueError(f"q_lens must be [B] = [{B}], got {tuple(q_lens.shape)}")
+        if q_lens.device.type == "cpu" and bool(((q_lens < 1) | (q_lens > q_max)).any()):
+            raise ValueError(f"every q_lens must be in [1, Q_MAX = {q_max}], got {q_lens.tolist()}")
+        if lengths.device.type == "cpu" and bool(((lengths > 0) & (lengths < q_lens.cpu())).any()):
+            raise ValueError("a sequence's length must count its q_lens new positions")
+        if q_max == 1:  # one position each: the single-query kernel, on [B, Hq, D] views
+            return lean_attention(
+                q[:, 0], k_cache, v_cache, lengths, scale, kv_scale=kv_scale, starts=starts,
+                num_ctas=num_ctas, config=config, out=None if out is None else out[:, 0], use_pdl=use_pdl,
+                lse=None if lse is None else lse[:, 0],
+            ).unsqueeze(1)  # fmt: skip
+        if q_lens.dtype != torch.int32:
+            q_lens = q_lens.to(torch.int32)
+        q3 = q[:, 0]  # [B, Hq, D]: the checks below are the single-query ones
+    else:
+        q_max, q3 = 1, q
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if q.dim() != 3 or k_cache.dim() != 4 or (v_cache.shape != k_cache.shape and not fp8):
+    if q3.dim() != 3 or k_cache.dim() != 4 or (v_cache.shape != k_cache.shape and not fp8):
         raise ValueError(f"expected q [B, Hq, D] and K/V [B, Hkv, S, D], got {q.shape}, {k_cache.shape}")
-    B, Hq, D = q.shape
+    B, Hq, D = q3.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     if k_cache.shape[0] not in (B, 1) or k_cache.shape[3] != D:
         raise ValueError(f"q {tuple(q.shape)} does not match K/V {tuple(k_cache.shape)}")
@@ -831,21 +1028,34 @@ def lean_attention(
     if lengths.dtype != torch.int32:
         lengths = lengths.to(torch.int32)
 
-    config = config or default_config(D, q.dtype, fp8, positions=C * S, kv_heads=Hkv)
+    G = Hq // Hkv
+    g_pad = _group_pad(G * q_max)
+    if q_max > 1 and q.device.type == "cuda" and G * q_max > MULTI_QUERY_MAX_ROWS:
+        raise ValueError(f"query heads a KV head x Q_MAX = {G * q_max} > {MULTI_QUERY_MAX_ROWS} rows a tile")
+    if config is None:
+        config = default_config(D, q.dtype, fp8, positions=C * S, kv_heads=Hkv)
+        if q_max > 1:
+            config = multi_query_config(config, g_pad, q.dtype, fp8)
     if fp8 and config.block_n % V_BLOCK != 0:
         raise ValueError(f"an FP8 cache needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     if config.merge_chunk < 1 or config.merge_chunk & (config.merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two, got {config.merge_chunk}")
     grid = _grid_size(q.device, config, num_ctas)
-    G = Hq // Hkv
-    g_pad = _group_pad(G)
+    # The merge's vectors hold (rows x head_dim) elements of every partial it has in flight. With
+    # several query positions it takes the rows in blocks of at most MULTI_MERGE_ROWS, and as many
+    # partials an iteration as keep a chunk's elements within the single-query config's.
+    merge_rows, merge_chunk = triton.next_power_of_2(G * q_max), config.merge_chunk
+    if q_max > 1:
+        merge_rows = min(merge_rows, max(MULTI_MERGE_ROWS, triton.next_power_of_2(G)))
+        merge_chunk = max(1, merge_chunk * triton.next_power_of_2(G) // merge_rows)
     ws = _workspace(q.device, grid, g_pad, D, B * Hkv)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
-    if lse is not None and (lse.shape != (B, Hq) or lse.dtype != torch.float32 or not lse.is_contiguous()):
-        raise ValueError(f"lse must be a contiguous [B, Hq] = {[B, Hq]} float32 tensor")
+    lse_shape = (B, Hq) if q_lens is None else (B, q_max, Hq)
+    if lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous {list(lse_shape)} float32 tensor")
     if fp8:
         # uint8 views: the kernel decodes the e4m3 bits itself (the Triton interpreter has no
         # float8 tensors, and the integer decode needs no FP8 conversion hardware).
@@ -867,6 +1077,7 @@ def lean_attention(
         out if lse is None else lse,  # unused pointer without lse
         lengths,
         lengths if starts is None else starts,  # unused pointer without starts
+        lengths if q_lens is None else q_lens,  # unused pointer with one query position
         ws.part_o,
         ws.part_lse,
         ws.counters,
@@ -875,7 +1086,8 @@ def lean_attention(
         Hkv,
         G,
         q.stride(0),
-        q.stride(1),
+        q.stride(1) if q_lens is not None else 0,
+        q.stride(-2),
         k_cache.stride(0) if C == B else 0,  # B > C = 1: every sequence reads the one row
         k_cache.stride(1),
         k_cache.stride(2),
@@ -886,15 +1098,17 @@ def lean_attention(
         (scale_words.stride(0) if C == B else 0) if fp8 else 0,
         scale_words.stride(1) if fp8 else 0,
         out.stride(0),
-        out.stride(1),
+        out.stride(1) if q_lens is not None else 0,
+        out.stride(-2),
         BLOCK_B=triton.next_power_of_2(B),
         G_PAD=g_pad,
         HEAD_DIM=D,
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        G_MERGE=triton.next_power_of_2(G),
+        G_MERGE=triton.next_power_of_2(G * q_max),
+        MERGE_ROWS=merge_rows,
         MERGE_STAGES=config.merge_stages,
-        MERGE_CHUNK=config.merge_chunk,
+        MERGE_CHUNK=merge_chunk,
         COUNTER_STRIDE=_COUNTER_STRIDE,
         DEQUANT=dequant,
         UNIT=DEQUANT_UNIT.get(dequant, 1.0),
@@ -905,6 +1119,7 @@ def lean_attention(
         E4M3_HW=q.device.type == "cuda",
         EARLY_TICKET=config.early_ticket,
         Q_PER_TILE=config.q_per_tile,
+        Q_MAX=q_max,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

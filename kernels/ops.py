@@ -13,6 +13,7 @@ rope_and_cache    qkv [B, (Hq + 2 Hkv) D] -> q [B, Hq, D]; k, v cached   fused_t
 rope_into         prefill: qkv [B, T, (Hq + 2 Hkv) D] -> q, k, v written  fused_triton    rotate, copy_
                   into heads-major [B, H, T, D] views
 decode_attention  q [B, Hq, D], cache [B or 1, Hkv, S, D], lengths [B]   lean_attention  reference.py
+                  (also q [B, Q_MAX, Hq, D] with q_lens [B]: verifying drafts)
 gate_up_silu      x [B, K], gate/up [2 I, K] -> silu(gate) * up [B, I]   gemv / cuBLAS   F.linear, silu_mul
 silu_mul          gate_up [B, 2 I] -> silu(gate) * up [B, I]             fused_triton    F.silu * up
 
@@ -53,7 +54,7 @@ import torch.nn.functional as F
 from . import fp8_weights
 from .fp8_weights import FP8Weight, QuantizedRows, fp8_linear_reference
 from .quant import FP8_DTYPE, V_BLOCK, dequantize_fp8, quantize_fp8, read_v_rows
-from .reference import decode_attention_reference
+from .reference import decode_attention_reference, multi_query_attention_reference
 
 if TYPE_CHECKING:
     from .collectives import SumAfter
@@ -376,7 +377,7 @@ def decode_attention_problem(device: torch.device, head_dim: int) -> str | None:
 
 
 def decode_attention(
-    q: torch.Tensor,  # [B, Hq, D]
+    q: torch.Tensor,  # [B, Hq, D]; with q_lens: [B, Q_MAX, Hq, D]
     k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared by the batch)
     v_cache: torch.Tensor,  # [C, Hkv, S, D]; FP8: blocked [C, Hkv, ceil(S / V_BLOCK), D, V_BLOCK]
     lengths: torch.Tensor,  # [B] int32 on q's device: valid positions per sequence (0: idle)
@@ -386,6 +387,7 @@ def decode_attention(
     kv_scale: torch.Tensor | None = None,  # [C, Hkv, S, 2] bfloat16 (K, V), with an FP8 cache
     starts: torch.Tensor | None = None,  # [B] int64: first position of each sequence (default 0)
     return_lse: bool = False,
+    q_lens: torch.Tensor | None = None,  # [B] int32 on q's device: query positions per sequence
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] (, lse [B, Hq] float32)
     """One decode step of attention: each sequence's single new query over its cached context,
     positions starts[b] .. starts[b] + lengths[b] - 1 of its cache row (the lean stream-K kernel,
@@ -398,20 +400,31 @@ def decode_attention(
     return_lse also returns each query head's log-sum-exp of the scaled scores (natural log),
     which weighs partial results over disjoint ranges of the context in an exact merge (context
     parallelism: minidecode/distributed.py); a sequence of length 0 has none (the kernel leaves
-    it unwritten, the twin gives -inf): the caller masks it."""
+    it unwritten, the twin gives -inf): the caller masks it.
+
+    q_lens: several new query positions a sequence (speculative decoding's verification step), q
+    [B, Q_MAX, Hq, D], 1 <= q_lens[b] <= Q_MAX. Their K/V are already cached as the last q_lens[b]
+    of the sequence's lengths[b] positions; query position j sees positions
+    starts[b] .. starts[b] + lengths[b] - q_lens[b] + j. The result is [B, Q_MAX, Hq, D] (lse
+    [B, Q_MAX, Hq]); rows j >= q_lens[b] are unwritten by the kernel, 0 (lse -inf) in the twin.
+    One launch whatever the q_lens (a device tensor: graph-safe), reading K/V once for all of them."""
     if _triton(q, triton):
         from .lean_attention import lean_attention
 
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        # lse [B, Hq] or [B, Q_MAX, Hq]: q's shape without head_dim
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else None
         out = lean_attention(
             q, k_cache, v_cache, lengths, scale, kv_scale=kv_scale, starts=starts,
-            use_pdl=_pdl(q, pdl), lse=lse,
+            use_pdl=_pdl(q, pdl), lse=lse, q_lens=q_lens,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device) if return_lse else None
+    lse = None
+    if return_lse:
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    tails = [1] * q.shape[0] if q_lens is None else q_lens.tolist()
     firsts = [0] * q.shape[0] if starts is None else starts.tolist()
-    for b, (first, n) in enumerate(zip(firsts, lengths.tolist(), strict=True)):
+    for b, (first, n, t) in enumerate(zip(firsts, lengths.tolist(), tails, strict=True)):
         if n == 0:
             continue
         row, span = b if k_cache.shape[0] > 1 else 0, slice(first, first + n)
@@ -424,7 +437,15 @@ def decode_attention(
         else:
             v = v_cache[row : row + 1, :, span]
         length = torch.tensor([n], device=lengths.device)
-        if return_lse:
+        if q_lens is not None:
+            got = multi_query_attention_reference(
+                q[b : b + 1], k, v, length, torch.tensor([t]), scale, return_lse=return_lse
+            )
+            if return_lse:
+                out[b : b + 1], lse[b : b + 1] = got
+            else:
+                out[b : b + 1] = got
+        elif return_lse:
             out[b : b + 1], lse[b : b + 1] = decode_attention_reference(
                 q[b : b + 1], k, v, length, scale, return_lse=True
             )

@@ -34,3 +34,40 @@ def decode_attention_reference(
         if return_lse:
             lse[b] = torch.logsumexp(scores, dim=-1).reshape(Hq)
     return (out, lse) if return_lse else out
+
+
+def multi_query_attention_reference(
+    q: torch.Tensor,  # [B, Q_MAX, Hq, D]: q_lens[b] new query positions of sequence b
+    k_cache: torch.Tensor,  # [B, Hkv, S, D]: the first lengths[b] positions valid, the new ones last
+    v_cache: torch.Tensor,  # [B, Hkv, S, D]
+    lengths: torch.Tensor,  # [B] int, valid positions per sequence (0: idle, else >= q_lens[b])
+    q_lens: torch.Tensor,  # [B] int, 1 <= q_lens[b] <= Q_MAX
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Q_MAX, Hq, D] (, lse [B, Q_MAX, Hq])
+    """Attention of several new query positions a sequence (verifying speculative drafts): query
+    position j of sequence b sees its first lengths[b] - q_lens[b] + j + 1 positions (the whole
+    context before the new tokens, and the new tokens causally). Rows j >= q_lens[b] and idle
+    sequences are 0 (lse -inf). Host loops: for CPU runs and tests."""
+    B, q_max, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    out = torch.zeros_like(q)
+    lse_dtype = torch.promote_types(compute_dtype, torch.float32)
+    lse = torch.full((B, q_max, Hq), float("-inf"), dtype=lse_dtype, device=q.device)
+    for b, (n, t) in enumerate(zip(lengths.tolist(), q_lens.tolist(), strict=True)):
+        if n == 0:
+            continue
+        qb = q[b, :t].to(compute_dtype).view(t, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, t * G, D)
+        kb = k_cache[b, :, :n].to(compute_dtype)  # [Hkv, n, D]
+        vb = v_cache[b, :, :n].to(compute_dtype)
+        scores = qb @ kb.transpose(1, 2) * scale  # [Hkv, t * G, n], row j * G + g
+        limit = n - t + 1 + torch.arange(t, device=q.device)  # [t] positions query j sees
+        seen = torch.arange(n, device=q.device)[None, :] < limit[:, None]  # [t, n]
+        scores = scores.masked_fill(~seen.repeat_interleave(G, 0)[None], float("-inf"))  # [t, n] -> rows
+        o = (torch.softmax(scores, dim=-1) @ vb).view(Hkv, t, G, D).permute(1, 0, 2, 3)  # [t, Hkv, G, D]
+        out[b, :t] = o.reshape(t, Hq, D).to(q.dtype)
+        if return_lse:
+            lse[b, :t] = torch.logsumexp(scores, dim=-1).view(Hkv, t, G).permute(1, 0, 2).reshape(t, Hq)
+    return (out, lse) if return_lse else out
