@@ -430,10 +430,22 @@ def shared_options(runtime: tuple[str, ...] = (), request: bool = False) -> Call
     return decorate
 
 
-def check_one_process(command: str, why: str) -> None:
-    """A command that runs in one process, refusing a torchrun launch of several."""
-    if (world_size() or 1) > 1:
-        raise UserError(f"{command} runs in one process: start it without torchrun ({why})")
+def check_launch(runtime: Runtime) -> None:
+    """Refuse a torchrun launch whose size is not --tp x --cp (every rank would run the whole
+    command, and write its output), and --tp / --cp without torchrun."""
+    from minidecode.validate import check_parallel
+
+    check_parallel(runtime.tp, runtime.cp, world_size())
+
+
+def serve_rank0(llm: LLM) -> None:
+    """A rank other than 0 of a torchrun launch: run rank 0's step plans until it closes; a dead
+    rank 0 is one error line and exit code 1."""
+    try:
+        llm.serve_plans()
+    except RuntimeError as e:
+        typer.echo(f"error: rank {rank()}: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 # ---- generate ----------------------------------------------------------------------------------
@@ -570,10 +582,7 @@ def set_prompt(llm: LLM, request: Request, text: str | None, prompt_tokens: int 
     refused before they are made), the text as a chat message, or the text."""
     if prompt_tokens is not None:
         context = request.max_context or prompt_tokens + request.new_tokens
-        if llm.parallel is None:
-            llm.check_fits(context, prompt_tokens)
-        else:  # a rank short of memory stops every rank
-            llm.parallel.fail_together(lambda: llm.check_fits(context, prompt_tokens))
+        llm.check_fits(context, prompt_tokens)  # (the least free memory of any rank)
         request.token_ids = llm.random_prompt(prompt_tokens, seed=request.seed or 0)
     elif chat:
         request.messages = [{"role": "user", "content": text}]
@@ -623,6 +632,9 @@ def generate(
         text = generate_text(prompt, prompt_file, prompt_tokens, first)
         check_generate_args(model, text, prompt_tokens, chat, request, runtime, load_cache, save_cache)
         llm = runtime.load(model)
+        if not first:
+            serve_rank0(llm)
+            return
         if load_cache is not None:
             llm.load_cache(load_cache)
         set_prompt(llm, request, text, prompt_tokens, chat)
@@ -651,11 +663,14 @@ def generate(
 
 
 # ---- batch -------------------------------------------------------------------------------------
+# the runtime options of the commands that run an engine loop (batch, serve)
+SERVE_RUNTIME = (
+    "max_batch", "graph", "device", "dtype", "kv_cache_dtype", "quantization", "prefill_attention", "tp", "cp"
+)  # fmt: skip
+
+
 @app.command()
-@shared_options(
-    runtime=("max_batch", "graph", "device", "dtype", "kv_cache_dtype", "quantization", "prefill_attention"),
-    request=True,
-)
+@shared_options(runtime=SERVE_RUNTIME, request=True)
 def batch(
     model: ModelArg = None,
     requests: Annotated[
@@ -680,15 +695,19 @@ def batch(
     request option by its API name (max_new_tokens, temperature, stop, logprobs, reuse_prefix,
     ...: the options are the defaults). One JSON result a line is written as each request ends:
     {"id", "line", "text", "finish_reason", "token_ids", "prompt_tokens", "stats"}, or {"id",
-    "line", "error"} for a request that was refused. Exit code 1 if any was."""
+    "line", "error"} for a request that was refused. Exit code 1 if any was. With --tp / --cp,
+    under torchrun: rank 0 reads and writes, every rank computes its part."""
     if requests is None:  # one argument: the requests file, with the shipped model
         if model is None:
             fail("give a requests file (JSONL, one JSON object a line), or - for stdin")
         model, requests = None, model
     try:
-        check_one_process("batch", "--tp / --cp are for generate")
         runtime.check()
+        check_launch(runtime)
         request.check(need_prompt=False)
+        if rank() != 0:  # rank 0 reads and writes; the others run its plans
+            serve_rank0(runtime.load(model))
+            return
     except UserError as e:
         fail(str(e))
     if output is not None:
@@ -708,18 +727,20 @@ def run_batch(model: str | None, runtime: Runtime, defaults: Request, report: Ba
     read), each result written as it ends; the stats line; exit code 1 if any request failed."""
     good = [entry for entry in report.entries if entry.error is None]
     stream = None
-    if good:
+    if good or (world_size() or 1) > 1:  # (under torchrun the other ranks wait for the model)
         try:
             llm = runtime.load(model)
             given = {k: v for k, v in asdict(defaults).items() if v is not None}
-            stream = llm.stream_batch(
-                [entry.fields for entry in good],
-                on_result=lambda i, result: report.write(good[i], result),
-                **given,
-            )
+            if good:
+                stream = llm.stream_batch(
+                    [entry.fields for entry in good],
+                    on_result=lambda i, result: report.write(good[i], result),
+                    **given,
+                )
         except UserError as e:
             fail(str(e))
-        report.progress = stream.progress
+        if stream is not None:
+            report.progress = stream.progress
     with report:  # opens --output only now: a refused command leaves an existing file as it was
         if stream is not None:
             with stream:
@@ -733,9 +754,6 @@ def run_batch(model: str | None, runtime: Runtime, defaults: Request, report: Ba
 
 
 # ---- serve -------------------------------------------------------------------------------------
-SERVE_RUNTIME = (
-    "max_batch", "graph", "device", "dtype", "kv_cache_dtype", "quantization", "prefill_attention"
-)  # fmt: skip
 
 
 @app.command()
@@ -767,12 +785,13 @@ def serve(
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) plus /health,
     /metrics, /tokenize and /detokenize; every request feeds the one engine loop (concurrent clients
     decode as one batch). Ctrl-C stops new requests and lets the running ones finish; a second
-    Ctrl-C aborts them. Needs the serve extra: pip install "minidecode[serve]"."""
+    Ctrl-C aborts them. With --tp / --cp, under torchrun: rank 0 listens, every rank computes its
+    part. Needs the serve extra: pip install "minidecode[serve]"."""
     import importlib.util
 
     try:
-        check_one_process("serve", "no --tp / --cp yet")
         runtime.check()
+        check_launch(runtime)
         check_int("--port", port, 0)
         if port > 65535:
             raise UserError(f"--port must be at most 65535, got {port}")
@@ -785,6 +804,9 @@ def serve(
         ]
         if missing:
             raise UserError(f'serve needs {", ".join(missing)}: pip install "minidecode[serve]"')
+        if rank() != 0:  # rank 0 listens; the others run its plans
+            serve_rank0(runtime.load(model))
+            raise typer.Exit(0)
         check_port_free(host, port)
         from minidecode.server import ServerSettings, serve
 

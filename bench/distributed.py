@@ -223,7 +223,7 @@ def part_main(args: argparse.Namespace) -> None:
                 fraction = rank_step_bytes(llm, context) / statistics.median(seconds) / ceiling
                 rows.append(Row(context, variant, tok_s=[1 / s for s in seconds]))
                 rows[-1].roofline_pct = 100 * min(every_rank(llm, fraction))
-                llm.release_cache()
+                llm.engine.release()  # (every rank's, directly: this script drives the engines in step)
                 entry["rows"] = [r.__dict__ for r in sorted(rows, key=lambda r: r.context)]
                 if rank0:
                     args.result.write_text(json.dumps(result))

@@ -8,7 +8,9 @@
 - the collectives the model calls (the exact log-sum-exp merge of attention computed over
   disjoint ranges of the context is kernels/ops.py's); on GPUs, the small ones of the decode step run
   as one-shot kernels over symmetric memory (OneShot), the rest through NCCL;
-- agreement between ranks: one rank's error becomes every rank's, so all exit together.
+- agreement between ranks: one rank's error becomes every rank's, so all exit together;
+- the plan group (gloo, with a timeout) over which rank 0 sends each step plan to the other ranks
+  (fanout.py).
 
 Ranks are laid out tp-major: global rank = cp_rank * tp + tp_rank. A tensor-parallel group is the
 tp ranks of one cp_rank (they hold the same positions); a context-parallel group is the cp ranks of
@@ -21,9 +23,8 @@ import atexit
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,6 @@ NO_MULTICAST = {
 # for 70B; the context-parallel merge gathers 16.5 KiB a rank, the logits 251 KiB in all) run as
 # one-shot kernels (OneShot) up to collectives.MAX_BYTES (512 KiB) a rank; larger ones (prefill's
 # activations) go through NCCL, whose ring and tree algorithms move large messages at link bandwidth.
-
-T = TypeVar("T")
-
 
 def world_size_from_environment() -> int | None:
     """torchrun's WORLD_SIZE, or None outside torchrun."""
@@ -136,6 +134,7 @@ class Parallel:
     cp_one_shot: OneShot | None = None
     use_one_shot: bool = True
     one_shot_problem: str | None = None
+    plan_group: Any = None  # gloo ProcessGroup of every rank for rank 0's step plans (fanout.py)
 
     @property
     def world_size(self) -> int:
@@ -195,36 +194,6 @@ class Parallel:
             return None
         rank, first = errors[0]
         return first if len(errors) == self.world_size else f"rank {rank}: {first}"
-
-    def min_over_ranks(self, value: int) -> int:
-        """The smallest of every rank's value (free memory: every rank then plans alike)."""
-        values: list[int | None] = [None] * self.world_size
-        dist.all_gather_object(values, int(value))
-        return min(values)
-
-    def fail_together(self, run: Callable[[], T]) -> T:
-        """run() on every rank; a UserError on any rank is raised on every rank."""
-        value, error = None, None
-        try:
-            value = run()
-        except UserError as e:
-            error = str(e)
-        if (error := self.first_error(error)) is not None:
-            raise UserError(error)
-        return value
-
-    def from_rank0(self, run: Callable[[], T]) -> T:
-        """run() on rank 0 only; its value (or its UserError) reaches every rank."""
-        box: list[Any] = [None, None]
-        if self.rank == 0:
-            try:
-                box[0] = run()
-            except UserError as e:
-                box[1] = str(e)
-        dist.broadcast_object_list(box, src=0)
-        if box[1] is not None:
-            raise UserError(box[1])
-        return box[0]
 
     def check_same(self, **settings: Any) -> None:
         """Refuse ranks started with different settings (a launcher that passes each rank its
@@ -345,6 +314,10 @@ def init_parallel(tp: int, cp: int, device: str | torch.device | None, one_shot:
         group = dist.new_group([c * tp + t for c in range(cp)]) if cp > 1 else None
         if t == parallel.tp_rank:
             parallel.cp_group = group
+    from .fanout import plan_timeout
+
+    # host objects over gloo, with a timeout: a dead rank ends the others' waits (fanout.py)
+    parallel.plan_group = dist.new_group(list(range(tp * cp)), backend="gloo", timeout=plan_timeout())
     parallel.check_same(tp=tp, cp=cp, device=dev.type, one_shot=one_shot)
     if one_shot:
         _set_up_one_shot(parallel)

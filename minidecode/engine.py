@@ -11,15 +11,20 @@ to whom is the scheduler's business (scheduler.py); this module only runs the mo
 The decode step runs rows 0..n-1 of a fixed-size `DecodeState`: the running sequences packed into
 the first rows of a bucket (1, 2, 4, ...) and the rest idle (length 0: the lean kernel gives them
 no work). Positions, region starts and sampling settings are device tensors, so one graph serves
-every step of every mix of sequences; the graphs are captured once per cache allocation.
+every step of every mix of sequences; the graphs are captured once per cache allocation
+(decode.py holds the step and its state).
+
+The engine decides nothing: each turn it runs one step plan (plan.py, made by scheduler.py) with
+`run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py). The prefill in
+progress is the model's generator of units of work (Transformer.prefill_units), held here between
+plans, each plan running as many units as it says.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -28,11 +33,15 @@ from minidecode.kernels.prefill import choose_backend
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
 from .cache import KVCache
+from .cache_file import read_cache_file
+from .decode import DecodeState, ProcessorRows, capture, decode_step
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
+from .pacer import STEP_END, STEP_START, DeviceClock
+from .plan import Copy, Decode, FileRead, Prefill, Resize, StepOutput, StepPlan
 from .request import DEFAULT_MAX_BATCH, MAX_TOP_LOGPROBS, check_int
-from .sampling import ProcessorRows, SamplingParams, SamplingRows, process, sample, top_logprobs
+from .sampling import SamplingParams, process, sample, top_logprobs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 # The most work (FLOPs) in one unit of a prefill that runs beside decoding sequences: they may
@@ -51,117 +60,6 @@ def check_max_batch(max_batch: int) -> int:
     if max_batch > BUCKETS[-1]:
         raise UserError(f"max_batch must be in [1, {BUCKETS[-1]}], got {max_batch}")
     return max_batch
-
-
-@dataclass
-class DecodeState:
-    """The decode step's device buffers, [B] each: a captured graph reads and writes exactly these,
-    so they live as long as the engine. A step uses the first rows of a bucket (views)."""
-
-    tokens: torch.Tensor  # int64: in, the last token; out, the next one
-    positions: torch.Tensor  # int64: where the next token goes (+= 1 per step, active rows only)
-    logprob: torch.Tensor  # float32: log p of the token just sampled (when asked for)
-    sampling: SamplingRows  # each sequence's sampling settings
-    starts: torch.Tensor  # int64: where each sequence's region begins in the cache row
-    active: torch.Tensor  # int32 0/1: 0 is an idle slot (reads nothing, does not advance)
-    # [B, MAX_TOP_LOGPROBS]: the most likely ids and their log p at the token just sampled (when asked for)
-    top_ids: torch.Tensor  # int64
-    top_logprob: torch.Tensor  # float32
-    processors: ProcessorRows | None = None  # logits-processor state, once a sequence uses one
-
-    @classmethod
-    def zeros(cls, batch: int, device: torch.device) -> DecodeState:
-        def new(dtype):
-            return torch.zeros(batch, dtype=dtype, device=device)
-
-        tokens, positions, starts = (new(torch.long) for _ in range(3))
-        top_ids = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.long, device=device)
-        top_logprob = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device)
-        # active is int32, as the decode kernel's lengths (lengths * active stays int32)
-        sampling, logprob, active = SamplingRows.zeros(batch, device), new(torch.float32), new(torch.int32)
-        return cls(tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob)
-
-    def add_processors(self, vocab: int) -> ProcessorRows:
-        """The logits-processor state ([B, vocab] buffers), allocated on first use."""
-        if self.processors is None:
-            self.processors = ProcessorRows.zeros(self.tokens.shape[0], vocab, self.tokens.device)
-        return self.processors
-
-    def rows(self, n: int, first: int = 0) -> DecodeState:
-        """Rows first..first+n-1, as views."""
-        tokens, positions, logprob, starts, active, top_ids, top_logprob = (
-            x[first : first + n] for x in self._columns()
-        )
-        processors = None if self.processors is None else self.processors.rows(n, first)
-        return DecodeState(
-            tokens, positions, logprob, self.sampling.rows(n, first), starts, active, top_ids, top_logprob,
-            processors,
-        )  # fmt: skip
-
-    def _columns(self) -> tuple[torch.Tensor, ...]:
-        rows = self.tokens, self.positions, self.logprob, self.starts, self.active
-        return (*rows, self.top_ids, self.top_logprob)
-
-    def move(self, src: int, dst: int) -> None:
-        """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""
-        for t in self._columns():
-            t[dst] = t[src]
-        self.sampling.move(src, dst)
-        if self.processors is not None:
-            self.processors.move(src, dst)
-
-
-def decode_step(
-    model: Transformer,
-    cache: KVCache,
-    state: DecodeState,
-    mode: str,
-    want_logprobs: bool,
-    pdl: bool,
-    adjust: bool = False,
-    top: bool = False,
-) -> None:
-    """One token for every row of `state`, reading and writing only its device buffers (so it can
-    be captured in a CUDA graph): each row's sequence lives in its region of the cache's one row
-    (state.starts); idle rows (state.active 0) read nothing. adjust: some row uses a logits
-    processor (state.processors); top: some row reports its top log-probs (implies want_logprobs)."""
-    hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active)
-    logits = model.logits(hidden)  # [B, V] float32
-    if adjust:  # rows that use no processor have neutral state: their logits pass unchanged
-        positions = state.positions + 1
-        nxt = sample(process(logits, state.processors, positions), state.sampling, positions, mode)  # [B]
-        state.processors.count(nxt, state.active)
-    else:
-        nxt = sample(logits, state.sampling, state.positions + 1, mode)  # [B]
-    if top:
-        logprobs = logits.log_softmax(-1)  # [B, V]: of the model's own distribution, not the processed one
-        state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
-        top_logprobs(logprobs, state.top_logprob, state.top_ids)
-    elif want_logprobs:
-        state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
-    state.tokens.copy_(nxt)
-    state.positions.add_(state.active)
-
-
-@functools.cache
-def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every warm-up: cuBLAS keeps a workspace per stream it ran
-    on, so a new stream per capture would leave one more workspace allocated each time."""
-    return torch.cuda.Stream(device)
-
-
-def capture(step: Callable[[], None], warm_up: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `step`, after `warm_up` ran once on a side stream (kernel compilation,
-    workspaces, library handles: nothing may allocate or compile during capture)."""
-    stream = _warm_up_stream(torch.device("cuda", torch.cuda.current_device()))
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        warm_up()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
 
 
 class Engine:
@@ -208,6 +106,14 @@ class Engine:
         # cache reallocations (each also drops the decode graphs), and graph captures with their time.
         self.resizes, self.captures, self.capture_seconds = 0, 0, 0.0
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._prefilling: Generator[float, None, torch.Tensor] | None = None  # the prefill in progress
+        self._prefill_prompt: list[int] = []  # ... and its prompt ids
+        self.clock = DeviceClock(device)  # marks of the steps and units, for the scheduler's pacer
+        cuda, top = device.type == "cuda", MAX_TOP_LOGPROBS  # pinned: the copies run beside the step
+        self._host_tokens = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
+        self._host_logprobs = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
+        self._host_top_ids = torch.empty(self.max_batch, top, dtype=torch.long, pin_memory=cuda)
+        self._host_top_logprobs = torch.empty(self.max_batch, top, dtype=torch.float32, pin_memory=cuda)
 
     @property
     def prefill_backend(self) -> str:
@@ -303,39 +209,141 @@ class Engine:
         state.active[row], state.starts[row] = 0, self.spare_start
         state.positions[row], state.tokens[row] = 0, 0
 
-    # ---- prefill -----------------------------------------------------------------------------
-    def prefill(
-        self,
-        prompt_ids: list[int],
-        start: int,
-        size: int,
-        reused: int,
-        between: Callable[[float], None] | None = None,
-        interleave: bool = False,
-        on_progress: Callable[[int, int], None] | None = None,
-    ) -> torch.Tensor:
-        """Prefill prompt positions reused.. into the region [start, start + size), whose
-        positions 0..reused-1 already hold the prompt's K/V -> float32 logits [1, V] of the last
-        position. `between(flops)` runs after each unit of work; `interleave` keeps units within
-        prefill_unit_flops (the running sequences may step after any unit). NaN / inf logits are
-        one UserError naming the first layer that made them."""
+    # ---- a step plan -------------------------------------------------------------------------
+    def run(self, plan: StepPlan, on_progress: Callable[[int, int], None] | None = None) -> StepOutput:
+        """Run one step plan (plan.py: its parts in their order) -> its StepOutput. The admitted
+        sequence's cache work, and the prefill's units, fail that sequence only (UserError, out of
+        memory: `failed`); anything else raises (the loop dies). `on_progress(done, total)`: the
+        prefill's progress (rank 0's caller)."""
+        out = StepOutput()
+        for src, dst in plan.moves:
+            self.move_row(src, dst)
+        for row in plan.clears:
+            self.clear_row(row)
+        if plan.cancel:
+            self._prefilling = None
+        admitted = self._cache_work(plan, out)
+        for rows, kind in plan.prepare:
+            self.prepare(rows, kind.mode, kind.logprobs, kind.adjust, kind.top)
+        copied = self._decode(plan.decode, out) if plan.decode is not None else None
+        if plan.prefill is not None and (admitted or plan.prefill.begin is None):
+            try:
+                self._run_prefill(plan.prefill, out, on_progress)
+            except (UserError, torch.OutOfMemoryError) as e:
+                self._prefilling = None
+                message = str(e) if isinstance(e, UserError) else (
+                    f"out of memory on {self.device} in prefill: lower the prompt length"
+                )  # fmt: skip
+                out.failed = (plan.prefill.seq, message)
+        if plan.score is not None:
+            out.logits = self.score(plan.score)
+        if copied is not None:
+            self._hand_back(plan.decode, copied, out)
+        out.capacity = self.capacity
+        return out
+
+    def _cache_work(self, plan: StepPlan, out: StepOutput) -> bool:
+        """plan.cache in order -> False if it failed (the admitted sequence's failure in `out`)."""
+        try:
+            for op in plan.cache:
+                if isinstance(op, Resize):
+                    out.resized = True
+                    self.resize(op.capacity, op.keep)
+                elif isinstance(op, Copy):
+                    self.copy_positions(op.src, op.dst, op.count)
+                elif isinstance(op, FileRead):
+                    t0 = time.perf_counter()
+                    read_cache_file(op.file, self.region(op.start, op.count).tensors())
+                    out.file_seconds = time.perf_counter() - t0
+                else:
+                    self.release()
+        except UserError as e:  # a cache file that does not read back
+            out.failed = (plan.admit, str(e))
+            return False
+        except torch.OutOfMemoryError:
+            out.failed = (plan.admit, f"out of memory on {self.device} while making room for its cache")
+            return False
+        return True
+
+    def _decode(self, decode: Decode, out: StepOutput):
+        """Copy the rows' previous tokens to the host, then queue the step (it runs while they are
+        handed out) -> the copy's mark."""
+        n, kind, state = decode.rows, decode.kind, self.state
+        self._host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
+        if kind.logprobs:
+            self._host_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
+        if kind.top:
+            self._host_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
+            self._host_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
+        copied = self.clock.mark(STEP_START)
+        self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top)
+        out.step_marks = (copied, self.clock.mark(STEP_END))
+        return copied
+
+    def _hand_back(self, decode: Decode, copied, out: StepOutput) -> None:
+        n, kind = decode.rows, decode.kind
+        self.clock.wait(copied)
+        out.tokens = self._host_tokens[:n].tolist()
+        if kind.logprobs:
+            out.logprobs = self._host_logprobs[:n].tolist()
+        if kind.top:
+            out.top_ids, out.top_logprobs = self._host_top_ids[:n], self._host_top_logprobs[:n]
+
+    def _run_prefill(self, p: Prefill, out: StepOutput, on_progress) -> None:
+        """Run p.units units of the prefill in progress (starting it if p.begin); once its last unit
+        has run, start its row and sample its first token into out.first."""
+        if p.begin is not None:
+            out.prefill_began = time.perf_counter()
+            args = (p.begin, p.start, p.size, p.reused, p.interleave, on_progress)
+            self._prefilling, self._prefill_prompt = self.prefill_units(*args), p.begin
+        units = self._prefilling
+        ran = 0
+        while p.units is None or ran < p.units:
+            try:
+                out.unit_flops += next(units)
+            except StopIteration as done:
+                self._prefilling = None
+                row = p.row
+                self.start_row(row.row, row.start, row.position, row.params, self._prefill_prompt)
+                first = self.sample_first(row.row, done.value, row.params, p.logprobs, p.top)
+                logprob = float(self.state.logprob[row.row]) if p.logprobs else None
+                top = (self.state.top_ids[row.row], self.state.top_logprob[row.row]) if p.top else None
+                out.first = (first, logprob, top)
+                return
+            ran += 1
+        if p.interleave:
+            out.unit_mark = self.clock.unit()
+
+    def prefill_units(
+        self, prompt_ids: list[int], start: int, size: int, reused: int, interleave: bool, on_progress
+    ) -> Generator[float, None, torch.Tensor]:
+        """The prefill of prompt positions reused.. into the region [start, start + size) as units
+        (Transformer.prefill_units; within prefill_unit_flops when `interleave`) -> float32 logits
+        [1, V] of the last position. NaN / inf logits are one UserError naming the first layer that
+        made them."""
         region = self.region(start, size)
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)  # [1, T - reused]
         new = len(prompt_ids) - reused
         report = None if on_progress is None else (lambda done, total: on_progress(new * done // total, new))
-
-        def run(between=None, report=None, unit_flops=None) -> torch.Tensor:
-            hidden = self.model.prefill(
-                tokens, region, self.prefill_chunk, self._backend(), on_progress=report, start=reused,
-                between=between, unit_flops=unit_flops,
-            )  # fmt: skip
-            return self.model.logits(hidden)
-
-        logits = run(between, report, self.prefill_unit_flops if interleave else None)
+        unit_flops = self.prefill_unit_flops if interleave else None
+        args = (tokens, region, self.prefill_chunk, self._backend())
+        units = self.model.prefill_units(*args, on_progress=report, start=reused, unit_flops=unit_flops)
+        hidden = yield from units
+        logits = self.model.logits(hidden)
         # One check per request (its first token is a host sync anyway); decode steps are not checked.
         if not bool(torch.isfinite(logits).all()):
-            raise nonfinite_logits_error(self.model, run)
+            rerun = lambda: self.model.logits(self.model.prefill(*args, start=reused))  # noqa: E731
+            raise nonfinite_logits_error(self.model, rerun)
         return logits
+
+    def prefill(self, prompt_ids: list[int], start: int, size: int, reused: int) -> torch.Tensor:
+        """A whole prefill at once (as a plan's units would run it) -> float32 logits [1, V]."""
+        units = self.prefill_units(prompt_ids, start, size, reused, False, None)
+        while True:
+            try:
+                next(units)
+            except StopIteration as done:
+                return done.value
 
     def sample_first(
         self, row: int, logits: torch.Tensor, params: SamplingParams, logprobs: bool, top: bool = False

@@ -8,12 +8,10 @@ import json
 import os
 import queue
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +25,7 @@ from .errors import UserError
 from .info import SYNTHETIC, resolve_device, resolve_dtype, resolve_kv_cache_dtype, synthetic_config
 from .loading import DEFAULT_MODEL, build_model, resolve_model_dir
 from .loop import EngineLoop
+from .plan import StepPlan
 from .request import (
     DEFAULT_MAX_BATCH,
     Request,
@@ -37,7 +36,9 @@ from .request import (
     logit_bias_ids,
 )
 from .sampling import SamplingParams
+from .scheduler import check_fits
 from .sequence import Event, GenerationResult, GenerationStats, Sequence
+from .streams import BatchProgress, BatchStream, Stream
 from .tokenizer import ByteTokenizer, Tokenizer
 from .validate import check_vocab
 
@@ -48,142 +49,6 @@ __all__ = ["LLM", "BatchProgress", "BatchStream", "GenerationResult", "Generatio
 
 # A prompt of a list: a text, token ids, chat messages, a Request, or a dict of Request fields.
 Prompt = str | list[int] | list[dict[str, str]] | Request | dict
-
-
-class Stream:
-    """Iterate for text pieces as they are decoded (never a broken UTF-8 character); `.result` is
-    the GenerationResult once it has ended. Closing it early (`close()`, leaving its `with` block,
-    or dropping it) aborts the request at the next step."""
-
-    def __init__(self, loop: EngineLoop, seq: Sequence, events: queue.SimpleQueue):
-        self._loop, self._seq, self._events = loop, seq, events
-        self.result: GenerationResult | None = None
-        self._finalizer = weakref.finalize(self, loop.abort, [seq])
-        self._finalizer.atexit = False
-
-    def events(self) -> Iterator[Event]:
-        """Every event (a token with its text piece, possibly "", then the end); a request that
-        fails raises its error here."""
-        try:
-            while self.result is None:
-                event = self._events.get()
-                if event.error is not None:
-                    self.result = event.result
-                    raise (RuntimeError if event.fatal else UserError)(event.error)
-                if event.result is not None:
-                    self.result = event.result
-                yield event
-        finally:
-            self.close()
-
-    def __iter__(self) -> Iterator[str]:
-        for event in self.events():
-            if event.piece:
-                yield event.piece
-
-    def close(self) -> None:
-        """Stop generating (if still running): its row and region are freed at the next step."""
-        if self.result is None:
-            self._finalizer()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-@dataclass
-class BatchProgress:
-    """Counts for a progress display; tokens are new tokens handed out."""
-
-    total: int = 0
-    done: int = 0
-    failed: int = 0
-    running: int = 0
-    waiting: int = 0
-    new_tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / max(time.perf_counter() - self.started, 1e-9)
-
-
-class BatchStream:
-    """Iterate for (prompt index, text piece) as the prompts decode (interleaved); `.results` fills
-    in as requests end, in order (a refused one has finish_reason "error" and `.error`). Closing it
-    early aborts the requests still running."""
-
-    def __init__(
-        self,
-        loop: EngineLoop,
-        seqs: list[Sequence],
-        results: list[GenerationResult | None],
-        events: queue.SimpleQueue,
-        on_result: Callable[[int, GenerationResult], None] | None,
-    ):
-        self._loop, self._seqs, self._events, self._on_result = loop, seqs, events, on_result
-        self.results = results
-        self.progress = BatchProgress(total=len(results), failed=sum(r is not None for r in results))
-        self.progress.waiting = len(seqs)
-        self._started: set[int] = set()
-        self._finalizer = weakref.finalize(self, loop.abort, seqs)
-        self._finalizer.atexit = False
-
-    def events(self) -> Iterator[Event]:
-        """Every event of the prompts (tokens with their text pieces, possibly "", and ends), as
-        they happen; `.results` and `.progress` follow them."""
-        try:
-            if self._on_result is not None:  # the requests refused as read come first
-                for i, result in enumerate(self.results):
-                    if result is not None:
-                        self._on_result(i, result)
-            pending = len(self._seqs)
-            while pending:
-                event = self._events.get()
-                if event.done:
-                    pending -= 1
-                    self._ended(event)
-                elif event.token is not None:
-                    p = self.progress
-                    if event.index not in self._started:
-                        self._started.add(event.index)
-                        p.running, p.waiting = p.running + 1, p.waiting - 1
-                    p.new_tokens += 1
-                yield event
-        finally:
-            self.close()
-
-    def __iter__(self) -> Iterator[tuple[int, str]]:
-        for event in self.events():
-            if event.piece:
-                yield event.index, event.piece
-
-    def _ended(self, event: Event) -> None:
-        p, i = self.progress, event.index
-        self.results[i] = event.result
-        if i in self._started:
-            p.running -= 1
-        else:
-            p.waiting -= 1
-        if event.error is not None:
-            if event.fatal:
-                raise RuntimeError(event.error)
-            p.failed += 1
-        else:
-            p.done += 1
-        if self._on_result is not None:
-            self._on_result(i, event.result)
-
-    def close(self) -> None:
-        self._finalizer()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class LLM:
@@ -209,7 +74,8 @@ class LLM:
         prefill_attention: str = "auto",
     ):
         # tp x cp > 1: one rank of a torchrun launch (minidecode/distributed.py); each rank loads
-        # its share of the weights and every rank runs every request in step with the others.
+        # its share of the weights. Rank 0 runs the engine loop and the API; every step's plan goes
+        # to the other ranks (fanout.py), which run it in `serve_plans`.
         self.parallel: Parallel | None = None
         if (tp, cp) != (1, 1):  # torch.distributed loads only here
             from .distributed import init_parallel
@@ -252,13 +118,44 @@ class LLM:
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,
             max_batch=max_batch, one_sequence=cp_ranks > 1, prefill_attention=prefill_attention,
         )  # fmt: skip
-        min_over_ranks = int if self.parallel is None else self.parallel.min_over_ranks
-        self.loop = EngineLoop(self.engine, self.tokenizer, prefix_reuse, min_over_ranks=min_over_ranks)
+        self.fanout = None  # rank 0's channel to the other ranks
+        if self.parallel is not None and self.parallel.rank == 0:
+            from .fanout import Fanout
+
+            self.fanout = Fanout(self.parallel, self.engine)
+        self.loop = EngineLoop(self.engine, self.tokenizer, prefix_reuse, ranks=self.fanout)
         # The loop's thread holds the model (not this object): dropping the LLM stops it, and frees
         # the weights and the cache.
         weakref.finalize(self, EngineLoop.close, self.loop)
-        self.loop.call(self.engine.warm_up)  # kernels compiled now, not in the first request's wait
+        # Kernels compiled now, not in the first request's wait: under torchrun every rank at once,
+        # before rank 0's loop starts (a script may also drive the engines in step itself).
+        if self.parallel is None:
+            self.loop.call(self.engine.warm_up)
+        else:
+            with torch.inference_mode():
+                self.engine.warm_up()
         self._identity: dict[str, str] | None = None  # computed on the first save / load
+
+    @property
+    def rank(self) -> int:
+        """This process's rank under torchrun (0 in one process)."""
+        return 0 if self.parallel is None else self.parallel.rank
+
+    def serve_plans(self) -> int:
+        """On a rank other than 0 of a torchrun launch: run rank 0's step plans until its LLM
+        closes -> how many ran. Raises RuntimeError (fanout.RankError) if rank 0 dies."""
+        if self.rank == 0:
+            raise UserError("serve_plans runs on the ranks other than 0 of a torchrun launch")
+        from .fanout import serve_plans
+
+        return serve_plans(self.parallel, self.engine)
+
+    def _check_rank0(self) -> None:
+        if self.rank != 0:
+            raise UserError(
+                f"rank {self.rank} of a torchrun launch runs rank 0's plans: make requests on rank 0 "
+                "and call llm.serve_plans() on the others"
+            )
 
     # ---- settings -------------------------------------------------------------------------
     def _generation_config(self) -> tuple[SamplingParams, set[int]]:
@@ -375,10 +272,8 @@ class LLM:
         """Refuse a context whose cache and prefill could never fit this device (beside the
         weights, with the engine's cache given back): the memory plan's one line."""
         engine = self.engine
-        size = engine.region_size(context)
-        plan = engine.planner.plan(size, prompt_len, free=engine.free_bytes() + engine.cache_bytes)
-        if not plan.fits:
-            raise UserError(engine.planner.refusal(plan, context))
+        free = self.loop.free_bytes() + engine.cache_bytes  # (the least over the ranks)
+        check_fits(engine, engine.region_size(context), prompt_len, context, free)
 
     def _request(self, prompt: Any, settings: dict[str, Any]) -> Request:
         """The one Request of a call's prompt and keyword settings, checked."""
@@ -411,12 +306,8 @@ class LLM:
         """Queue a checked request in the engine loop; its events go to `sink` (called from the
         loop's thread). A request the model or the device could never run raises UserError here.
         -> its Sequence (abort it with `llm.loop.abort([seq])`)."""
-        if self.parallel is None:
-            fields = self._resolve(request)
-        else:  # rank 0's prompt and seed: every rank then samples the same tokens
-            fields = self.parallel.from_rank0(lambda: self._resolve(request))
-            self.parallel.fail_together(lambda: self.check_fits(fields["context"], len(fields["prompt_ids"])))
-        seq = Sequence(**fields, sink=sink, on_progress=on_prefill_progress)
+        self._check_rank0()
+        seq = Sequence(**self._resolve(request), sink=sink, on_progress=on_prefill_progress)
         self.loop.submit([seq])
         return seq
 
@@ -455,8 +346,7 @@ class LLM:
         `on_result(index, result)` is called as each request ends. A request that is refused
         gets a result with finish_reason "error" and the reason in `.error`; the others go on.
         Each request yields the tokens it would alone (greedy; seeded sampling too)."""
-        if self.parallel is not None:
-            raise UserError("batched generation is not supported with tp / cp > 1: run one prompt at a time")
+        self._check_rank0()
         if not isinstance(prompts, list | tuple) or not prompts:
             raise UserError("give a non-empty list of prompts")
         base = Request.settings(defaults, "batch setting")
@@ -475,12 +365,14 @@ class LLM:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, V] of every position of `token_ids`, in one causal pass (scoring)."""
+        self._check_rank0()
         ids = check_token_ids(token_ids, self.config.vocab_size)
-        return self.loop.call(lambda: self.engine.score(ids))
+        return self.loop.call(lambda: self.loop.execute(StepPlan(score=ids)).logits)
 
     def release_cache(self) -> None:
         """Free the KV cache and every cached prefix (between requests: its memory for others)."""
-        self.loop.call(self.loop.scheduler.clear)
+        self._check_rank0()
+        self.loop.call(lambda: self.loop.execute(self.loop.scheduler.clear()))
 
     def close(self) -> None:
         """Stop the engine loop (requests still running get an error) and free the cache."""

@@ -2,12 +2,12 @@
 `generate`, a stream, a prompt list, other threads, the server) submits sequences to it and reads
 only its own events from its own queue.
 
-Each turn of the loop takes what arrived (new sequences, aborts, calls), admits waiting sequences
-while a row and a region are free (scheduler.py) and prefills them, then runs one decode step of
-every running sequence and hands out its tokens. While a prompt prefills, the running sequences
-keep decoding: the prefill runs in units of work (a chunk of one layer's projections, an attention
-call), and they step between units once the units since their last step have taken about a
-step's time (pacer.py), so a running stream waits about two steps between tokens.
+Each turn of the loop takes what arrived (new sequences, aborts, calls), asks the scheduler for
+the next step's plan (scheduler.py, plan.py), has the engine run it (under torchrun: every rank,
+fanout.py) and hands out what it gave: each sequence's tokens as events with their
+text (stop strings are matched here), its result and stats at its end. While a prompt prefills,
+each plan runs one unit of it, and the running sequences step between units when the scheduler's
+pacer says so (pacer.py), so a running stream waits about two steps between tokens.
 
 Each step's tokens are copied to pinned host memory and the next step is launched before the host
 waits for that copy: the device never idles while the host detokenizes and hands out. A request's
@@ -31,14 +31,9 @@ import torch
 from .cache import kv_dtype_name
 from .engine import Engine
 from .errors import UserError
-from .pacer import Pacer
-from .sampling import batch_mode
+from .plan import StepOutput, StepPlan
 from .scheduler import Scheduler
 from .sequence import Event, GenerationResult, Sequence, TextStream
-
-
-class _Aborted(Exception):
-    """Raised between prefill units when the prefilling sequence's caller has gone."""
 
 
 @dataclass
@@ -69,29 +64,22 @@ class EngineLoop:
         engine: Engine,
         tokenizer: Any,
         prefix_reuse: bool = True,
-        min_over_ranks: Callable[[int], int] = int,
+        ranks: Any = None,
     ):
         self.engine, self.tokenizer = engine, tokenizer
-        self._scheduler_args = (prefix_reuse, min_over_ranks)
-        self.scheduler = Scheduler(engine, prefix_reuse, min_over_ranks)
+        # ranks: under torchrun, rank 0's channel to the other ranks (fanout.Fanout): every
+        # plan runs on all of them, and the scheduler plans with the least free memory of any
+        self.ranks = ranks
+        self._free_bytes = None if ranks is None else ranks.free_bytes
+        self.scheduler = Scheduler(engine, prefix_reuse, self._free_bytes)
+        self._prefix_reuse = prefix_reuse
         self.stats = LoopStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what ended the last loop, if it died
-        self._prefilling: Sequence | None = None
-        self._interleave = False  # the running sequences decode between the prefill's units
-        # the running rows' step: (sampling mode, log-probs, logits processors, top log-probs)
-        self._step_kind: tuple[str, bool, bool, bool] | None = None
         self._stopping = False
         self._at_exit = False
-        cuda = engine.device.type == "cuda"
-        self._host_tokens = torch.empty(engine.max_batch, dtype=torch.long, pin_memory=cuda)
-        self._host_logprobs = torch.empty(engine.max_batch, dtype=torch.float32, pin_memory=cuda)
-        top = engine.state.top_ids.shape[1]
-        self._host_top_ids = torch.empty(engine.max_batch, top, dtype=torch.long, pin_memory=cuda)
-        self._host_top_logprobs = torch.empty(engine.max_batch, top, dtype=torch.float32, pin_memory=cuda)
-        self._pacer = Pacer(engine.device)
 
     # ---- the callers' side (any thread) --------------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
@@ -125,6 +113,10 @@ class EngineLoop:
         """False once the loop has died (until a submission starts a new one)."""
         return self.error is None or self.alive
 
+    def free_bytes(self) -> int:
+        """Free device memory (under torchrun: the least of any rank's)."""
+        return self.engine.free_bytes() if self._free_bytes is None else self._free_bytes()
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting) sequences."""
         return len(self.scheduler.running), len(self.scheduler.waiting)
@@ -141,7 +133,7 @@ class EngineLoop:
                 return
             if self.error is not None:  # a new loop after a failure: a clean scheduler and cache
                 self.engine.release()
-                self.scheduler = Scheduler(self.engine, *self._scheduler_args)
+                self.scheduler = Scheduler(self.engine, self._prefix_reuse, self._free_bytes)
                 self.error = None
             self._stopping = False
             self._thread = threading.Thread(target=self._main, name="minidecode-engine", daemon=True)
@@ -157,23 +149,34 @@ class EngineLoop:
                 torch.cuda.set_device(self.engine.device)
             with torch.inference_mode():
                 while not self._stopping:
-                    self._take_inbox(block=not (self.scheduler.waiting or self.scheduler.running))
+                    scheduler = self.scheduler
+                    # (calls wait while a prefill is in progress: they may use the cache it fills)
+                    idle = self._take_inbox(block=scheduler.idle, calls=scheduler.prefilling is None)
                     if self._stopping:
                         break
-                    self._admit()
-                    if self.scheduler.running:
-                        self._decode_step()
+                    if idle:  # under torchrun: an empty plan, so that a dead rank is noticed
+                        self.execute(StepPlan())
+                    self._turn()
+            if self.scheduler.prefilling is not None:
+                self.scheduler.cancel_prefill()
+                self._settle()
             self._die(RuntimeError("the engine loop was closed"))
-        except BaseException as e:  # a device error, a bug: every caller hears of it
+        except BaseException as e:  # a device error, a bug, a dead rank: every caller hears of it
             self._die(e)
+        finally:
+            if self.ranks is not None:  # the other ranks leave their plan loops
+                self.ranks.stop()
 
-    def _take_inbox(self, block: bool, calls: bool = True) -> None:
-        """Take what arrived (waiting for something when `block`); calls wait while `calls` is off."""
-        deferred = []
+    def _take_inbox(self, block: bool, calls: bool = True) -> bool:
+        """Take what arrived (waiting for something when `block`, under torchrun at most a
+        heartbeat); calls wait while `calls` is off. -> True if a wait ended with nothing."""
+        deferred, timeout = [], None if self.ranks is None else self.ranks.heartbeat_s
         while True:
             try:
-                kind, item = self._inbox.get(block=block)
+                kind, item = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
+                if block:
+                    return True
                 break
             block = False
             if kind == "add":
@@ -189,6 +192,7 @@ class EngineLoop:
                 self._stopping = True
         for message in deferred:
             self._inbox.put(message)
+        return False
 
     def _run_call(self, call: _Call) -> None:
         try:
@@ -198,120 +202,82 @@ class EngineLoop:
         call.done.set()
 
     def _abort(self, seq: Sequence) -> None:
-        seq.aborted = True
+        seq.aborted = True  # a running or prefilling one ends at the next plan
         if seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
             self._finish(seq, "abort")
 
-    def _admit(self) -> None:
-        """Prefill waiting sequences, in order, while a row and a region are free. Sequences that
-        were decoding before this admission keep decoding between the prefills' units; those that
-        arrived together start together (their prefills run back to back)."""
-        scheduler = self.scheduler
-        self._interleave = bool(scheduler.running)
-        while scheduler.waiting and len(scheduler.running) < self.engine.max_batch:
-            seq = scheduler.waiting[0]
-            try:
-                placed = scheduler.place(seq)
-            except UserError as e:  # it cannot fit the device even alone
-                scheduler.waiting.popleft()
-                self._fail(seq, str(e))
-                continue
-            except torch.OutOfMemoryError:
-                scheduler.waiting.popleft()
-                self._fail(seq, f"out of memory on {self.engine.device} while making room for its cache")
-                continue
-            if not placed:
-                break  # in order: the head waits for room (no request overtakes it for ever)
-            scheduler.waiting.popleft()
-            self._prefill(seq)
+    def execute(self, plan: StepPlan, on_progress: Callable[[int, int], None] | None = None) -> StepOutput:
+        """Run a plan on the engine (under torchrun: on every rank, rank 0's answer returned)."""
+        if self.ranks is not None:
+            return self.ranks.run(plan, on_progress)
+        return self.engine.run(plan, on_progress)
 
-    def _prefill(self, seq: Sequence) -> None:
-        engine, scheduler, stats = self.engine, self.scheduler, seq.stats
+    def _turn(self) -> None:
+        """One plan: asked for, run, and its results handed out."""
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        self._settle()
+        if plan.empty:
+            return
+        seq = scheduler.prefilling if plan.prefill is not None else None
+        decoded = scheduler.running[: plan.decode.rows] if plan.decode is not None else []
+        if plan.prefill is not None and plan.prefill.begin is not None:
+            self._begin(seq)
+        out = self.execute(plan, seq.on_progress if seq is not None else None)
+        if plan.prefill is not None and plan.prefill.begin is not None:
+            seq.prefill_began = out.prefill_began
+        started = scheduler.update(plan, out)
+        self._settle()
+        ended = []
+        for row, running in enumerate(decoded):
+            if running.skip:  # its first token, handed out at its prefill's end, is what its row held
+                running.skip = False
+                if running.aborted:
+                    ended.append(running)
+                continue
+            logprob = out.logprobs[row] if running.want_logprobs else None
+            top = _top(running, out.top_ids[row], out.top_logprobs[row]) if out.top_ids is not None else None
+            if self._hand_out(running, out.tokens[row], logprob, top):
+                ended.append(running)
+        if started is not None and self._started(started, out):
+            ended.append(started)
+        if ended:  # their rows freed now (the next plan would first), before their results go out
+            scheduler.end(ended)
+            self.execute(scheduler.pending())
+        for done in ended:
+            self._finish(done, done.finish_reason)
+
+    def _begin(self, seq: Sequence) -> None:
+        """seq's prefill is about to start: its stats so far."""
+        engine, stats = self.engine, seq.stats
         n = stats.prompt_tokens = len(seq.prompt_ids)
         stats.reused_tokens, stats.prefilled_tokens = seq.reused, n - seq.reused
         stats.kv_cache_dtype = kv_dtype_name(engine.kv_dtype)
         stats.weights, stats.prefill_attention = engine.weights, engine.prefill_backend
         self.stats.prompt_tokens += n
-        if engine.device.type == "cuda" and not scheduler.running:
+        if engine.device.type == "cuda" and not self.scheduler.running:
             torch.cuda.reset_peak_memory_stats(engine.device)
-        # The step graph it will decode in, captured now (before its time to first token is taken:
-        # prefill_seconds), not in the middle of its decoding.
-        engine.prepare(len(scheduler.running) + 1, *step_kind([*scheduler.running, seq]))
-        t0 = time.perf_counter()
-        self._prefilling = seq  # (an error of the loop's own reaches it through _die)
-        try:
-            logits = engine.prefill(
-                seq.prompt_ids, seq.start, seq.size, seq.reused, between=self._between,
-                interleave=self._interleave, on_progress=seq.on_progress,
-            )  # fmt: skip
-            row = len(scheduler.running)
-            engine.start_row(row, seq.start, n, seq.params, seq.prompt_ids)
-            first = engine.sample_first(row, logits, seq.params, seq.want_logprobs, seq.want_top > 0)
-        except (_Aborted, UserError, torch.OutOfMemoryError) as e:
-            self._prefilling = None
-            scheduler.free(seq)
-            if isinstance(e, _Aborted):
-                self._finish(seq, "abort", ran=False)
-            elif isinstance(e, UserError):
-                self._fail(seq, str(e))
-            else:
-                self._fail(seq, f"out of memory on {engine.device} in prefill: lower the prompt length")
-            return
-        self._prefilling = None
-        stats.prefill_seconds = time.perf_counter() - t0 - stats.cache_load_seconds
+
+    def _started(self, seq: Sequence, out: StepOutput) -> bool:
+        """seq's prefill ended with its first token: handed out -> whether seq has ended."""
+        stats, n = seq.stats, len(seq.prompt_ids)
+        stats.prefill_seconds = time.perf_counter() - seq.prefill_began
         stats.prefill_tokens_per_s = (n - seq.reused) / max(stats.prefill_seconds, 1e-9)
         seq.text = TextStream(self.tokenizer, seq.stops)
-        scheduler.running.append(seq)
-        self._step_kind = None
         seq.skip = True  # its first token, handed out now, is also what its row holds
-        logprob = float(engine.state.logprob[row]) if seq.want_logprobs else None
-        top = _top(seq, engine.state.top_ids[row], engine.state.top_logprob[row])
-        if self._hand_out(seq, first, logprob, top):
-            self._end([seq])
+        first, logprob, top = out.first
+        top = _top(seq, *top) if top is not None else None
+        return self._hand_out(seq, first, logprob, top)
 
-    def _between(self, flops: float) -> None:
-        """Between two units of a prefill (`flops` of work): take new arrivals and aborts, and run
-        one decode step of the running sequences when the pacer says it is their turn."""
-        self._take_inbox(block=False, calls=False)
-        if self._stopping or (self._prefilling is not None and self._prefilling.aborted):
-            raise _Aborted
-        if self._interleave and self.scheduler.running and self._pacer.unit_done(flops):
-            self._decode_step()
-
-    def _decode_step(self) -> None:
-        """One decode step of every running sequence, and the hand-out of the previous step's tokens."""
-        engine, running = self.engine, self.scheduler.running
-        n = len(running)
-        if self._step_kind is None:  # changes only when a sequence starts or ends, not every step
-            self._step_kind = step_kind(running)
-        mode, logprobs, adjust, top = self._step_kind
-        state = engine.state
-        self._host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
-        if logprobs:
-            self._host_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
-        if top:
-            self._host_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
-            self._host_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
-        pacer = self._pacer
-        copied = pacer.step_started()
-        engine.step(n, mode, logprobs, adjust, top)  # the next step runs while these tokens are handed out
-        pacer.step_ended()
-        for seq in running:
-            seq.fed += 1  # the step writes the K/V of the token its row holds
-        pacer.wait(copied)
-        ended = []
-        for row, seq in enumerate(running):
-            if seq.skip:
-                seq.skip = False
-                if seq.aborted:
-                    ended.append(seq)
-                continue
-            logprob = float(self._host_logprobs[row]) if seq.want_logprobs else None
-            top = _top(seq, self._host_top_ids[row], self._host_top_logprobs[row])
-            if self._hand_out(seq, int(self._host_tokens[row]), logprob, top):
-                ended.append(seq)
-        self._end(ended)
+    def _settle(self) -> None:
+        """The scheduler's sequences that ended unrun: refused, failed in their prefill, aborted."""
+        while self.scheduler.dropped:
+            seq, error = self.scheduler.dropped.pop(0)
+            if error is None:
+                self._finish(seq, "abort", ran=False)
+            else:
+                self._fail(seq, error)
 
     def _hand_out(
         self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]] | None = None
@@ -350,22 +316,6 @@ class EngineLoop:
             seq.finish_reason = "length"
             return True
         return False
-
-    def _end(self, ended: list[Sequence]) -> None:
-        """Free the ended sequences' rows (the last row moves into each: rows stay packed) and keep
-        their regions as cached prefixes; then their results go out."""
-        engine, running = self.engine, self.scheduler.running
-        for seq in ended:
-            row, last = running.index(seq), len(running) - 1
-            if row != last:
-                engine.move_row(last, row)
-                running[row] = running[last]
-            running.pop()
-            self._step_kind = None
-            engine.clear_row(last)
-            self.scheduler.keep(seq)
-        for seq in ended:
-            self._finish(seq, seq.finish_reason)
 
     def _finish(self, seq: Sequence, reason: str, ran: bool = True) -> None:
         """seq's result (its text flushed, its stats completed) to its caller."""
@@ -417,10 +367,11 @@ class EngineLoop:
             message = str(error)
         scheduler = self.scheduler
         victims = [*scheduler.waiting, *scheduler.running]
-        if self._prefilling is not None:
-            victims.append(self._prefilling)
+        if scheduler.prefilling is not None:
+            victims.append(scheduler.prefilling)
         scheduler.waiting.clear()
         scheduler.running.clear()
+        scheduler.prefilling = None
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
@@ -433,17 +384,6 @@ class EngineLoop:
                 item.done.set()
         for seq in victims:
             self._fail(seq, message, fatal=not isinstance(error, UserError))
-
-
-def step_kind(seqs: list[Sequence]) -> tuple[str, bool, bool, bool]:
-    """What a decode step of these sequences must do (its graph's key, less the bucket): the
-    sampling mode, log-probs, logits processors, top log-probs; each on if any sequence needs it."""
-    return (
-        batch_mode([s.params for s in seqs]),
-        any(s.want_logprobs for s in seqs),
-        any(s.params.adjusts for s in seqs),
-        any(s.want_top for s in seqs),
-    )
 
 
 def _top(seq: Sequence, ids: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]] | None:

@@ -1,5 +1,14 @@
-"""Who gets which part of the cache: the waiting queue, the running sequences, and the prefix
-cache of finished ones.
+"""The scheduler: the waiting queue, the one prefill in progress, the running sequences and the
+prefix cache of finished ones, and each engine step as one plan (plan.py) that the engine runs on
+every rank alike.
+
+Each `schedule()` gives one StepPlan: the rows of sequences that ended, the admission of the head
+of the queue (its region and reused prefix: the cache's resize, copy or file read), one unit of
+the prefill in progress, and a decode step of the running sequences where it is their turn: always
+outside a prefill, and between its units where it started beside them, as the pacer (pacer.py)
+decides from the engine's marks of the last step and unit. Sequences admitted together start
+together (their prefills run back to back, without steps between them). `update()` takes the
+plan's StepOutput back: tokens fed, a prefill ended (its sequence now runs) or failed.
 
 Requests are admitted in order while a decode row and a region of the cache are free. A finished
 sequence's K/V stay in its region as a cached prefix (evicted least-recently-used, only when the
@@ -10,19 +19,22 @@ prefilling it again takes seconds at long context). A running sequence whose pre
 is a source too (its prompt and the tokens fed back so far, never in place): several choices of
 one prompt (the server's `n`) prefill it once. The cache grows when a request needs more
 room than is free, keeping everything in place (one device copy); with nothing running it is
-reallocated to the demand."""
+reallocated to the demand. Whether a context fits at all is one check (`check_fits`), which the
+API's up-front refusal uses too."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cache import Regions
-from .cache_file import CacheFile, read_cache_file
+from .cache_file import CacheFile
 from .engine import Engine
 from .errors import UserError
+from .pacer import Pacer
+from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
+from .sampling import batch_mode
 from .sequence import Sequence
 
 
@@ -47,23 +59,181 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
-class Scheduler:
-    """The queue, the rows and the regions of one engine (the engine loop's thread only).
-    `min_over_ranks(value)` makes a memory figure the same on every rank (tensor / context parallelism:
-    every rank must decide alike)."""
+def cache_room(engine: Engine, free: int, prompt_len: int) -> int:
+    """Region positions (whole granules) a cache can have in `free` bytes beside its spare granule
+    and the prefill temporaries of a `prompt_len` prompt."""
+    planner, granule = engine.planner, engine.granule
+    room = max(0, (free - planner.activations(prompt_len)) // planner.kv_bytes_per_token - granule)
+    return room // granule * granule
 
-    def __init__(self, engine: Engine, prefix_reuse: bool, min_over_ranks: Callable[[int], int] = int):
-        self.engine, self.min_over_ranks = engine, min_over_ranks
+
+def check_fits(engine: Engine, size: int, prompt_len: int, context: int, free: int) -> int:
+    """The one fit check: a region of `size` positions and a `prompt_len` prompt's prefill in
+    `free` bytes (beside the weights) -> the cache's room in positions; else the memory plan's
+    one-line UserError naming the request's `context`."""
+    room, plan = cache_room(engine, free, prompt_len), engine.planner.plan(size, prompt_len, free=free)
+    if room < size or not plan.fits:
+        raise UserError(engine.planner.refusal(plan, context))
+    return room
+
+
+def step_kind(seqs: list[Sequence]) -> DecodeKind:
+    """The decode step these sequences need: each part on if any sequence needs it."""
+    return DecodeKind(
+        batch_mode([s.params for s in seqs]),
+        any(s.want_logprobs for s in seqs),
+        any(s.params.adjusts for s in seqs),
+        any(s.want_top for s in seqs),
+    )
+
+
+class Scheduler:
+    """The queue, the rows, the regions and the step plans of one engine (the engine loop's thread
+    only; under torchrun, rank 0's). `free_bytes()`: free device memory, the least over the ranks
+    (every rank's cache is planned alike)."""
+
+    def __init__(self, engine: Engine, prefix_reuse: bool, free_bytes: Callable[[], int] | None = None):
+        self.engine, self.free_bytes = engine, free_bytes or engine.free_bytes
         # engine.one_sequence: one sequence at a time, in a cache of exactly its region (context
         # parallelism: every rank's share of the positions follows from the cache's length)
         self.one_sequence = engine.one_sequence
         self.prefix_reuse = prefix_reuse and not self.one_sequence
+        self.capacity = engine.capacity  # the cache's region positions once the planned work has run
         self.regions = Regions(engine.capacity)
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: Sequence | None = None  # admitted, its prefill in progress (no row yet)
         self.running: list[Sequence] = []  # row i of the decode state is running[i]
         self.prefixes: list[Prefix] = []
         self.clock = 0
         self.queries = self.hits = 0  # prefix-cache lookups and those that reused something
+        # what the next plan carries: rows freed, cache work
+        self._moves: list[tuple[int, int]] = []
+        self._clears: list[int] = []
+        self._ops: list = []
+        self._cancel = False
+        self.dropped: list[tuple[Sequence, str | None]] = []  # ended unrun: (seq, error or None: aborted)
+        self._round = False  # admitting sequences back to back
+        self._interleave = False  # ... beside running ones, which step between the prefills' units
+        self._step_due = False  # the pacer's word: the next plan steps the running sequences
+        self._kind: DecodeKind | None = None  # the running rows' step (changes when a row starts or ends)
+        self.pacer = Pacer(engine.clock)
+
+    # ---- plans -------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """Nothing to plan until a request arrives."""
+        pending = self._moves or self._clears or self._ops or self._cancel
+        return not (self.waiting or self.running or self.prefilling or pending)
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (empty when there is nothing to do)."""
+        plan = StepPlan()
+        if self.prefilling is not None and self.prefilling.aborted:
+            self.cancel_prefill()
+        if self.prefilling is None:
+            self._admit(plan)
+        if self.prefilling is not None and plan.prefill is None:
+            seq = self.prefilling
+            plan.prefill = self._prefill_work(seq, begin=False)
+        stepping = self.prefilling is None or (self._interleave and self._step_due)
+        if self.running and stepping:
+            self._step_due = False
+            if self._kind is None:
+                self._kind = step_kind(self.running)
+            plan.decode = Decode(len(self.running), self._kind)
+        done = self.pending()  # rows freed and cache work, this admission's included
+        done.admit, done.prepare = plan.admit, plan.prepare
+        done.prefill, done.decode = plan.prefill, plan.decode
+        return done
+
+    def _admit(self, plan: StepPlan) -> None:
+        """Admit the head of the queue if a row and a region are free: its cache work and its
+        prefill's first unit go into `plan`. A round of admissions starts beside running sequences
+        (they step between its prefills' units) or not (its sequences start together)."""
+        if not self._round:
+            self._round, self._interleave = True, bool(self.running)
+        while self.waiting and len(self.running) < self.engine.max_batch:
+            seq = self.waiting[0]
+            try:
+                placed = self.place(seq)
+            except UserError as e:  # it cannot fit the device even alone
+                self.waiting.popleft()
+                self.dropped.append((seq, str(e)))
+                continue
+            if not placed:
+                break  # in order: the head waits for room (no request overtakes it for ever)
+            self.waiting.popleft()
+            self.prefilling = seq
+            plan.admit = seq.id
+            # The step graph it will decode in, captured before its prefill (not in its decoding).
+            plan.prepare.append((len(self.running) + 1, step_kind([*self.running, seq])))
+            plan.prefill = self._prefill_work(seq, begin=True)
+            return
+        self._round = False
+
+    def _prefill_work(self, seq: Sequence, begin: bool) -> Prefill:
+        row = RowStart(len(self.running), seq.start, len(seq.prompt_ids), seq.params)
+        return Prefill(
+            seq.id, seq.start, seq.size, seq.reused, row, seq.want_logprobs, seq.want_top > 0,
+            interleave=self._interleave, begin=seq.prompt_ids if begin else None,
+        )  # fmt: skip
+
+    def cancel_prefill(self) -> None:
+        """The prefill in progress ends unrun (its caller has gone, or the loop stops)."""
+        seq, self.prefilling = self.prefilling, None
+        self._cancel = True
+        self.free(seq)
+        self.dropped.append((seq, None))
+
+    def update(self, plan: StepPlan, out: StepOutput) -> Sequence | None:
+        """A plan has run: the running sequences were fed a token, the prefill's units timed;
+        -> the sequence whose prefill ended (its first token in out.first, its row the last)."""
+        seq = self.prefilling
+        if out.failed is not None and seq is not None and out.failed[0] == seq.id:
+            self.prefilling = None
+            self.free(seq)
+            self.dropped.append((seq, out.failed[1]))
+        if out.resized and out.capacity != self.capacity:  # a resize failed (out of memory)
+            self._rebuild_regions(out.capacity)
+        if out.step_marks is not None:
+            self.pacer.stepped(*out.step_marks)
+            for fed in self.running[: plan.decode.rows]:
+                fed.fed += 1  # the step writes the K/V of the token its row holds
+        if out.unit_mark is not None and self.running:
+            self._step_due = self.pacer.unit_done(out.unit_flops, out.unit_mark)
+        if self.prefilling is not None and out.file_seconds:
+            seq.stats.cache_load_seconds = out.file_seconds
+        if self.prefilling is None or out.first is None:
+            return None
+        self.prefilling = None
+        self.running.append(seq)
+        self._kind = None
+        return seq
+
+    def end(self, ended: list[Sequence]) -> None:
+        """Free the ended sequences' rows (the last row moves into each: rows stay packed, in the
+        next plan) and keep their regions as cached prefixes."""
+        running = self.running
+        for seq in ended:
+            row, last = running.index(seq), len(running) - 1
+            if row != last:
+                self._moves.append((last, row))
+                running[row] = running[last]
+            running.pop()
+            self._kind = None
+            self._clears.append(last)
+            self.keep(seq)
+
+    def _rebuild_regions(self, capacity: int) -> None:
+        """The cache is not what was planned (a resize ran out of memory): its regions again from
+        what lives in it; cached prefixes that no longer fit are dropped."""
+        self.capacity, self.regions = capacity, Regions(capacity)
+        live = [s for s in self.running if s.start >= 0]
+        for seq in live:
+            self.regions.take_at(seq.start, seq.size)
+        for prefix in [p for p in self.prefixes if p.file is None]:
+            if not self.regions.take_at(prefix.start, prefix.size):
+                self.prefixes.remove(prefix)
 
     # ---- prefixes ----------------------------------------------------------------------------
     def _tick(self) -> int:
@@ -140,10 +310,10 @@ class Scheduler:
         UserError."""
         engine = self.engine
         size = engine.region_size(seq.context)
-        if self.one_sequence and engine.capacity != size:
+        if self.one_sequence and self.capacity != size:
             if self.running:
                 return False
-            self._reallocate(size, size, engine.planner.activations(self._longest_prompt), seq.context)
+            self._reallocate(size, size, seq.context)
         prefix, shared = self.best_prefix(seq)
         if prefix is not None and prefix.running is not None:
             return self._place_from_running(seq, size, prefix, shared)
@@ -162,16 +332,10 @@ class Scheduler:
         seq.start, seq.size = start, size
         if prefix is not None and shared and (prefix.file is not None or prefix in self.prefixes):
             if prefix.file is not None:  # read from the file instead of prefilled
-                t0 = time.perf_counter()
                 self.drop(prefix)  # read once: then it is this sequence's (a corrupted file: gone)
-                try:
-                    read_cache_file(prefix.file, engine.region(start, shared).tensors())
-                except UserError:
-                    self.free(seq)
-                    raise
-                seq.stats.cache_load_seconds = time.perf_counter() - t0
+                self._ops.append(FileRead(prefix.file, start, shared))
             else:
-                engine.copy_positions(prefix.start, start, shared)
+                self._ops.append(Copy(prefix.start, start, shared))
                 prefix.used = self._tick()
             self._reuse(seq, shared, prefix)
         return True
@@ -183,7 +347,7 @@ class Scheduler:
         if start is None:
             return False
         seq.start, seq.size = start, size
-        self.engine.copy_positions(source.start, start, shared)  # (after the queued steps' writes)
+        self._ops.append(Copy(source.start, start, shared))  # (after the queued steps' writes)
         self._reuse(seq, shared, source)
         return True
 
@@ -224,41 +388,47 @@ class Scheduler:
         used = max((a + n for a, n in live), default=0)
         per_token = planner.kv_bytes_per_token
         if live:  # grow in place: the old cache stays allocated during the copy
-            free = self.min_over_ranks(engine.free_bytes()) - reserve
+            free = self.free_bytes() - reserve
             room = max(0, free // per_token - engine.granule) // engine.granule * engine.granule
             if room >= used + size:
-                target = min(room, max(used + self._demand(size), 2 * engine.capacity))
-                engine.resize(target, keep=used)
+                target = min(room, max(used + self._demand(size), 2 * self.capacity))
+                self._ops.append(Resize(target, keep=used))
+                self.capacity = target
                 self.regions.grow(target)
                 return self.regions.take(size)
             if self.running:
                 return None  # wait for room
             self.drop(keep)  # the prefix does not fit beside the request: prefill it again
-        self._reallocate(size, self._demand(size), reserve, context)
+        self._reallocate(size, self._demand(size), context)
         return self.regions.take(size)
 
-    def _reallocate(self, size: int, target: int, reserve: int, context: int) -> None:
+    def _reallocate(self, size: int, target: int, context: int) -> None:
         """With nothing running: a new cache for `target` positions (at least `size`, as many as
         fit), every cached prefix dropped; UserError (naming the request's `context`) if not even
-        `size` fits."""
-        engine, planner = self.engine, self.engine.planner
+        `size` fits (check_fits)."""
+        engine = self.engine
         for prefix in [p for p in self.prefixes if p.file is None]:
             self.drop(prefix)
-        free = self.min_over_ranks(engine.free_bytes() + engine.cache_bytes)
-        room = max(0, (free - reserve) // planner.kv_bytes_per_token - engine.granule)
-        room = room // engine.granule * engine.granule
-        if room < size:
-            raise UserError(planner.refusal(planner.plan(size, self._longest_prompt, free=free), context))
-        engine.resize(min(room, target))
-        self.regions = Regions(engine.capacity)
+        free = self.free_bytes() + engine.cache_bytes
+        room = check_fits(engine, size, self._longest_prompt, context, free)
+        self._ops.append(Resize(min(room, target)))
+        self.capacity = min(room, target)
+        self.regions = Regions(self.capacity)
 
-    def clear(self) -> None:
-        """Free the cache and every cached prefix (nothing may be running)."""
-        if self.running:
+    def clear(self) -> StepPlan:
+        """Free the cache and every cached prefix (nothing may be running) -> the plan that does."""
+        if self.running or self.prefilling is not None:
             raise UserError("the cache is in use by running requests")
         self.prefixes.clear()
-        self.engine.release()
-        self.regions = Regions(0)
+        self._ops.append(Release())
+        self.capacity, self.regions = 0, Regions(0)
+        return self.pending()
+
+    def pending(self) -> StepPlan:
+        """A plan of only the work waiting to be planned (rows freed, cache work)."""
+        plan = StepPlan(self._moves, self._clears, self._cancel, cache=self._ops)
+        self._moves, self._clears, self._ops, self._cancel = [], [], [], False
+        return plan
 
     def free(self, seq: Sequence) -> None:
         """A sequence that never ran (refused or aborted in prefill) gives its region back."""

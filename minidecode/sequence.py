@@ -90,6 +90,7 @@ class Sequence:
     fed: int = 0  # how many of `sampled` a decode step has written into the cache
     skip: bool = False  # its row's next hand-out is the first token, already handed out
     aborted: bool = False  # its caller has gone: it ends at the next step boundary
+    prefill_began: float = 0.0  # when its prefill's first unit was queued
     t_first: float = 0.0  # when its first and its latest token were handed out
     t_last: float = 0.0
     finish_reason: str = "length"

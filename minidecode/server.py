@@ -13,6 +13,9 @@ Ctrl-C (or SIGTERM) stops the server in two steps: the first closes the listener
 are refused, 503 on an open connection) and lets the running requests finish; a second aborts
 them, each stream ending with an error event and `data: [DONE]`, each other request with a 503.
 `serve` then returns 128 + the signal's number (130 for Ctrl-C).
+
+Under torchrun (--tp / --cp) rank 0 serves and the other ranks run its step plans (fanout.py); a
+rank that dies fails every request in the engine loop with the error, and the server exits 1.
 """
 
 from __future__ import annotations
@@ -491,6 +494,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.service = service
         self.signals: list[int] = []
+        self.rank_failed = False
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -521,8 +525,20 @@ class _Server(uvicorn.Server):
         else:
             self.force_exit = True
 
+    def watch_ranks(self, fanout) -> None:
+        """Under torchrun: once a rank has died or failed (the engine loop then failed every
+        request with its error), stop serving, exit code 1."""
+        while not self.should_exit:
+            if fanout.error is not None:
+                say(f"stopping: {fanout.error}")
+                self.rank_failed, self.should_exit, self.force_exit = True, True, True
+                return
+            time.sleep(0.2)
+
     @property
     def exit_code(self) -> int:
+        if self.rank_failed:
+            return 1
         return 128 + self.signals[0] if self.signals else 0
 
 
@@ -531,8 +547,9 @@ def say(message: str) -> None:
 
 
 def serve(llm: LLM, settings: ServerSettings, host: str, port: int) -> int:
-    """Run the server until interrupted (uvicorn; one process, one engine loop); -> the exit code
-    (128 + the signal that stopped it: 130 for Ctrl-C)."""
+    """Run the server until interrupted (uvicorn, one engine loop; under torchrun on rank 0, the
+    other ranks running its plans); -> the exit code (128 + the signal that stopped it: 130 for
+    Ctrl-C; 1 when another rank died)."""
     check_int("port", port, 0)
     # The engine loop's thread holds the interpreter while it queues a prefill's kernels; at the
     # default 5 ms switch interval the event loop's thread waits up to that long for each of its
@@ -542,5 +559,7 @@ def serve(llm: LLM, settings: ServerSettings, host: str, port: int) -> int:
     app = create_app(llm, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30)
     server = _Server(config, app.state.service)
+    if llm.fanout is not None:
+        threading.Thread(target=server.watch_ranks, args=(llm.fanout,), daemon=True).start()
     server.run()
     return server.exit_code

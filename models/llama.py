@@ -14,7 +14,7 @@ an FP8Weight (kernels/fp8_weights.py) wherever they take a weight.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import NamedTuple
 
 import torch
@@ -314,21 +314,39 @@ class Transformer(nn.Module):
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
         start: int = 0,
-        between: Callable[[float], None] | None = None,
         unit_flops: float | None = None,
     ) -> torch.Tensor:
-        """tokens [B, T] at positions start..start+T-1 -> final-normed hidden [B, hidden] (last
-        position) or [B, T, hidden]; fills cache positions start..start+T-1. start > 0 prefills a
-        suffix after a prefix already in the cache: the new rows attend causally to themselves and
-        fully to positions 0..start-1.
+        """The whole of prefill_units' work at once -> its final-normed hidden."""
+        units = self.prefill_units(tokens, cache, chunk, backend, last_only, on_progress, start, unit_flops)
+        while True:
+            try:
+                next(units)
+            except StopIteration as done:
+                return done.value
 
-        `between(flops)` is called after each unit of work (a chunk of projections, an attention
-        call, a chunk of o_proj + MLP) with its FLOPs (about): the engine runs the decode steps of
-        other sequences there, or stops an aborted prefill by raising. `unit_flops` bounds a unit's
-        work so that those steps come often: projection chunks shrink below `chunk`, and attention
-        goes one KV head at a time in the units of kernels/prefill.py's attention_units (on cuDNN,
-        calls of fixed shapes, so that no unit waits for a new cuDNN graph); None keeps
-        whole-prompt attention calls.
+    def prefill_units(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        chunk: int,
+        backend: str | None = None,
+        last_only: bool = True,
+        on_progress: Callable[[int, int], None] | None = None,
+        start: int = 0,
+        unit_flops: float | None = None,
+    ) -> Generator[float, None, torch.Tensor]:
+        """tokens [B, T] at positions start..start+T-1 -> (the generator's value) final-normed
+        hidden [B, hidden] (last position) or [B, T, hidden]; fills cache positions
+        start..start+T-1. start > 0 prefills a suffix after a prefix already in the cache: the new
+        rows attend causally to themselves and fully to positions 0..start-1.
+
+        A resumable prefill: it yields each unit of work's FLOPs (about) once the unit is queued (a
+        chunk of projections, an attention call, a chunk of o_proj + MLP), so its owner (the
+        engine, running a step plan) can run other work between units or drop it. `unit_flops`
+        bounds a unit's work so that other sequences' decode steps can come often: projection
+        chunks shrink below `chunk`, and attention goes one KV head at a time in the units of
+        kernels/prefill.py's attention_units (on cuDNN, calls of fixed shapes, so that no unit
+        waits for a new cuDNN graph); None keeps whole-prompt attention calls.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is square causal
@@ -372,7 +390,6 @@ class Transformer(nn.Module):
         # KV heads per attention call, each over the whole prompt (under unit_flops: one KV head at a
         # time, in units of attention_units).
         heads = prefill_attention_kv_heads(cfg, B, T, end, chunk, x.dtype, backend == "fp8")
-        after_unit = between or (lambda flops: None)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
@@ -383,20 +400,19 @@ class Transformer(nn.Module):
                 at = slice(start + s, start + e)  # the chunk's cache positions
                 normed = layer.input_layernorm(x[:, s:e])
                 attn.project_into(normed, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at])
-                after_unit(B * (e - s) * qkv_row)
+                yield B * (e - s) * qkv_row
             if unit_flops is not None:
                 for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit
                     group, kv = q_all[:, h * G : (h + 1) * G], slice(h, h + 1)
                     keys, values = k_cache[:, kv], v_cache[:, kv]  # [B, 1, S, D]
-                    for flops in attention_units(group, keys, values, start, attn.scale, backend, unit_flops):
-                        after_unit(flops)
+                    yield from attention_units(group, keys, values, start, attn.scale, backend, unit_flops)
             else:
                 for h in range(0, Hkv, heads):
                     kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
                     group = q_all[:, kv.start * G : kv.stop * G]  # [B, n G, T, D], overwritten
                     keys, values = k_cache[:, kv, :end], v_cache[:, kv, :end]
                     causal_attention(group, keys, values, attn.scale, backend, out=group)
-                    after_unit(4 * B * group.shape[1] * D * T * end)
+                    yield 4 * B * group.shape[1] * D * T * end
             if quantized:
                 _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
             for s, e in spans:
@@ -405,7 +421,7 @@ class Transformer(nn.Module):
                 x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
                 if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
                     on_progress(i * T + e, cfg.num_layers * T)
-                after_unit(B * (e - s) * out_row)
+                yield B * (e - s) * out_row
         return self.model.norm(x[:, -1] if last_only else x)
 
     def flops_per_row(self) -> tuple[float, float]:

@@ -24,7 +24,7 @@ merged by log-sum-exp (exact; memory: one layer's K/V of the earlier ranges at a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 import torch.nn.functional as F
@@ -213,7 +213,7 @@ class ParallelTransformer(Transformer):
             lengths = lengths * active
         return self.decode_layers(tokens, positions, write_at, lengths, cache, pdl)
 
-    def prefill(
+    def prefill_units(
         self,
         tokens: torch.Tensor,
         cache: KVCache,
@@ -222,16 +222,21 @@ class ParallelTransformer(Transformer):
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
         start: int = 0,
-        between: Callable[[float], None] | None = None,
         unit_flops: float | None = None,
-    ) -> torch.Tensor:
-        """As Transformer.prefill; with cp > 1, every rank prefills the prompt positions of its
-        range (a fresh prompt: start must be 0, prefix reuse is off under cp), and every rank
-        returns the final-normed hidden of the last position (or of every position). Ranks run one
-        request at a time, in step, so nothing runs `between` units (every rank must make the same
-        calls)."""
+    ) -> Generator[float, None, torch.Tensor]:
+        """As Transformer.prefill_units (every rank runs the same units: the step plans say how
+        many); with cp > 1 one unit of all the work: every rank prefills the prompt positions of
+        its range (a fresh prompt: start must be 0, prefix reuse is off under cp), and every rank
+        returns the final-normed hidden of the last position (or of every position)."""
         if self.parallel.cp == 1:
-            return super().prefill(tokens, cache, chunk, backend, last_only, on_progress, start)
+            args = (tokens, cache, chunk, backend, last_only, on_progress, start, unit_flops)
+            return (yield from super().prefill_units(*args))
+        hidden = self._prefill_ranges(tokens, cache, chunk, backend, last_only, on_progress, start)
+        yield 0.0
+        return hidden
+
+    def _prefill_ranges(self, tokens, cache, chunk, backend, last_only, on_progress, start) -> torch.Tensor:
+        """Context-parallel prefill: every rank's range at once, layer by layer (the module docstring)."""
         if start:
             raise ValueError("context-parallel prefill starts at position 0 (no prefix reuse)")
         cfg, par = self.config, self.parallel

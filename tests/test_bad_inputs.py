@@ -445,17 +445,20 @@ def test_a_field_of_the_wrong_type_is_one_error(llm, model_dir, tmp_path, field,
     assert re.search(match, bad["error"]) and "error" not in good and good["finish_reason"] == "length"
 
 
-def test_batch_under_torchrun_is_refused_in_one_line(model_dir, tmp_path):
-    """`minidecode batch` is one process: started by torchrun (WORLD_SIZE > 1) it refuses rather than
-    run every rank in full and write the same output file from each."""
+@pytest.mark.parametrize("command", ["batch", "serve"])
+def test_torchrun_without_tp_or_cp_is_refused_in_one_line(model_dir, tmp_path, command):
+    """`minidecode batch` / `serve` started by torchrun (WORLD_SIZE 2) without --tp / --cp whose
+    product is 2 refuse rather than run every rank in full and write the same output from each."""
     path = tmp_path / "requests.jsonl"
     path.write_text('{"prompt": "hi"}\n')
     out = tmp_path / "out.jsonl"
     env = {"WORLD_SIZE": "2", "RANK": "0"}
-    result = CliRunner().invoke(app, ["batch", str(model_dir), str(path), "-o", str(out)], env=env)
+    args = [str(path), "-o", str(out)] if command == "batch" else ["--port", "0"]
+    result = CliRunner().invoke(app, [command, str(model_dir), *args], env=env)
     assert result.exit_code == 2 and not out.exists()
     assert result.stderr.strip().splitlines() == [
-        "error: batch runs in one process: start it without torchrun (--tp / --cp are for generate)"
+        "error: torchrun started 2 processes but --tp 1 x --cp 1 needs 1: "
+        "give --nproc-per-node 1, or --tp / --cp whose product is 2"
     ]
 
 

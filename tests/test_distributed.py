@@ -109,15 +109,26 @@ def run_job(job: dict) -> dict:
             par.tp_one_shot = GlooOneShot(par.tp_group) if par.tp > 1 else None
             par.cp_one_shot = GlooOneShot(par.cp_group) if par.cp > 1 else None
     prompt, new = job["prompt"], job["new"]
-    greedy = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=0, logprobs=True, ignore_eos=True)
-    result = {
-        "tokens": greedy.token_ids,
-        "logprobs": torch.tensor(greedy.logprobs),
-        "steps": decode_logits(llm, prompt, new).cpu(),
-        "scores": llm.logits(prompt + greedy.token_ids).cpu(),  # every position, in one prefill
-    }
-    if job.get("sample"):  # no seed given: the ranks must still draw the same tokens
-        result["sampled"] = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=1.0).token_ids
+    if llm.rank != 0:  # rank 0's plans (every step's tokens checked against rank 0's), until it closes
+        result = {"plans": llm.serve_plans()}
+    else:
+        greedy = llm.generate(
+            token_ids=prompt, max_new_tokens=new, temperature=0, logprobs=True, ignore_eos=True
+        )
+        result = {
+            "tokens": greedy.token_ids,
+            "logprobs": torch.tensor(greedy.logprobs),
+            "scores": llm.logits(prompt + greedy.token_ids).cpu(),  # every position, in one prefill
+        }
+        if job.get("sample"):  # no seed given: the ranks must still draw the same tokens
+            result["sampled"] = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=1.0).token_ids
+        if job.get("reuse"):  # the same prompt again (its K/V cached on every rank), then a batch
+            again = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=0, ignore_eos=True)
+            result["again"] = (again.token_ids, again.stats.reused_tokens)
+            batch = llm.generate([prompt, prompt[::-1]], max_new_tokens=new, temperature=0, ignore_eos=True)
+            result["batch"] = [r.token_ids for r in batch]
+        llm.loop.close()  # the other ranks leave serve_plans
+    result["steps"] = decode_logits(llm, prompt, new).cpu()  # the model's own passes, every rank in step
     if llm.parallel is not None:
         par = llm.parallel
         result["one_shot"] = par.use_one_shot and (par.tp_one_shot or par.cp_one_shot) is not None
@@ -202,15 +213,31 @@ def check_ranks_match_one_process(results: list[dict], job: dict) -> None:
     reference = run_job({k: v for k, v in job.items() if k not in split})
     for rank, result in enumerate(results):
         assert "error" not in result, result
-        assert result["tokens"] == reference["tokens"], rank
-        for key in ("logprobs", "steps", "scores"):
+        if rank:  # it ran rank 0's plans (its tokens agreed with rank 0's, or the loop had failed)
+            assert result["plans"] > 0
+        else:
+            assert result["tokens"] == reference["tokens"], rank
+        for key in ("logprobs", "steps", "scores") if rank == 0 else ("steps",):
             err = max_rel_err(result[key], reference[key])
             assert err <= TOL, (rank, key, err)
-        if "sampled" in result:
-            assert result["sampled"] == results[0]["sampled"], rank
+    if "sampled" in results[0]:  # drawn with the other ranks' plans, agreeing at every step
+        assert len(results[0]["sampled"]) == job["new"]
 
 
 # ---- tensor parallel -------------------------------------------------------------------------------
+
+
+def test_prefix_reuse_and_a_batch_under_tensor_parallel(checkpoints, tmp_path):
+    """Under tp 2 rank 0's scheduler plans for both ranks: the same prompt again reuses the cached
+    positions of both ranks' KV heads, and a batch of two decodes together, each with one process's
+    tokens."""
+    job = dict(model=checkpoints("llama"), tp=2, prompt=random_ids(19, seed=6), new=6, reuse=True)
+    results = spawn(2, job, tmp_path)
+    check_ranks_match_one_process(results, job)
+    reference = run_job(dict(job, tp=1))
+    tokens, reused = results[0]["again"]
+    assert tokens == reference["tokens"] and reused == len(job["prompt"]) - 1
+    assert results[0]["batch"] == reference["batch"] and results[0]["batch"][0] == reference["tokens"]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama-bias"])

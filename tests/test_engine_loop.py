@@ -167,15 +167,15 @@ def test_an_error_in_one_request_ends_only_that_request(llama, greedy, prompt_id
     """A request whose prefill fails (NaN logits: a UserError) gets its error; the requests beside
     it run on."""
     llm = load(llama)
-    real = Engine.prefill
+    real = Engine.prefill_units
     bad = prompt_ids(17, seed=90)
 
-    def prefill(self, prompt_ids, *args, **kwargs):
+    def prefill_units(self, prompt_ids, *args, **kwargs):
         if prompt_ids == bad:
             raise UserError("the model produced NaN/inf logits (planted)")
         return real(self, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "prefill", prefill)
+    monkeypatch.setattr(Engine, "prefill_units", prefill_units)
     good = [prompt_ids(25, seed=91), prompt_ids(9, seed=92)]
     results = llm.generate([good[0], bad, good[1]], max_new_tokens=12, temperature=0, ignore_eos=True)
     assert results[1].finish_reason == "error" and "planted" in results[1].error

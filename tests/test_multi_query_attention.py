@@ -139,8 +139,11 @@ def test_head_dim_128_and_peaked_logits(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_merge_in_chunks(device):
-    """The chunked merge (FP8_CONFIG's), with a head split over more CTAs than a chunk holds."""
-    config = dataclasses.replace(la.DEFAULT_CONFIG, merge_chunk=8, merge_stages=2)
+    """The chunked merge (FP8_CONFIG's), with a head split over more CTAs than a chunk holds, on
+    the tile a 12-position query takes (G * Q_MAX = 48 rows, padded to 64: the config
+    multi_query_config gives such a tile, whose shared memory fits a GPU)."""
+    wide = la.multi_query_config(la.DEFAULT_CONFIG, 64, torch.bfloat16, fp8=False)
+    config = dataclasses.replace(wide, merge_chunk=8, merge_stages=2)
     check(device, [14 * BLOCK + 5, 3 * BLOCK], [12, 3], hq=8, hkv=2, head_dim=128, num_ctas=29, config=config)
 
 

@@ -5,18 +5,18 @@ and their speed."""
 import pytest
 import torch
 
-from minidecode.pacer import PREFILL_SHARE, Pacer
+from minidecode.pacer import PREFILL_SHARE, STEP_END, STEP_START, DeviceClock, Pacer
 
 
 def gaps(units: list[tuple[float, float]], step_seconds: float) -> list[float]:
     """Units of (flops, seconds) run one after another on a simulated device (an event is recorded
     once the work before it ran); the sequences step whenever the pacer says so.
     -> the prefill time between consecutive steps."""
-    clock = [0.0]
+    now = [0.0]
 
     class Event:  # a CUDA event of the simulated device (the pacer records each of its few again and again)
         def record(self) -> None:
-            self.at = clock[0]
+            self.at = now[0]
 
         def synchronize(self) -> None:
             pass
@@ -24,22 +24,23 @@ def gaps(units: list[tuple[float, float]], step_seconds: float) -> list[float]:
         def elapsed_time(self, later: "Event") -> float:  # ms
             return 1e3 * (later.at - self.at)
 
-    pacer = Pacer(torch.device("cpu"))
-    pacer.cuda, pacer._events = True, [Event() for _ in range(5)]
+    clock = DeviceClock(torch.device("cpu"))
+    clock.cuda, clock._events = True, [Event() for _ in range(5)]
+    pacer = Pacer(clock)
 
-    def step() -> None:
-        pacer.step_started()
-        clock[0] += step_seconds
-        pacer.step_ended()
+    def step() -> None:  # marked as the engine marks a decode step of a plan
+        start = clock.mark(STEP_START)
+        now[0] += step_seconds
+        pacer.stepped(start, clock.mark(STEP_END))
 
     step()
-    found, since = [], clock[0]
+    found, since = [], now[0]
     for flops, seconds in units:
-        clock[0] += seconds
-        if pacer.unit_done(flops):
-            found.append(clock[0] - since)
+        now[0] += seconds
+        if pacer.unit_done(flops, clock.unit()):
+            found.append(now[0] - since)
             step()
-            since = clock[0]
+            since = now[0]
     return found
 
 

@@ -54,10 +54,16 @@ def new_cache(positions: int) -> KVCache:
 
 
 def prefill(model, ids: torch.Tensor, cache: KVCache, chunk: int, **kw) -> tuple[torch.Tensor, list]:
-    """-> (hidden [1, T, hidden] of every position, the FLOPs passed to `between` after each unit)."""
+    """-> (hidden [1, T, hidden] of every position, the FLOPs prefill_units yields after each unit)."""
     pauses: list = kw.pop("pauses", [])
     with torch.inference_mode():
-        hidden = model.prefill(ids, cache, chunk, last_only=False, between=pauses.append, **kw)
+        units = model.prefill_units(ids, cache, chunk, last_only=False, **kw)
+        while True:
+            try:
+                pauses.append(next(units))
+            except StopIteration as done:
+                hidden = done.value
+                break
     return hidden, pauses
 
 

@@ -1,0 +1,128 @@
+"""The decode step: the device buffers of every decode row (`DecodeState`), one token for every
+row through the model, the logits processors and the sampler (`decode_step`), and its capture as a
+CUDA graph (`capture`). The engine (engine.py) owns one DecodeState and replays the graphs."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from minidecode.models.llama import Transformer
+
+from .cache import KVCache
+from .request import MAX_TOP_LOGPROBS
+from .sampling import ProcessorRows, SamplingRows, process, sample, top_logprobs
+
+
+@dataclass
+class DecodeState:
+    """The decode step's device buffers, [B] each: a captured graph reads and writes exactly these,
+    so they live as long as the engine. A step uses the first rows of a bucket (views)."""
+
+    tokens: torch.Tensor  # int64: in, the last token; out, the next one
+    positions: torch.Tensor  # int64: where the next token goes (+= 1 per step, active rows only)
+    logprob: torch.Tensor  # float32: log p of the token just sampled (when asked for)
+    sampling: SamplingRows  # each sequence's sampling settings
+    starts: torch.Tensor  # int64: where each sequence's region begins in the cache row
+    active: torch.Tensor  # int32 0/1: 0 is an idle slot (reads nothing, does not advance)
+    # [B, MAX_TOP_LOGPROBS]: the most likely ids and their log p at the token just sampled (when asked for)
+    top_ids: torch.Tensor  # int64
+    top_logprob: torch.Tensor  # float32
+    processors: ProcessorRows | None = None  # logits-processor state, once a sequence uses one
+
+    @classmethod
+    def zeros(cls, batch: int, device: torch.device) -> DecodeState:
+        def new(dtype):
+            return torch.zeros(batch, dtype=dtype, device=device)
+
+        tokens, positions, starts = (new(torch.long) for _ in range(3))
+        top_ids = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.long, device=device)
+        top_logprob = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device)
+        # active is int32, as the decode kernel's lengths (lengths * active stays int32)
+        sampling, logprob, active = SamplingRows.zeros(batch, device), new(torch.float32), new(torch.int32)
+        return cls(tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob)
+
+    def add_processors(self, vocab: int) -> ProcessorRows:
+        """The logits-processor state ([B, vocab] buffers), allocated on first use."""
+        if self.processors is None:
+            self.processors = ProcessorRows.zeros(self.tokens.shape[0], vocab, self.tokens.device)
+        return self.processors
+
+    def rows(self, n: int, first: int = 0) -> DecodeState:
+        """Rows first..first+n-1, as views."""
+        tokens, positions, logprob, starts, active, top_ids, top_logprob = (
+            x[first : first + n] for x in self._columns()
+        )
+        processors = None if self.processors is None else self.processors.rows(n, first)
+        return DecodeState(
+            tokens, positions, logprob, self.sampling.rows(n, first), starts, active, top_ids, top_logprob,
+            processors,
+        )  # fmt: skip
+
+    def _columns(self) -> tuple[torch.Tensor, ...]:
+        rows = self.tokens, self.positions, self.logprob, self.starts, self.active
+        return (*rows, self.top_ids, self.top_logprob)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""
+        for t in self._columns():
+            t[dst] = t[src]
+        self.sampling.move(src, dst)
+        if self.processors is not None:
+            self.processors.move(src, dst)
+
+
+def decode_step(
+    model: Transformer,
+    cache: KVCache,
+    state: DecodeState,
+    mode: str,
+    want_logprobs: bool,
+    pdl: bool,
+    adjust: bool = False,
+    top: bool = False,
+) -> None:
+    """One token for every row of `state`, reading and writing only its device buffers (so it can
+    be captured in a CUDA graph): each row's sequence lives in its region of the cache's one row
+    (state.starts); idle rows (state.active 0) read nothing. adjust: some row uses a logits
+    processor (state.processors); top: some row reports its top log-probs (implies want_logprobs)."""
+    hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active)
+    logits = model.logits(hidden)  # [B, V] float32
+    if adjust:  # rows that use no processor have neutral state: their logits pass unchanged
+        positions = state.positions + 1
+        nxt = sample(process(logits, state.processors, positions), state.sampling, positions, mode)  # [B]
+        state.processors.count(nxt, state.active)
+    else:
+        nxt = sample(logits, state.sampling, state.positions + 1, mode)  # [B]
+    if top:
+        logprobs = logits.log_softmax(-1)  # [B, V]: of the model's own distribution, not the processed one
+        state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
+        top_logprobs(logprobs, state.top_logprob, state.top_ids)
+    elif want_logprobs:
+        state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
+    state.tokens.copy_(nxt)
+    state.positions.add_(state.active)
+
+
+@functools.cache
+def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every warm-up: cuBLAS keeps a workspace per stream it ran
+    on, so a new stream per capture would leave one more workspace allocated each time."""
+    return torch.cuda.Stream(device)
+
+
+def capture(step: Callable[[], None], warm_up: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `step`, after `warm_up` ran once on a side stream (kernel compilation,
+    workspaces, library handles: nothing may allocate or compile during capture)."""
+    stream = _warm_up_stream(torch.device("cuda", torch.cuda.current_device()))
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm_up()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

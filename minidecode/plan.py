@@ -1,0 +1,153 @@
+"""The step plan: what one turn of the engine does, decided by the scheduler (scheduler.py) and run
+by the engine (Engine.run), on every rank alike.
+
+A plan is plain data (picklable: under torchrun rank 0 sends each plan to the other ranks, which
+run it on their shards of the weights and of the cache). Its parts run in this order:
+
+1. `moves`, `clears`: rows of sequences that ended (the last row moves into each: rows stay packed);
+2. `cancel`: drop the prefill in progress (its caller has gone);
+3. `cache`: the admitted sequence's cache work: a resize, a prefix copied between regions, a saved
+   cache file read into its region, a release (a failure here fails that sequence only);
+4. `prepare`: decode graphs captured ahead of the step that needs them;
+5. `decode`: one decode step of rows 0..n-1, with the graph kind of those rows;
+6. `prefill`: units of work of the one prefill in progress; when its last unit runs, its row starts
+   (`RowStart`: region, position, sampling and logits-processor settings, prompt ids) and its first
+   token is sampled;
+7. `score`: logits of every position of some token ids (`LLM.logits`).
+
+What the engine returns is a `StepOutput`: the decode step's tokens (of the step before it: each
+step's tokens are copied to the host while the next one runs), the first token of a prefill that
+ended, and the failure of the admitted sequence, if any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeKind:
+    """What a decode step of some rows must do (its graph's key, less the bucket): the sampling
+    mode, log-probs, logits processors, top log-probs; each on if any row needs it."""
+
+    mode: str
+    logprobs: bool = False
+    adjust: bool = False
+    top: bool = False
+
+
+@dataclass
+class Resize:
+    """A cache of `capacity` region positions; positions 0..keep-1 of the old one copied across
+    (keep 0: the old one freed first)."""
+
+    capacity: int
+    keep: int = 0
+
+
+@dataclass
+class Copy:
+    """Cache positions src..src+count-1 to dst.. (region starts): a prefix reused in a new region."""
+
+    src: int
+    dst: int
+    count: int
+
+
+@dataclass
+class FileRead:
+    """A saved cache file's first `count` positions into the region starting at `start` (one process
+    only: a cache file holds a whole model's cache)."""
+
+    file: Any  # cache_file.CacheFile
+    start: int
+    count: int
+
+
+@dataclass
+class Release:
+    """Free the cache and the graphs captured on it."""
+
+
+@dataclass
+class RowStart:
+    """Row `row` decodes a sequence whose region starts at `start`, its next token at `position`
+    (its prompt's length), with these sampling and logits-processor settings (a repetition
+    penalty's prompt ids: the prefill's, sent once, in its first plan)."""
+
+    row: int
+    start: int
+    position: int
+    params: SamplingParams
+
+
+@dataclass
+class Prefill:
+    """Units of one sequence's prefill into its region [start, start + size), whose first `reused`
+    positions already hold its prompt's K/V. The first plan of a prefill carries the prompt
+    (`begin`); later ones continue the engine's units. `interleave`: units within the engine's
+    prefill_unit_flops (running sequences step between them). `units`: how many this plan runs
+    (None: to the end)."""
+
+    seq: int  # Sequence.id
+    start: int
+    size: int
+    reused: int
+    row: RowStart
+    logprobs: bool = False  # the first token's log-prob (and `top`: its top log-probs)
+    top: bool = False
+    interleave: bool = False
+    units: int | None = 1
+    begin: list[int] | None = None  # the prompt ids, in the prefill's first plan
+
+
+@dataclass
+class Decode:
+    rows: int
+    kind: DecodeKind
+
+
+@dataclass
+class StepPlan:
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (src row, dst row), in order
+    clears: list[int] = field(default_factory=list)
+    cancel: bool = False
+    admit: int | None = None  # the Sequence.id whose cache work `cache` is
+    cache: list[Resize | Copy | FileRead | Release] = field(default_factory=list)
+    prepare: list[tuple[int, DecodeKind]] = field(default_factory=list)  # (rows, kind)
+    decode: Decode | None = None
+    prefill: Prefill | None = None
+    score: list[int] | None = None
+    stop: bool = False  # the other ranks leave their plan loop
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.moves or self.clears or self.cancel or self.cache or self.prepare or self.decode
+            or self.prefill or self.score is not None or self.stop
+        )  # fmt: skip
+
+
+@dataclass
+class StepOutput:
+    """What running a plan gave (rank 0 reads it; the other ranks' outputs stay with them)."""
+
+    # the decode step's previous tokens of rows 0..n-1 (each row's log p and top ids / log-probs
+    # where asked for), on the host
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_ids: Any = None  # [n, 20] int64 (host)
+    top_logprobs: Any = None  # [n, 20] float32 (host)
+    step_marks: tuple | None = None  # (start, end) of the decode step on the device clock (pacer.py)
+    unit_flops: float = 0.0  # the prefill units run, their FLOPs and the device mark after the last
+    unit_mark: Any = None
+    prefill_began: float = 0.0  # host time the prefill's first unit was queued (its prefill_seconds)
+    first: tuple[int, float | None, Any] | None = None  # a prefill that ended: (token, log p, top rows)
+    file_seconds: float = 0.0  # reading a cache file (within the sequence's TTFT)
+    failed: tuple[int, str] | None = None  # (Sequence.id, message): the admitted or prefilling sequence
+    resized: bool = False  # the cache's size changed (a failed resize: see `capacity`)
+    capacity: int = 0  # the cache's region positions after the plan
+    logits: Any = None  # score's [T, V] float32
