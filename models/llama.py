@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -305,19 +305,9 @@ class Transformer(nn.Module):
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def prefill(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        chunk: int,
-        backend: str | None = None,
-        last_only: bool = True,
-        on_progress: Callable[[int, int], None] | None = None,
-        start: int = 0,
-        unit_flops: float | None = None,
-    ) -> torch.Tensor:
-        """The whole of prefill_units' work at once -> its final-normed hidden."""
-        units = self.prefill_units(tokens, cache, chunk, backend, last_only, on_progress, start, unit_flops)
+    def prefill(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """prefill_units(...) (the same arguments) run to the end -> its final-normed hidden."""
+        units = self.prefill_units(*args, **kwargs)
         while True:
             try:
                 next(units)

@@ -1,6 +1,8 @@
 """Error measures shared by the tests, computed in float64; the device parameters of a Triton
 kernel's tests."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -34,3 +36,21 @@ def kernel_devices(kernel) -> tuple[bool, list]:
         ],
     )
     return interpreted, [cpu, cuda]
+
+
+def wait_healthy(proc, base: str, log: Path, wait: float) -> None:
+    """Until `base`/health answers 200 (a server subprocess started): fails with its log if it
+    exits first or does not come up within `wait` seconds."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + wait
+    while True:
+        assert proc.poll() is None, f"the server exited: {log.read_text()}"
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not come up: {log.read_text()}"
+        time.sleep(0.2)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import wait_healthy
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -72,16 +73,7 @@ def started(model: Path | None, *options: str, env: dict[str, str] | None = None
     proc = subprocess.Popen([*command, *options], stdout=log, stderr=subprocess.STDOUT, env=environment)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + WAIT
-        while True:
-            assert proc.poll() is None, f"the server exited: {Path(log.name).read_text()}"
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, base, Path(log.name), WAIT)
         yield Served(base, proc, Path(log.name))
     finally:
         proc.terminate()

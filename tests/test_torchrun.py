@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from helpers import wait_healthy
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -75,16 +76,7 @@ def served(*options: str):
         proc = subprocess.Popen(command, **pipes, env=_env(), start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + WAIT
-            while True:
-                assert proc.poll() is None, f"the server exited: {log_path.read_text()}"
-                try:
-                    if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, f"the server did not come up: {log_path.read_text()}"
-                time.sleep(0.2)
+            wait_healthy(proc, base, log_path, WAIT)
             yield base, proc, log_path
         finally:
             _end(proc)
