@@ -36,12 +36,12 @@ import typer.core
 from minidecode import __version__
 from minidecode.batch_file import BatchReport, batch_stats_line, read_requests, result_fields
 from minidecode.errors import UserError
+from minidecode.kernels.choices import PREFILL_ATTENTION
 from minidecode.request import DEFAULT_MAX_BATCH, DEFAULT_MAX_NEW_TOKENS, Request, check_int
 from minidecode.validate import (
     DEVICES,
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
-    PREFILL_ATTENTION,
     QUANTIZATIONS,
     check_choice,
     check_device_name,
@@ -941,7 +941,7 @@ def bench(
             args = (batch, batch_peer, new_tokens, repeats, allow_extrapolation, out, command_line(ctx))
             return bench_batches(model, runtime, *args)
         refuse_options(ctx, BATCH_ONLY, "without --batch")
-        from minidecode.bench import BenchSettings
+        from minidecode.benchmarks.e2e import BenchSettings
 
         settings = BenchSettings(
             prompt_lengths=prompt_tokens or [1024, 131072], window=new_tokens, repeats=repeats,
@@ -970,7 +970,7 @@ def check_bench_args(settings, runtime: Runtime, compare: str | None, out: Path 
     the output files, matplotlib for --plot, and the peer, imported."""
     import importlib.util
 
-    from minidecode.bench import import_transformers
+    from minidecode.benchmarks.e2e import import_transformers
 
     settings.validate()
     if compare not in (None, "transformers"):
@@ -992,7 +992,7 @@ def check_bench_args(settings, runtime: Runtime, compare: str | None, out: Path 
 def bench_lengths(model, runtime: Runtime, settings, command: str, json_output: bool, out, plot) -> None:
     """`bench` per prompt length: the tables on stdout (stderr with --json, whose object goes to
     stdout), and OUT.json / OUT.md (/ OUT.png) with --out."""
-    from minidecode.bench import run_bench
+    from minidecode.benchmarks.e2e import run_bench
 
     try:
         llm = runtime.load(model)
@@ -1002,7 +1002,7 @@ def bench_lengths(model, runtime: Runtime, settings, command: str, json_output: 
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
-    from minidecode.bench_report import e2e_report, write_e2e
+    from minidecode.benchmarks.report import e2e_report, write_e2e
 
     report = e2e_report(llm, settings, results, ceilings, command)
     typer.echo(report.header, err=json_output)  # with --json the tables go to stderr
@@ -1020,7 +1020,7 @@ def bench_batches(model, runtime: Runtime, specs, peer, window, repeats, allow_e
     for path in outputs:
         check_writable(path)
     try:
-        from minidecode.bench_batch import (
+        from minidecode.benchmarks.batch import (
             batch_peers,
             format_batch_table,
             import_peers,
@@ -1044,7 +1044,7 @@ def bench_batches(model, runtime: Runtime, specs, peer, window, repeats, allow_e
     table = format_batch_table(results, ceilings)
     typer.echo(table)
     if outputs:
-        from minidecode.bench_report import write_batch
+        from minidecode.benchmarks.report import write_batch
 
         write_batch(llm, results, ceilings, window, table, command, outputs)
 

@@ -33,7 +33,7 @@ import triton
 from timing import time_graph  # bench/timing.py
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minidecode.bench import provenance
+from minidecode.benchmarks.e2e import provenance
 from minidecode.kernels import lean_attention as la
 from minidecode.kernels.lean_attention import LeanConfig, default_config, lean_attention, lean_schedule
 from minidecode.kernels.quant import SCALE_DTYPE, dequantize_fp8, quantize_fp8

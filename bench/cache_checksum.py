@@ -28,7 +28,6 @@ import torch
 from timing import event_ms  # bench/timing.py
 
 from minidecode import LLM
-from minidecode.cache import KVCache
 from minidecode.cache_file import (
     chunk_entries,
     chunk_sums,
@@ -38,6 +37,7 @@ from minidecode.cache_file import (
     weights_fingerprint,
     write_cache_file,
 )
+from minidecode.models.cache import KVCache
 
 LENGTH, LAYERS, KV_HEADS, HEAD_DIM = 131072, 32, 8, 128
 IDENTITY = {"config_sha256": "bench", "weights_fingerprint": "bench", "cache_dtype": "bfloat16"}

@@ -3,7 +3,7 @@
 Usage: python bench/decode_profile.py [synthetic:llama-3-8b] [context]
 Prints the step time with the CUDA graph (with and without programmatic dependent launch
 between the step's kernels) and eager, the read roofline of the same step (the bytes
-minidecode.bench.step_bytes counts, over the read ceiling measured in this run), and the top
+minidecode.benchmarks.e2e.step_bytes counts, over the read ceiling measured in this run), and the top
 kernels of one step by total time and launch count.
 """
 
@@ -15,7 +15,7 @@ import torch
 from timing import start_filled  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode import LLM
-from minidecode.bench import measure_ceilings, step_bytes
+from minidecode.benchmarks.e2e import measure_ceilings, step_bytes
 from minidecode.sampling import GREEDY
 
 

@@ -21,7 +21,7 @@ up to the context, then CUDA-graph decode steps (greedy) run from there: 8 warm-
 WINDOWS windows of STEPS steps, each window timed with CUDA events on every rank; a window's step
 time is the slowest rank's. Figures: median (min-max) tok/s over the windows. Roofline: a rank's
 bytes per step (its weights, the embedding table counted as one row; the KV rows it holds at that
-context) over the read ceiling measured on its GPU in the same part (minidecode.bench's
+context) over the read ceiling measured on its GPU in the same part (minidecode.benchmarks.e2e's
 measure_ceilings); the lowest rank's share is shown. The collectives alone: one step's worth
 (tp: 2 x layers all-reduces of [1, hidden], as the one-shot kernel, where the step's one-shot
 variant sums them in the projections' GEMV launches, and the logits' all-gather; cp: per layer, the pack,
@@ -51,7 +51,7 @@ import torch.distributed as dist
 from timing import fill_cache, start_filled  # bench/timing.py (a script: bench/ is on the import path)
 
 from minidecode import LLM
-from minidecode.bench import measure_ceilings, provenance
+from minidecode.benchmarks.e2e import measure_ceilings, provenance
 from minidecode.cache import kv_dtype_name
 from minidecode.sampling import GREEDY
 

@@ -27,7 +27,8 @@ import torch
 from timing import start_filled  # bench/timing.py (run as a script: bench/ is on the import path)
 
 from minidecode import LLM
-from minidecode.cache import FP8, KVCache, kv_dtype_name
+from minidecode.cache import kv_dtype_name
+from minidecode.models.cache import FP8, KVCache
 from minidecode.models.llama import weights_description
 from minidecode.sampling import GREEDY
 

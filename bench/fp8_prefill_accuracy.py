@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from minidecode import LLM
-from minidecode.cache import KVCache
 from minidecode.kernels import prefill
+from minidecode.models.cache import KVCache
 from training.stdlib_corpus import load_split
 
 K = 1024

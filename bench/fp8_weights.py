@@ -50,7 +50,7 @@ import torch
 from timing import event_ms, fill_cache, start_filled, time_graph  # bench/timing.py (bench/ on the path)
 
 from minidecode import LLM, UserError
-from minidecode.bench import measure_ceilings, provenance
+from minidecode.benchmarks.e2e import measure_ceilings, provenance
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows, quantize_rows, quantize_weight
 from minidecode.kernels.gemv import default_fp8_config, gemv
@@ -323,7 +323,7 @@ def e2e(lengths: list[int], new: int, repeats: int, ceiling: float) -> list[dict
 def logits_of(llm: LLM, prompt: list[int], feed: list[int] | None, steps: int):
     """Every prompt position's logits [T, V] (prefill) and `steps` decode steps' [steps, V] (fed
     greedily when feed is None, else `feed`), float32, and the tokens fed."""
-    from minidecode.cache import KVCache
+    from minidecode.models.cache import KVCache
 
     cfg, device, model = llm.config, llm.device, llm.model
     cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, len(prompt) + steps, cfg.head_dim, llm.dtype, device)

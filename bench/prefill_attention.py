@@ -49,7 +49,7 @@ import triton
 from timing import event_ms  # bench/timing.py
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minidecode.bench import provenance
+from minidecode.benchmarks.e2e import provenance
 from minidecode.kernels import fp8_prefill as fp
 from minidecode.kernels.prefill import causal_attention, choose_backend
 

@@ -9,7 +9,7 @@ For each length it measures, in the same process:
 1. model.prefill (the default path: choose_backend's SDPA backend), cold (the first call at this
    length: cuDNN plans for new shapes) and warm; wall time, GPU time between CUDA events, and the
    host time until prefill returns (enqueue): enqueue close to wall means the host is the limit;
-2. the engine's whole prefill (minidecode.bench.timed_generation: what `minidecode bench`
+2. the engine's whole prefill (minidecode.benchmarks.e2e.timed_generation: what `minidecode bench`
    reports) against model.prefill alone: the work around the model;
 3. a per-part breakdown from an instrumented copy of Transformer.prefill's loop (CUDA events
    and host time per part: RoPE angles, norm, qkv + RoPE + the q / K / V writes, attention,
@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 
 from minidecode import LLM
-from minidecode.bench import provenance
-from minidecode.cache import KVCache
+from minidecode.benchmarks.e2e import provenance
 from minidecode.kernels import ops
 from minidecode.kernels import prefill as prefill_mod
 from minidecode.kernels.prefill import BLOCK, CANDIDATES, causal_attention, choose_backend
+from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer
 
 K = 1024
@@ -242,7 +242,7 @@ class Probe:
         self.section(out, "model.prefill", model_prefill)
 
         def engine():
-            from minidecode.bench import timed_generation
+            from minidecode.benchmarks.e2e import timed_generation
 
             ids_list = ids[0].tolist()
             timed_generation(self.llm, ids_list, 1, T + 8)  # warm (allocates the engine's cache)
@@ -350,7 +350,7 @@ class Probe:
     def transformers(self, hf, ids, n) -> dict:
         """transformers' prefill as the bench times it (0: a pad id the prompt never holds), warmed
         up at this length as minidecode's prefill is here."""
-        from minidecode.bench import peer_generation
+        from minidecode.benchmarks.e2e import peer_generation
 
         peer_generation(hf, ids, 1, 0)
         runs = [peer_generation(hf, ids, 1, 0)[0] for _ in range(n)]
@@ -463,7 +463,7 @@ def main() -> None:
     hf = None
     if not args.no_transformers:
         try:
-            from minidecode.bench import transformers_peer
+            from minidecode.benchmarks.e2e import transformers_peer
 
             hf = transformers_peer(llm)
         except Exception as error:

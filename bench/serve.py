@@ -75,9 +75,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def prompts(model: str, count: int, seed: int, length: int) -> list[list[int]]:
     """`count` random prompts of `length` ids that avoid the model's special ids."""
-    from minidecode.bench import benchmark_prompt
-    from minidecode.config import ModelConfig
+    from minidecode.benchmarks.e2e import benchmark_prompt
     from minidecode.info import SYNTHETIC, synthetic_config
+    from minidecode.models.config import ModelConfig
 
     # (a local checkpoint folder too: a small model makes a CPU run of the harness)
     if model.startswith(SYNTHETIC):
@@ -288,7 +288,7 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
     """8 streams decoding 4k-token contexts; then a `long`-token prompt arrives: the streams' gaps
     between tokens before it (the steady state) and while it prefills (until its first token)."""
     from minidecode import LLM, Request
-    from minidecode.bench import benchmark_prompt
+    from minidecode.benchmarks.e2e import benchmark_prompt
 
     llm = LLM(model)
     arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (stream, event, host time)
@@ -443,7 +443,7 @@ def main() -> None:
                 rows.append(json.loads(line))
     import torch
 
-    from minidecode.bench import provenance
+    from minidecode.benchmarks.e2e import provenance
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     commit, date = provenance()["commit"], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

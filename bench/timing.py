@@ -84,7 +84,7 @@ def start_filled(engine, context: int, steps: int):
 
 
 def fill_cache(cache) -> None:
-    """A decode benchmark's cache (minidecode.cache.KVCache) filled with random values, a layer
+    """A decode benchmark's cache (minidecode.models.cache.KVCache) filled with random values, a layer
     at a time (no cache-sized temporary): normal values, or for an FP8 cache finite positive e4m3
     bit patterns (0x7F is NaN) with every scale 0.01."""
     fp8 = cache.kv_scale is not None

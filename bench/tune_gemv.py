@@ -45,7 +45,7 @@ from fp8_weights import COPIES, fp8_exact, fp8_gemv_bytes  # bench/fp8_weights.p
 from fp8_weights import SHAPES as FP8_SHAPES
 from timing import Timing, time_graph  # bench/timing.py (run as a script: bench/ is on the import path)
 
-from minidecode.bench import measure_ceilings
+from minidecode.benchmarks.e2e import measure_ceilings
 from minidecode.kernels.device import INTERPRETER_CTAS
 from minidecode.kernels.fp8_weights import FP8Weight, quantize_rows, quantize_weight
 from minidecode.kernels.gemv import GemvConfig, default_fp8_config, gemv

@@ -41,9 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minidecode.errors import UserError
-from minidecode.validate import PREFILL_ATTENTION, check_choice
-
+from .choices import PREFILL_ATTENTION
 from .device import sm_count
 
 CANDIDATES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -81,7 +79,7 @@ def causal_attention(
 ) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, P + T, D] (Hq a multiple of Hkv: query head h reads KV head
     h // (Hq / Hkv)) -> [B, Hq, T, D]: the model calls it for a whole layer's heads, or for some of
-    its KV heads with their query heads (memory.prefill_attention_kv_heads).
+    its KV heads with their query heads (models/temporaries.py's prefill_attention_kv_heads).
 
     The queries are the last T of the P + T positions (P: a cached prefix, 0 for a whole prompt):
     causal, aligned bottom-right, so query i sees keys 0..P+i. backend None lets PyTorch choose (CPU);
@@ -376,10 +374,11 @@ def fp8_prefill_problem(device: torch.device, head_dim: int) -> str | None:
 
 def check_prefill_attention(name: str, device: torch.device, head_dim: int) -> str:
     """The user's prefill attention (`auto` or `fp8`), checked against the device and model: the
-    name, or one clear UserError."""
-    check_choice("prefill attention", name, PREFILL_ATTENTION)
+    name, or one clear ValueError (the runtime's caller makes it the user's message)."""
+    if not isinstance(name, str) or name not in PREFILL_ATTENTION:
+        raise ValueError(f"unknown prefill attention {name!r}; use one of {', '.join(PREFILL_ATTENTION)}")
     if name == "fp8" and (problem := fp8_prefill_problem(device, head_dim)) is not None:
-        raise UserError(problem)
+        raise ValueError(problem)
     return name
 
 

@@ -6,7 +6,7 @@ from .request import Request
 # The public names load on first use (PEP 562): `import minidecode` and the CLI's --help stay
 # free of torch, which takes a second or more to import.
 _LAZY = {
-    "ModelConfig": "config",
+    "ModelConfig": "models.config",
     "MemoryPlan": "memory",
     "GenerationStats": "sequence",
     "GenerationResult": "sequence",

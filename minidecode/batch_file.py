@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import UserError
+from minidecode.errors import UserError
 
 
 def result_fields(result) -> dict:

@@ -2,7 +2,7 @@
 
 The file holds only the valid positions: each stored cache tensor (positions on dim 3, e.g. K
 and V `[layers, B, Hkv, S, D]`) becomes `[layers, B, Hkv, length, ...]`, plus `token_ids`
-[length] int64; an FP8 cache's V holds blocks of V_BLOCK positions on dim 3 (minidecode/cache.py),
+[length] int64; an FP8 cache's V holds blocks of V_BLOCK positions on dim 3 (models/cache.py),
 so the file holds its ceil(length / V_BLOCK) blocks, `[layers, B, Hkv, blocks, D, V_BLOCK]`.
 Its `__metadata__` records the format version, the model's identity (a hash of config.json and a
 fingerprint of every byte of the weights), the cache dtype, the length, and a checksum of every

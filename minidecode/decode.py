@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer
 
-from .cache import KVCache
 from .request import MAX_TOP_LOGPROBS
 from .sampling import ProcessorRows, SamplingRows, process, sample, top_logprobs
 

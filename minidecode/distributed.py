@@ -2,12 +2,13 @@
 
 - the process group, set up from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): NCCL on
   GPUs, gloo on CPUs, with NVLink multicast forced off in every process;
-- each rank's share of the model: tensor parallel (tp) splits the query and KV heads, the MLP's
-  intermediate rows and the vocabulary (ShardPlan); context parallel (cp) splits the cache's
-  positions into contiguous ranges, one per rank;
-- the collectives the model calls (the exact log-sum-exp merge of attention computed over
-  disjoint ranges of the context is kernels/ops.py's); on GPUs, the small ones of the decode step run
-  as one-shot kernels over symmetric memory (OneShot), the rest through NCCL;
+- each rank's share of the model is models/sharding.py's (ShardPlan: tensor parallel (tp) splits
+  the query and KV heads, the MLP's intermediate rows and the vocabulary; context parallel (cp)
+  splits the cache's positions into contiguous ranges, one per rank);
+- the collectives the model calls (models/sharding.py's Collectives; the exact log-sum-exp merge
+  of attention computed over disjoint ranges of the context is kernels/ops.py's); on GPUs, the
+  small ones of the decode step run as one-shot kernels over symmetric memory (OneShot), the rest
+  through NCCL;
 - agreement between ranks: one rank's error becomes every rank's, so all exit together;
 - the plan group (gloo, with a timeout) over which rank 0 sends each step plan to the other ranks
   (fanout.py).
@@ -20,7 +21,6 @@ one tp_rank (they hold the same heads).
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
 from .errors import UserError
 from .kernels import ops
 from .kernels.fp8_weights import FP8Weight, QuantizedRows
@@ -55,70 +54,10 @@ def world_size_from_environment() -> int | None:
     return int(value) if value else None
 
 
-@dataclass(frozen=True)
-class ShardPlan:
-    """One tensor-parallel rank's share of a model (checkpoint rows, half-open ranges).
-
-    Query heads [q_lo, q_hi) and the KV heads they read, [kv_lo, kv_hi): a contiguous block of
-    whole GQA groups when tp divides the KV heads, else the one KV head of this rank's query
-    heads, replicated on the tp / Hkv ranks that share it. MLP intermediate rows [mlp_lo, mlp_hi).
-    Vocabulary rows [vocab_lo, vocab_lo + vocab_rows) of the lm_head, padded past the vocabulary
-    so that every rank's logits have the same width (an all-gather needs equal parts)."""
-
-    q_lo: int
-    q_hi: int
-    kv_lo: int
-    kv_hi: int
-    mlp_lo: int
-    mlp_hi: int
-    vocab_lo: int
-    vocab_rows: int
-
-
-def shard_plan(cfg: ModelConfig, tp: int, tp_rank: int) -> ShardPlan:
-    """Rank tp_rank's share; a model that does not split tp ways is refused with what would."""
-    Hq, Hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    ways = [n for n in range(1, Hq + 1) if Hq % n == 0 and (Hkv % n == 0 or n % Hkv == 0)]
-    if Hq % tp or (Hkv % tp and tp % Hkv):
-        raise UserError(
-            f"--tp {tp} does not split this model's {Hq} query / {Hkv} KV heads (tp must divide the "
-            f"query heads, and divide or be a multiple of the KV heads); use --tp "
-            + " or ".join(map(str, ways))
-        )
-    if inter % tp:
-        raise UserError(f"--tp {tp} does not divide the MLP's intermediate size {inter}")
-    q_per = Hq // tp
-    q_lo = tp_rank * q_per
-    kv_lo = q_lo // cfg.group_size
-    kv_hi = kv_lo + max(Hkv // tp, 1)
-    vocab_rows = -(-cfg.vocab_size // tp)
-    mlp_per = inter // tp
-    return ShardPlan(
-        q_lo, q_lo + q_per, kv_lo, kv_hi, tp_rank * mlp_per, (tp_rank + 1) * mlp_per,
-        tp_rank * vocab_rows, vocab_rows,
-    )  # fmt: skip
-
-
-def rank_config(cfg: ModelConfig, plan: ShardPlan) -> ModelConfig:
-    """The config of one tensor-parallel rank's modules: its heads and MLP rows (the vocabulary,
-    hidden size and everything else stay whole)."""
-    return dataclasses.replace(
-        cfg,
-        num_heads=plan.q_hi - plan.q_lo,
-        num_kv_heads=plan.kv_hi - plan.kv_lo,
-        intermediate_size=plan.mlp_hi - plan.mlp_lo,
-    )
-
-
-def rank_positions(context: int, cp: int) -> int:
-    """Cache positions each context-parallel rank holds for a context: its range of ceil(context /
-    cp) positions plus one scratch row (where the other ranks' new tokens are written)."""
-    return context if cp == 1 else -(-context // cp) + 1
-
-
 @dataclass
 class Parallel:
-    """This process's place among tp x cp ranks, and the collectives over its groups."""
+    """This process's place among tp x cp ranks, and the collectives over its groups (the ones the
+    model calls are models/sharding.py's Collectives, which this class is)."""
 
     tp: int
     cp: int

@@ -30,9 +30,9 @@ import torch
 
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import choose_backend
+from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
-from .cache import KVCache
 from .cache_file import read_cache_file
 from .decode import DecodeState, ProcessorRows, capture, decode_step
 from .diagnose import nonfinite_logits_error

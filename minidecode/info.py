@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
-from .cache import FP8, kv_dtype_name
-from .config import ModelConfig
+from minidecode.models.cache import FP8
+from minidecode.models.config import ModelConfig
+
+from .cache import kv_dtype_name
 from .errors import UserError
-from .loading import DEFAULT_MODEL, resolve_model_dir
+from .loading import DEFAULT_MODEL, read_config, resolve_model_dir
 from .memory import Planner, default_prefill_chunk, gib
 from .validate import DEVICES, DTYPE_NAMES, check_device_name, check_dtype_name, check_kv_cache_dtype_name
 
@@ -91,7 +93,7 @@ def describe(
         cfg, source = synthetic_config(str(model)), "random weights (synthetic)"
     else:
         model_dir = resolve_model_dir(DEFAULT_MODEL if model is None else model)
-        cfg, source = ModelConfig.from_file(model_dir / "config.json"), str(model_dir)
+        cfg, source = read_config(model_dir), str(model_dir)
     context = cfg.max_position_embeddings if context is None else context
     if context < 1:
         raise UserError(f"context must be >= 1, got {context}")
@@ -100,11 +102,14 @@ def describe(
     weights, described = weight_plan(cfg, dt, quantization)  # FP8 layers at 1 byte a weight + scales
     rank_cfg, positions, parallel, plan_weights = cfg, context, None, weights
     if (tp, cp) != (1, 1):
+        from minidecode.models.config import ConfigError
         from minidecode.models.parallel import rank_weight_bytes
+        from minidecode.models.sharding import rank_config, rank_positions, shard_plan
 
-        from .distributed import rank_config, rank_positions, shard_plan
-
-        shard = shard_plan(cfg, tp, 0)
+        try:
+            shard = shard_plan(cfg, tp, 0)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
         rank_cfg, plan_weights = rank_config(cfg, shard), rank_weight_bytes(cfg, shard, tp, dt.itemsize)
         positions = rank_positions(context, cp)
         parallel = (

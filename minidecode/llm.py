@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minidecode.kernels.prefill import check_prefill_attention
+from minidecode.models.cache import KVCache
 
-from .cache import KVCache, kv_dtype_name
+from .cache import kv_dtype_name
 from .cache_file import config_hash, open_cache_file, weights_fingerprint, write_cache_file
-from .config import ModelConfig
 from .engine import Engine
 from .errors import UserError
 from .info import SYNTHETIC, resolve_device, resolve_dtype, resolve_kv_cache_dtype, synthetic_config
-from .loading import DEFAULT_MODEL, build_model, resolve_model_dir
+from .loading import DEFAULT_MODEL, build_model, read_config, resolve_model_dir
 from .loop import EngineLoop
 from .plan import StepPlan
 from .request import (
@@ -102,7 +102,7 @@ class LLM:
             self.generation_defaults, self.eos_ids = SamplingParams(), set()
         else:
             self.model_dir = resolve_model_dir(DEFAULT_MODEL if model is None else model)
-            self.config = ModelConfig.from_file(self.model_dir / "config.json")
+            self.config = read_config(self.model_dir)
             self.tokenizer = Tokenizer(self.model_dir)
             check_vocab(self.tokenizer.vocab_size, self.config.vocab_size)
             self.generation_defaults, self.eos_ids = self._generation_config()
@@ -110,7 +110,10 @@ class LLM:
             self.config, self.model_dir, self.device, self.dtype, self.parallel, quantization=quantization
         )
         cp_ranks = 1 if self.parallel is None else self.parallel.cp
-        check_prefill_attention(prefill_attention, self.device, self.config.head_dim)
+        try:
+            check_prefill_attention(prefill_attention, self.device, self.config.head_dim)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         if prefill_attention == "fp8" and cp_ranks > 1:
             raise UserError("FP8 prefill attention is not supported with --cp (context parallel): use auto")
         # Context-parallel ranks split one sequence's positions: one at a time, no prefix reuse.

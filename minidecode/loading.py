@@ -17,9 +17,9 @@ if TYPE_CHECKING:  # torch is imported by load_weights: resolving a folder (the 
     import torch
     from torch import nn
 
+    from minidecode.models.config import ModelConfig, Quantization
     from minidecode.models.llama import Transformer
 
-    from .config import ModelConfig, Quantization
     from .distributed import Parallel
 
 # The small model shipped inside the package (training/train_tiny_model.py made it).
@@ -62,6 +62,17 @@ def resolve_model_dir(model: str | Path) -> Path:
             f"model {text!r} is not a local directory and could not be fetched from the hub "
             f"(offline, or no such repo?): {reason}"
         ) from None
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    """The checkpoint's config.json as the model's ModelConfig, or the UserError its ConfigError
+    says (models/config.py checks it; the message is the user's)."""
+    from minidecode.models.config import ConfigError, ModelConfig
+
+    try:
+        return ModelConfig.from_file(model_dir / "config.json")
+    except ConfigError as e:
+        raise UserError(str(e)) from None
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -329,9 +340,13 @@ def _meta_model(cfg: ModelConfig, quant: Quantization | None, parallel: Parallel
         if parallel is None:
             model = Transformer(cfg)
         else:
+            from minidecode.models.config import ConfigError
             from minidecode.models.parallel import ParallelTransformer
 
-            model = ParallelTransformer(cfg, parallel)
+            try:
+                model = ParallelTransformer(cfg, parallel)
+            except ConfigError as e:  # a model that does not split tp ways
+                raise UserError(str(e)) from None
         if quant is not None:
             _declare_fp8(model, quant)
     return model
@@ -364,7 +379,8 @@ def _weight_quantization(
     for, else none. FP8 needs a GPU with FP8 tensor cores (compute capability 8.9+) or the CPU."""
     import torch
 
-    from .config import ON_LOAD_SCHEME, Quantization
+    from minidecode.models.config import ON_LOAD_SCHEME, Quantization
+
     from .validate import QUANTIZATIONS, check_choice
 
     if quantization is not None:

@@ -11,7 +11,8 @@ from .errors import UserError
 from .request import check_int
 
 # The one list of each choice (a tuple's first is the default); the CLI's options, `info` and
-# the runtime's checks import them from here.
+# the runtime's checks import them from here. A kernel's own (PREFILL_ATTENTION) is in
+# kernels/choices.py, below the runtime.
 DEVICES = "cpu, cuda or cuda:N"
 DTYPE_NAMES = {  # name -> the torch dtype's name, with short aliases
     **dict.fromkeys(("float32", "fp32"), "float32"),
@@ -20,7 +21,6 @@ DTYPE_NAMES = {  # name -> the torch dtype's name, with short aliases
 }
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 with per-row scales
 QUANTIZATIONS = ("none", "fp8")  # none: the checkpoint's weights; fp8: e4m3 per output channel on load
-PREFILL_ATTENTION = ("auto", "fp8")  # auto: SDPA's measured backend; fp8: the FP8 flash-attention kernel
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 

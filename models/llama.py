@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidecode.cache import KVCache, LayerKV
-from minidecode.config import FP8Scheme, ModelConfig
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8, quantize_weight
 from minidecode.kernels.prefill import attention_units, causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
-from minidecode.memory import prefill_attention_kv_heads, rope_bytes
 
+from .cache import KVCache, LayerKV
+from .config import FP8Scheme, ModelConfig
 from .rope import RotaryEmbedding
+from .temporaries import prefill_attention_kv_heads, rope_bytes
 
 
 class RMSNorm(nn.Module):
@@ -341,7 +341,7 @@ class Transformer(nn.Module):
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is square causal
         SDPA over the whole prompt, which is cuDNN's fastest case on Hopper, for as many KV heads a
-        call as its temporaries fit in one chunk's (memory.prefill_attention_kv_heads: a whole
+        call as its temporaries fit in one chunk's (temporaries.prefill_attention_kv_heads: a whole
         layer in one GQA call up to long prompts, else fewer), and its output overwrites those
         heads' queries. Calls per KV head would be most of a short prompt's time (each too small
         to fill the GPU; bench/NOTES-prefill.md). RoPE cos/sin are made once for every layer

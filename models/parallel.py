@@ -1,4 +1,5 @@
-"""The decoder split over tp x cp ranks (minidecode/distributed.py sets up the ranks).
+"""The decoder split over tp x cp ranks (each rank's share: models/sharding.py; the ranks are set up
+by the runtime, minidecode/distributed.py, whose Parallel is the Collectives the model calls).
 
 Tensor parallel (tp): each rank builds the modules of its share (rank_config: its query and KV
 heads, its MLP rows) and loads only those rows or columns of each checkpoint tensor (`shard`).
@@ -30,27 +31,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidecode.cache import KVCache
-from minidecode.config import ModelConfig
-from minidecode.distributed import (
-    Parallel,
-    ShardPlan,
-    rank_config,
-    rank_positions,
-    shard_plan,
-)
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows
 from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
 
+from .cache import KVCache
+from .config import ModelConfig
 from .llama import NormAfter, Projection, Transformer, _quantize_into
+from .sharding import Collectives, ShardPlan, rank_config, rank_positions, shard_plan
 
 
 class RowParallelProjection(Projection):
     """A projection split by input columns: each tensor-parallel rank multiplies its columns, the
     partial sums are all-reduced, and the (whole, replicated) bias is added once after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: Parallel):
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: Collectives):
         super().__init__(in_features, out_features, bias=bias)
         self.parallel = parallel
 
@@ -91,7 +86,7 @@ class ContextParallelAttention:
     cache (lengths are per range: 0 where the range is still empty), merged with the other
     ranks' by log-sum-exp. Same arguments and result as ops.decode_attention."""
 
-    def __init__(self, parallel: Parallel):
+    def __init__(self, parallel: Collectives):
         self.parallel = parallel
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
@@ -114,7 +109,7 @@ class ParallelTransformer(Transformer):
     """This rank's part of the model: `config` is the rank's (its heads and MLP rows), so the
     engine sizes the cache for the rank's KV heads; `full_config` is the checkpoint's."""
 
-    def __init__(self, cfg: ModelConfig, parallel: Parallel):
+    def __init__(self, cfg: ModelConfig, parallel: Collectives):
         plan = shard_plan(cfg, parallel.tp, parallel.tp_rank)
         super().__init__(rank_config(cfg, plan))
         self.full_config, self.parallel, self.plan = cfg, parallel, plan

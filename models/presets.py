@@ -3,7 +3,7 @@ runs at real sizes with nothing to download. `synthetic:llama-3-8b` names one.""
 
 from __future__ import annotations
 
-from minidecode.config import ModelConfig, RopeConfig
+from .config import ModelConfig, RopeConfig
 
 PRESETS: dict[str, dict] = {
     # name: (published config.json values)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from minidecode.config import ModelConfig
+from .config import ModelConfig
 
 
 class RotaryEmbedding:

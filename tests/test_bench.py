@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import minidecode
 from minidecode import LLM
-from minidecode.bench import (
+from minidecode.benchmarks.e2e import (
     BenchSettings,
     Spread,
     benchmark_prompt,
@@ -206,12 +206,12 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_during_bench_is_one_line_and_exit_130(tiny_llama, monkeypatch):
-    import minidecode.bench
+    import minidecode.benchmarks.e2e
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(minidecode.bench, "run_bench", interrupted)
+    monkeypatch.setattr(minidecode.benchmarks.e2e, "run_bench", interrupted)
     result = invoke("bench", tiny_llama, "--prompt-tokens", 8)
     assert result.exit_code == 130
     assert result.output.strip().splitlines()[-1] == "error: interrupted"
@@ -349,7 +349,7 @@ def test_provenance_is_minidecodes_own_commit_not_the_current_folders(tmp_path, 
     git(other, "add", "pyproject.toml")
     git(other, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "other")
     head = git(other, "rev-parse", "--short", "HEAD")
-    code = "import json; from minidecode.bench import provenance; print(json.dumps(provenance()))"
+    code = "import json; from minidecode.benchmarks.e2e import provenance; print(json.dumps(provenance()))"
     monkeypatch.delenv("MINIDECODE_COMMIT", raising=False)  # set where a tree is copied without history
     (other / "docs").mkdir()  # not the checkout's root: its minidecode/ folder would shadow the package
     run = subprocess.run([sys.executable, "-c", code], cwd=other / "docs", capture_output=True, text=True)

@@ -241,19 +241,21 @@ def test_a_bad_request_option_is_one_error_line(model_dir, args, message):
 
 
 def test_one_list_of_each_choice():
-    """The CLI's choices, `info`'s dtypes and the runtime's checks read validate.py's lists."""
+    """The CLI's choices, `info`'s dtypes and the runtime's checks read validate.py's lists (and
+    kernels/choices.py's, the kernels' own)."""
     from typer.main import get_command
 
     from minidecode import info, validate
+    from minidecode.kernels import choices as kernel_choices
     from minidecode.kernels import prefill
 
-    assert prefill.PREFILL_ATTENTION is validate.PREFILL_ATTENTION
+    assert prefill.PREFILL_ATTENTION is kernel_choices.PREFILL_ATTENTION
     assert list(info.DTYPES) == list(validate.DTYPE_NAMES)
     options = {opt: param for param in get_command(app).commands["generate"].params for opt in param.opts}
     for option, choices in (
         ("--kv-cache-dtype", validate.KV_CACHE_DTYPES),
         ("--quantization", validate.QUANTIZATIONS),
-        ("--prefill-attention", validate.PREFILL_ATTENTION),
+        ("--prefill-attention", kernel_choices.PREFILL_ATTENTION),
         ("--dtype", tuple(validate.DTYPE_NAMES)),
     ):
         assert options[option].metavar == "[" + "|".join(choices) + "]"

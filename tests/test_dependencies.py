@@ -2,8 +2,8 @@
 dependency, or the extra of the one feature that imports it. The test extra brings packages of its
 own (numpy, through transformers), so the rest of the suite runs fine when a plain
 `pip install -e ".[serve]"` lacks one; this test reads the imports instead (an AST scan, top-level
-and function-level, of minidecode/, kernels/, models/ and cli.py), and .ci/readme_install.sh runs
-the README's commands in such an install."""
+and function-level, of minidecode/, kernels/, models/ and the command's modules in the repo root:
+cli.py and its helpers), and .ci/readme_install.sh runs the README's commands in such an install."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("minidecode", "kernels", "models") for p in sorted((REPO / d).rglob("*.py"))]
-SOURCES.append(REPO / "cli.py")
+SOURCES += sorted(REPO.glob("*.py"))  # cli.py and its helpers: the minidecode_cli modules
 FIRST_PARTY = {"minidecode", "minidecode_cli"}
 # Needed whatever the scan finds: torch imports numpy (and warns "Failed to initialize NumPy"
 # without it), and Tensor.numpy() (the cache files' byte views, minidecode/cache_file.py) needs it.
@@ -29,15 +29,18 @@ PROVIDED_BY = {
 # An extra's modules may be imported only by the files of its feature, where a plain install never
 # goes: at module level in the module that only the feature imports (server.py: `minidecode serve`)
 # and in the modules that only such modules import (feature_files), in a function in one that runs
-# without it too (bench.py: `bench --plot` needs matplotlib).
-EXTRA_FILES = {"serve": {"minidecode/server.py": "module"}, "bench": {"minidecode/bench.py": "function"}}
+# without it too (minidecode/benchmarks/e2e.py: `bench --plot` needs matplotlib).
+EXTRA_FILES = {
+    "serve": {"minidecode/server.py": "module"},
+    "bench": {"minidecode/benchmarks/e2e.py": "function"},
+}
 # Used though declared nowhere (or only by the test extra), where a plain install never imports it.
 UNDECLARED = {
     # CUDA builds of torch bring it; the CPU runtime runs the kernels' PyTorch twins and never
     # imports it (tests/test_install.py): anywhere in kernels/
     "triton": "kernels/",
     # `bench --compare transformers` only: in a function, which says how to install it
-    "transformers": "minidecode/bench.py",
+    "transformers": "minidecode/benchmarks/e2e.py",
 }
 
 
@@ -106,7 +109,7 @@ def module_of(rel: str) -> str:
         parts.pop()
     if parts[0] in ("kernels", "models"):
         return ".".join(["minidecode", *parts])
-    return "minidecode_cli.cli" if parts == ["cli"] else ".".join(parts)
+    return f"minidecode_cli.{parts[0]}" if len(parts) == 1 else ".".join(parts)
 
 
 def feature_files(seeds: set[str]) -> set[str]:

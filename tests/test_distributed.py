@@ -22,12 +22,13 @@ from helpers import max_rel_err
 from ranks import run_ranks
 
 from minidecode import LLM, UserError
-from minidecode.cache import KVCache
-from minidecode.config import ModelConfig
-from minidecode.distributed import OneShot, shard_plan
+from minidecode.distributed import OneShot
 from minidecode.kernels import collectives, ops
 from minidecode.kernels.reference import decode_attention_reference
+from minidecode.models.cache import KVCache
+from minidecode.models.config import ConfigError, ModelConfig
 from minidecode.models.presets import PRESETS
+from minidecode.models.sharding import shard_plan
 from minidecode.validate import check_parallel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -440,12 +441,12 @@ def test_shard_plan_splits_heads_and_refuses_what_does_not_split():
         (4, 2, 4),
     ]
     with pytest.raises(
-        UserError, match=r"^--tp 3 does not split .* 8 query / 2 KV heads.*use --tp 1 or 2 or 4 or 8$"
+        ConfigError, match=r"^--tp 3 does not split .* 8 query / 2 KV heads.*use --tp 1 or 2 or 4 or 8$"
     ):
         shard_plan(config(8, 2), 3, 0)
-    with pytest.raises(UserError, match="12 query / 6 KV heads"):  # 3 q heads a rank: 2 KV groups, unevenly
+    with pytest.raises(ConfigError, match="12 query / 6 KV heads"):  # 3 q heads a rank: 2 KV groups, unevenly
         shard_plan(config(12, 6), 4, 0)
-    with pytest.raises(UserError, match="intermediate size 100"):
+    with pytest.raises(ConfigError, match="intermediate size 100"):
         shard_plan(config(8, 2, intermediate=100), 8, 0)
 
 
@@ -527,7 +528,8 @@ def test_readme_torchrun_command(tmp_path):
     """The README's CPU torchrun command, exactly as written (2 gloo ranks, the shipped model): the
     text once (rank 0 prints), the same as one process's."""
     block = (REPO / "README.md").read_text().split("## Several GPUs", 1)[1].split("```", 2)[1]
-    (command,) = [line for line in block.splitlines() if line.startswith("torchrun --nproc-per-node 2")]
+    prefix = "torchrun --nproc-per-node 2 -m minidecode generate"
+    (command,) = [line for line in block.splitlines() if line.startswith(prefix)]
     proc = run_cli(["bash", "-c", command], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     one = command.removeprefix("torchrun --nproc-per-node 2 -m minidecode").replace(" --tp 2", "")

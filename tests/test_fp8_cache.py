@@ -17,14 +17,14 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from minidecode import LLM, UserError
-from minidecode.bench import step_bytes
-from minidecode.cache import FP8, KVCache
+from minidecode.benchmarks.e2e import step_bytes
 from minidecode.kernels import ops
 from minidecode.kernels.lean_attention import to_v_blocked_t
 from minidecode.kernels.ops import decode_attention, rope_and_cache
 from minidecode.kernels.quant import V_BLOCK, bf16_ceil, dequantize_fp8, quantize_fp8, read_v_rows, v_blocks
 from minidecode.kernels.reference import decode_attention_reference
 from minidecode.llm import resolve_kv_cache_dtype
+from minidecode.models.cache import FP8, KVCache
 from minidecode.models.presets import preset_config
 from minidecode_cli.cli import app
 

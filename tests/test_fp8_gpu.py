@@ -9,7 +9,7 @@ import torch
 from test_fp8_cache import NEAR_TIE, decode_logits, first_divergence
 
 from minidecode import LLM
-from minidecode.cache import FP8
+from minidecode.models.cache import FP8
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from minidecode import LLM, UserError
-from minidecode.config import ModelConfig, parse_quantization
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_activations import quantize_rows as quantize_rows_triton
 from minidecode.kernels.fp8_weights import (
@@ -38,6 +37,7 @@ from minidecode.kernels.gemv import (
     gemv,
 )
 from minidecode.loading import build_model, weight_plan
+from minidecode.models.config import ConfigError, ModelConfig, parse_quantization
 from minidecode.models.llama import FP8Linear, step_weight_bytes, weight_bytes, weights_description
 from minidecode_cli.cli import app
 
@@ -375,7 +375,7 @@ def test_quantize_on_load_of_random_weights(tiny):
 
 
 def _cache(model, positions: int):
-    from minidecode.cache import KVCache
+    from minidecode.models.cache import KVCache
 
     cfg = model.config
     return KVCache(
@@ -737,7 +737,7 @@ def test_unsupported_quantization_is_one_error_naming_it(case):
     elif qc == "weight-only":
         qc = _config(FORMATS["ct-channel"])
         qc["config_groups"]["group_0"]["input_activations"] = None
-    with pytest.raises(UserError, match=match) as info:
+    with pytest.raises(ConfigError, match=match) as info:
         parse_quantization(qc)
     assert "supported: FP8 checkpoints" in str(info.value) and "\n" not in str(info.value)
 

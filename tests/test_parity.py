@@ -15,7 +15,7 @@ from checkpoints import FAMILIES, ROPES
 from helpers import max_rel_err
 
 from minidecode import LLM
-from minidecode.config import ModelConfig
+from minidecode.models.config import ModelConfig
 
 PROMPT = 1040  # >= 1,000 tokens: four chunks of CHUNK, the last one partial
 CHUNK = 300

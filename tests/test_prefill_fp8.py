@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 from helpers import kernel_devices, max_rel_err, rel_err
 
-from minidecode.errors import UserError
 from minidecode.kernels import fp8_prefill as fp
 from minidecode.kernels import prefill
 from minidecode.kernels.fp8_prefill import (
@@ -271,18 +270,18 @@ def test_kernel_writes_in_place_over_q(device):
 def test_check_prefill_attention_names_and_devices(monkeypatch):
     cpu = torch.device("cpu")
     assert prefill.check_prefill_attention("auto", cpu, 128) == "auto"
-    with pytest.raises(UserError, match="unknown prefill attention 'fp16'; use one of auto, fp8"):
+    with pytest.raises(ValueError, match="unknown prefill attention 'fp16'; use one of auto, fp8"):
         prefill.check_prefill_attention("fp16", cpu, 128)
-    with pytest.raises(UserError, match="not on the cpu"):
+    with pytest.raises(ValueError, match="not on the cpu"):
         prefill.check_prefill_attention("fp8", cpu, 128)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(UserError, match=r"compute capability 8.9 or newer\); NVIDIA A100-SXM4-80GB has 8.0"):
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer\); NVIDIA A100-SXM4-80GB has 8.0"):
         prefill.check_prefill_attention("fp8", cuda, 128)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert prefill.check_prefill_attention("fp8", cuda, 128) == "fp8"
-    with pytest.raises(UserError, match="head_dim 32, 64, 128, not 80"):
+    with pytest.raises(ValueError, match="head_dim 32, 64, 128, not 80"):
         prefill.check_prefill_attention("fp8", cuda, 80)
 
 
@@ -295,7 +294,7 @@ def test_shipped_model_prefill_with_fp8_attention_keeps_its_predictions():
     layer's attention through the kernel) against its default prefill: the next-token
     distributions of every position stay close (KL) and mostly keep their top token."""
     from minidecode import LLM
-    from minidecode.cache import KVCache
+    from minidecode.models.cache import KVCache
 
     llm = LLM(device="cpu", dtype="float32")
     cfg = llm.config

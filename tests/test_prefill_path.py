@@ -10,12 +10,13 @@ import pytest
 import torch
 from helpers import rel_err
 
-from minidecode.cache import KVCache
-from minidecode.config import ModelConfig
 from minidecode.loading import build_model
-from minidecode.memory import activation_bytes, chunk_row_elements, prefill_attention_kv_heads, rope_bytes
+from minidecode.memory import activation_bytes
 from minidecode.models import llama
+from minidecode.models.cache import KVCache
+from minidecode.models.config import ModelConfig
 from minidecode.models.presets import preset_config
+from minidecode.models.temporaries import chunk_row_elements, prefill_attention_kv_heads, rope_bytes
 
 # 3 KV heads of 2 query heads each: a call of 2 KV heads leaves a group of 1 (uneven groups).
 CFG = ModelConfig(

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from minidecode import LLM, Request, UserError
 from minidecode import cache_file as cache_file_module
-from minidecode.cache import KVCache
 from minidecode.cache_file import read_cache_file
 from minidecode.kernels.quant import V_BLOCK, read_v_rows, v_blocks
+from minidecode.models.cache import KVCache
 from minidecode_cli.cli import app
 
 REPO = Path(__file__).resolve().parent.parent

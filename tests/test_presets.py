@@ -4,8 +4,8 @@ import pytest
 from typer.testing import CliRunner
 
 import minidecode
-from minidecode.config import RopeConfig
 from minidecode.models import presets
+from minidecode.models.config import RopeConfig
 from minidecode_cli.cli import app
 
 # Parameter counts of the published checkpoints (their model cards / safetensors indexes).

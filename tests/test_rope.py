@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from minidecode.config import ModelConfig
+from minidecode.models.config import ModelConfig
 from minidecode.models.rope import RotaryEmbedding
 
 
@@ -145,7 +145,7 @@ def hf_init(hf_config: LlamaConfig, seq_len: int | None = None) -> tuple[torch.T
 
 
 def test_every_rope_type_is_covered():
-    from minidecode.config import ROPE_TYPES
+    from minidecode.models.config import ROPE_TYPES
 
     assert {CASES[name][2]["rope_type"] for name in CASES} == set(ROPE_TYPES)
 

@@ -139,3 +139,29 @@ def test_readme_run_command_in_a_fresh_virtualenv(tmp_path):
         check=True,
     ).stdout
     assert str(venv) in installed  # the wheel's copy, not the checkout's
+    # `minidecode bench` runs from the wheel too: its measurements install as minidecode.benchmarks.
+    shipped = subprocess.run(
+        [venv_python, "-c", "from minidecode.loading import DEFAULT_MODEL; print(DEFAULT_MODEL)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    for args, out in (
+        (["--prompt-tokens", "20", "--new-tokens", "3", "--repeats", "1"], tmp_path / "e2e"),
+        (
+            ["--batch", "2x16", "--batch-peer", "none", "--new-tokens", "2", "--repeats", "1"],
+            tmp_path / "batch",
+        ),
+    ):
+        bench = subprocess.run(
+            [venv / "bin" / "minidecode", "bench", shipped, *args, "--device", "cpu", "--out", str(out)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert bench.returncode == 0, bench.stderr
+        assert out.with_suffix(".json").is_file() and out.with_suffix(".md").is_file()

@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minidecode.models.llama import step_weight_bytes
-
-from .bench import (
+from minidecode.benchmarks.e2e import (
     Ceilings,
     Spread,
     StepBytes,
@@ -37,8 +35,9 @@ from .bench import (
     window_contexts,
     window_rates,
 )
-from .errors import UserError
-from .llm import LLM
+from minidecode.errors import UserError
+from minidecode.llm import LLM
+from minidecode.models.llama import step_weight_bytes
 
 BATCH_PEERS = {
     "transformers": "transformers generate, left-padded batch (sdpa, dynamic cache)",

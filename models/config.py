@@ -1,4 +1,7 @@
-"""Model configuration: Hugging Face config.json -> one dataclass for every supported family."""
+"""Model configuration: Hugging Face config.json -> one dataclass for every supported family.
+
+A config the model cannot run raises ConfigError (a ValueError) with the user's one-line message;
+the runtime's callers (minidecode/loading.py's read_config) turn it into minidecode's UserError."""
 
 from __future__ import annotations
 
@@ -8,7 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+
+class ConfigError(ValueError):
+    """A config.json (or a config dict) the model cannot run: the message says what to fix."""
+
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -91,10 +97,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         if not isinstance(cfg, dict):
-            raise UserError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
+            raise ConfigError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UserError(
+            raise ConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         try:
@@ -124,15 +130,17 @@ class ModelConfig:
                 or cfg.get("kv_cache_scheme"),
                 quantization=parse_quantization(cfg.get("quantization_config")),
             )
+        except ConfigError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"config.json is missing or has a bad value for {e}") from None
+            raise ConfigError(f"config.json is missing or has a bad value for {e}") from None
         if config.num_heads % config.num_kv_heads:
-            raise UserError(
+            raise ConfigError(
                 f"num_attention_heads ({config.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({config.num_kv_heads})"
             )
         if cfg.get("hidden_act", "silu") != "silu":
-            raise UserError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only 'silu' is supported")
+            raise ConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only 'silu' is supported")
         return config
 
     @classmethod
@@ -140,9 +148,9 @@ class ModelConfig:
         try:
             return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
         except FileNotFoundError:
-            raise UserError(f"no config.json in {Path(path).parent}") from None
+            raise ConfigError(f"no config.json in {Path(path).parent}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{path} is not valid JSON: {e}") from None
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -165,7 +173,7 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise UserError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        raise ConfigError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
     if original is None and rope_type in ("llama3", "yarn", "longrope"):
@@ -190,7 +198,7 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
         ),
     )
     if rope.partial_rotary_factor != 1.0:
-        raise UserError("partial_rotary_factor != 1 is not supported")
+        raise ConfigError("partial_rotary_factor != 1 is not supported")
     required = {
         "linear": ["factor"],
         "dynamic": ["factor"],
@@ -199,7 +207,7 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     }.get(rope_type, [])
     missing = [k for k in required if getattr(rope, k) is None]
     if missing:
-        raise UserError(f"RoPE type {rope_type!r} needs {', '.join(missing)} in config.json")
+        raise ConfigError(f"RoPE type {rope_type!r} needs {', '.join(missing)} in config.json")
     return rope
 
 
@@ -295,12 +303,12 @@ def _skips(pattern: str, module: str) -> bool:
 
 def parse_quantization(qc: Any) -> Quantization | None:
     """config.json's quantization_config -> the FP8 weights it declares (None: none, e.g. a
-    config that only declares an FP8 kv_cache_scheme). Anything else is one UserError naming what
+    config that only declares an FP8 kv_cache_scheme). Anything else is one ConfigError naming what
     was found and what is supported."""
     if qc is None:
         return None
     if not isinstance(qc, dict):
-        raise UserError(f"quantization_config must be a JSON object, not {type(qc).__name__}")
+        raise ConfigError(f"quantization_config must be a JSON object, not {type(qc).__name__}")
     method = qc.get("quant_method")
     if method is None and set(qc) <= {"kv_cache_scheme"}:  # an FP8 KV cache's scales only
         return None
@@ -309,11 +317,13 @@ def parse_quantization(qc: Any) -> Quantization | None:
     if method == "fp8":
         return _transformers_fp8(qc)
     found = f"quant_method {method!r}" if method is not None else "a quantization_config with no quant_method"
-    raise UserError(f"unsupported quantization in config.json: {found}; supported: {SUPPORTED_QUANTIZATION}")
+    raise _unsupported(found)
 
 
-def _unsupported(what: str) -> UserError:
-    return UserError(f"unsupported quantization in config.json: {what}; supported: {SUPPORTED_QUANTIZATION}")
+def _unsupported(what: str) -> ConfigError:
+    return ConfigError(
+        f"unsupported quantization in config.json: {what}; supported: {SUPPORTED_QUANTIZATION}"
+    )
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> Quantization | None:

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
+import minidecode
+from minidecode import __version__
+from minidecode.errors import UserError
+from minidecode.llm import LLM
+from minidecode.models.config import ModelConfig
 from minidecode.models.llama import step_weight_bytes
-
-from . import __version__
-from .config import ModelConfig
-from .errors import UserError
-from .llm import LLM
-from .sequence import GenerationStats
+from minidecode.sequence import GenerationStats
 
 FORMULA = (
     "bytes per decode step = (all weights - embedding table + one embedding row) * dtype bytes "
@@ -377,12 +377,12 @@ def run_bench(
 
 
 # ---- provenance ------------------------------------------------------------------------------------
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(minidecode.__file__).resolve().parent  # the runtime package's folder
 
 
 def provenance(package_dir: Path = PACKAGE_DIR) -> dict[str, str | None]:
     """minidecode's own version and git commit, whatever the current folder: the commit of the
-    checkout whose minidecode/ folder is `package_dir` (this package's folder: an editable install)
+    checkout whose minidecode/ folder is `package_dir` (the minidecode package's: an editable install)
     and whose pyproject.toml names the project minidecode, with "+changes" when tracked files
     differ from it; MINIDECODE_COMMIT where a tree was copied without its history; else None (an
     installed wheel has no commit, even inside a checkout)."""

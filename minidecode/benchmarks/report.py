@@ -15,8 +15,8 @@ def run_metadata(llm: Any, command: str) -> dict:
     """The run's model, device, dtypes, date, minidecode's own commit and version, torch, command."""
     import torch
 
-    from .bench import provenance
-    from .cache import kv_dtype_name
+    from minidecode.benchmarks.e2e import provenance
+    from minidecode.cache import kv_dtype_name
 
     about = provenance()  # minidecode's own commit, whatever the current folder
     return {
@@ -45,8 +45,8 @@ class Report:
 
 
 def e2e_report(llm: Any, settings: Any, results: list, ceilings: Any, command: str) -> Report:
-    """The end-to-end bench's report (minidecode.bench's results and read ceilings)."""
-    from .bench import FORMULA, finite_or_none, format_tables
+    """The end-to-end bench's report (e2e.py's results and read ceilings)."""
+    from minidecode.benchmarks.e2e import FORMULA, finite_or_none, format_tables
 
     about = run_metadata(llm, command)
     header = (
@@ -68,8 +68,8 @@ def e2e_report(llm: Any, settings: Any, results: list, ceilings: Any, command: s
 
 def write_e2e(report: Report, llm: Any, results: list, command: str, outputs: list[Path], plot: bool) -> None:
     """OUT.json, OUT.md and (plot) OUT.png: `outputs` in that order."""
-    from .bench import FORMULA
-    from .bench import plot as plot_results
+    from minidecode.benchmarks.e2e import FORMULA
+    from minidecode.benchmarks.e2e import plot as plot_results
 
     json_path, markdown_path, plot_path = outputs
     json_path.write_text(report.json_text + "\n")
