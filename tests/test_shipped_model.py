@@ -130,24 +130,18 @@ def test_readme_run_command_in_a_fresh_virtualenv(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip(), "no text generated"
     assert "decode" in run.stderr and "tok/s" in run.stderr
-    installed = subprocess.run(
-        [venv_python, "-c", "import minidecode.kernels.lean_attention as m; print(m.__file__)"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+
+    def printed(code: str) -> str:
+        """What `code` prints in the new environment."""
+        argv = [venv_python, "-c", code]
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    installed = printed("import minidecode.kernels.lean_attention as m; print(m.__file__)")
     assert str(venv) in installed  # the wheel's copy, not the checkout's
     # `minidecode bench` runs from the wheel too: its measurements install as minidecode.benchmarks.
-    shipped = subprocess.run(
-        [venv_python, "-c", "from minidecode.loading import DEFAULT_MODEL; print(DEFAULT_MODEL)"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    shipped = printed("from minidecode.loading import DEFAULT_MODEL; print(DEFAULT_MODEL)")
     for args, out in (
         (["--prompt-tokens", "20", "--new-tokens", "3", "--repeats", "1"], tmp_path / "e2e"),
         (
