@@ -96,7 +96,7 @@ class Engine:
         self.prefill_unit_flops = prefill_unit_flops or PREFILL_UNIT_FLOPS[device.type]
         self.weights = weights_description(model)  # "bfloat16", or the FP8 scheme that runs
         self.planner = Planner(
-            self.config, dtype, self.kv_dtype, device, self.prefill_chunk, weight_bytes(model)
+            self.config, dtype, self.kv_dtype, device, self.prefill_chunk, weight_bytes(model), self.max_batch
         )
         self.granule = KVCache.region_granule(self.kv_dtype)  # region starts and sizes: multiples of it
         self.cache: KVCache | None = None  # [layers, 1, Hkv, capacity + granule, D]

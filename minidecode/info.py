@@ -14,6 +14,7 @@ from .cache import kv_dtype_name
 from .errors import UserError
 from .loading import DEFAULT_MODEL, read_config, resolve_model_dir
 from .memory import Planner, default_prefill_chunk, gib
+from .request import DEFAULT_MAX_BATCH
 from .validate import DEVICES, DTYPE_NAMES, check_device_name, check_dtype_name, check_kv_cache_dtype_name
 
 SYNTHETIC = "synthetic:"
@@ -118,7 +119,8 @@ def describe(
             f"{'the whole vocabulary' if tp == 1 else f'{shard.vocab_rows:,} vocabulary rows'} "
             f"and {positions:,} cache positions"
         )
-    planner = Planner(rank_cfg, dt, kv_dt, dev, prefill_chunk or default_prefill_chunk(dev), plan_weights)
+    chunk = prefill_chunk or default_prefill_chunk(dev)
+    planner = Planner(rank_cfg, dt, kv_dt, dev, chunk, plan_weights, rows=DEFAULT_MAX_BATCH)  # as LLM()'s
     plan = planner.plan(positions, context)
     kv, act, free = plan.kv_cache_bytes, plan.activation_bytes, plan.free_bytes
     kv_per_token = planner.kv_bytes_per_token

@@ -20,6 +20,10 @@ from .cache import kv_dtype_name
 # Per decode row: the step's [B, vocab] float32 logits and the sampling temporaries (sort, softmax,
 # noise: about 8 vocab-sized float32 / int64 tensors at most).
 SAMPLING_BYTES_PER_ROW_AND_TOKEN = 32
+# Per decode row, once a request uses a logits processor (sampling.ProcessorRows): the bias
+# (float32), the counts (int32) and two bool masks, 10 bytes, plus the processed logits' float32
+# copy in the step.
+PROCESSOR_BYTES_PER_ROW_AND_TOKEN = 14
 
 
 def free_memory(device: torch.device) -> int:
@@ -127,11 +131,13 @@ class Planner:
         return KVCache.bytes_needed(cfg.num_layers, cfg.num_kv_heads, positions, cfg.head_dim, self.kv_dtype)
 
     def activations(self, prompt_len: int, rank_positions: int | None = None) -> int:
-        """A prefill's temporaries plus the decode rows' sampling temporaries."""
+        """A prefill's temporaries plus the decode rows' sampling and logits-processor state (kept
+        free for them: a request may ask for a processor at any time)."""
         act = activation_bytes(
             self.cfg, prompt_len, self.prefill_chunk, self.dtype, self.device, self.kv_dtype, rank_positions
         )
-        return act + self.rows * self.cfg.vocab_size * SAMPLING_BYTES_PER_ROW_AND_TOKEN
+        per_token = SAMPLING_BYTES_PER_ROW_AND_TOKEN + PROCESSOR_BYTES_PER_ROW_AND_TOKEN
+        return act + self.rows * self.cfg.vocab_size * per_token
 
     def plan(self, positions: int, prompt_len: int, free: int | None = None) -> MemoryPlan:
         return MemoryPlan(
