@@ -547,8 +547,12 @@ def check_generate_args(
     from minidecode.validate import check_parallel
 
     runtime.check()
-    if check_parallel(runtime.tp, runtime.cp, world_size()) > 1 and (load_cache or save_cache):
-        raise UserError("--load-cache / --save-cache are not supported with --tp / --cp")
+    check_parallel(runtime.tp, runtime.cp, world_size())
+    if runtime.cp > 1 and (load_cache or save_cache):  # under --tp each rank saves and reads its part
+        raise UserError(
+            "--load-cache / --save-cache are not supported with --cp (context parallel runs one sequence "
+            "and keeps no prefixes to save or reuse): use --tp, or one process"
+        )
     if load_cache is not None and load_cache.is_dir():
         raise UserError(
             f"cache file {load_cache} is a directory; give the path of a file that --save-cache wrote"

@@ -13,6 +13,10 @@ The checksums are computed on the cache's device as the runs stream out (the hea
 first with placeholders of the same length, is rewritten at the end) and checked as they stream
 back in. Writes go to a temporary file in the same folder, fsynced and renamed over the target: a
 crash mid-write leaves no half-written file under the target name.
+
+Under torchrun (--tp N) a cache is one such file per rank, of that rank's KV heads: rank 0's at the
+path given, rank k's beside it (part_path); each records its place (tp, cp, rank, world size), its
+shard's weights fingerprint and the save's id, and is checked by the rank that reads it.
 """
 
 from __future__ import annotations
@@ -161,6 +165,55 @@ def weights_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()[:32]
 
 
+# ---- parts: under torchrun each rank saves and reads its own --------------------------------------
+# A cache saved under --tp N is one part per rank, each a whole cache file of that rank's KV heads:
+# rank 0's is the path given, rank k's lies beside it as PATH.rank{k}-of-{N}. Every part records
+# its place (PLACE_KEYS; a file without them is one process's) and the save's id (the same in
+# every part of one save); each part is checked against the rank that reads it.
+PLACE_KEYS = ("tp", "cp", "rank", "world_size")
+
+
+def part_path(path: Path, rank: int, world: int) -> Path:
+    """Where rank `rank` of `world` keeps its part of the cache file `path`."""
+    return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}-of-{world}")
+
+
+def place_metadata(tp: int = 1, cp: int = 1, rank: int = 0) -> dict[str, str]:
+    return {"tp": str(tp), "cp": str(cp), "rank": str(rank), "world_size": str(tp * cp)}
+
+
+def launch_name(tp: int, cp: int = 1) -> str:
+    """"one process", or the options of a torchrun launch ("--tp 2")."""
+    if tp * cp == 1:
+        return "one process"
+    return " ".join(f"--{name} {n}" for name, n in (("tp", tp), ("cp", cp)) if n > 1)
+
+
+def _check_place(meta: dict[str, str], place: dict[str, str], bad: Callable[[str], UserError]) -> None:
+    """Refuse a part saved under another launch, or another rank's part."""
+    found = {key: meta.get(key, value) for key, value in place_metadata().items()}
+    tp, cp = int(found["tp"]), int(found["cp"])
+    here_tp, here_cp = int(place["tp"]), int(place["cp"])
+    if (tp, cp) != (here_tp, here_cp):
+        saved = "by one process" if tp * cp == 1 else f"under {launch_name(tp, cp)} (a part per rank)"
+        how = (
+            "in one process (without torchrun)"
+            if tp * cp == 1
+            else f"under torchrun --nproc-per-node {tp * cp} with {launch_name(tp, cp)}"
+        )
+        here = launch_name(here_tp, here_cp)
+        here = here if here_tp * here_cp == 1 else f"{here} ({here_tp * here_cp} ranks)"
+        raise bad(
+            f"was saved {saved}, but this run is {here}: load it {how}, or prefill the prompt again "
+            "and save a new cache file"
+        )
+    if (found["rank"], found["world_size"]) != (place["rank"], place["world_size"]):
+        raise bad(
+            f"is rank {found['rank']}'s part of a {launch_name(tp, cp)} cache, but rank {place['rank']} "
+            "reads it: keep the parts under the names --save-cache gave them"
+        )
+
+
 # ---- writing -------------------------------------------------------------------------------------
 def _pieces(tensor: torch.Tensor):
     """The contiguous runs of positions: tensor[l, b, h] for every (l, b, h), in the file's
@@ -301,11 +354,14 @@ class CacheFile:
             raise self.corrupted(name)
 
 
-def open_cache_file(path: Path, identity: dict[str, str], layout: Layout) -> CacheFile:
-    """Read and check the header of the cache file at `path`: format, version, model identity,
-    tensor names, dtypes and shapes (`layout(length)`), checksums, and that the file holds every
-    byte the header promises; read the token ids and check them. Any mismatch is one UserError
-    line. (The cache data is checked as read_cache_file reads it.)"""
+def open_cache_file(
+    path: Path, identity: dict[str, str], layout: Layout, place: dict[str, str] | None = None
+) -> CacheFile:
+    """Read and check the header of the cache file at `path`: format, version, the launch and rank
+    it was saved by (`place`, place_metadata's; default one process), model identity, tensor
+    names, dtypes and shapes (`layout(length)`), checksums, and that the file holds every byte
+    the header promises; read the token ids and check them. Any mismatch is one UserError line.
+    (The cache data is checked as read_cache_file reads it.)"""
     if path.is_dir():
         raise UserError(f"cache file {path} is a directory; give the path of a file that --save-cache wrote")
     if not path.exists():
@@ -342,6 +398,7 @@ def open_cache_file(path: Path, identity: dict[str, str], layout: Layout) -> Cac
                     f"was written by an older minidecode (format {version}, without the checksums of "
                     f"format {FORMAT_VERSION}): prefill the prompt again and save a new cache file"
                 )
+            _check_place(meta, place or place_metadata(), bad)
             for key, why in IDENTITY_ERRORS.items():
                 if meta.get(key) != identity[key]:
                     raise bad(why.format(found=meta.get(key), expected=identity[key]))

@@ -53,13 +53,16 @@ class Ack:
     first: int | None = None
     failed: tuple[int, str] | None = None
     fatal: str | None = None  # an error that ended this rank's plan loop
+    file_result: Any = None  # its answer to the plan's `file` (its part saved or opened)
+    file_error: str | None = None
 
 
 def _ack(engine: Engine, out: StepOutput | None, fatal: str | None = None) -> Ack:
     if out is None:
         return Ack(engine.free_bytes(), fatal=fatal)
     first = None if out.first is None else out.first[0]
-    return Ack(engine.free_bytes(), out.tokens, first, out.failed, fatal)
+    result = out.file_results[0] if out.file_results else None
+    return Ack(engine.free_bytes(), out.tokens, first, out.failed, fatal, result, out.file_error)
 
 
 class Fanout:
@@ -94,6 +97,9 @@ class Fanout:
                 self._fail(f"rank {rank} sampled other tokens than rank 0: the ranks' decode states differ")
             if out.failed is None and ack.failed is not None:
                 out.failed = ack.failed  # one rank's failure of the sequence is every rank's
+        if plan.file is not None:  # every rank's part; the first failure (by rank) is the plan's
+            out.file_results = [ack.file_result for ack in acks]
+            out.file_error = next((ack.file_error for ack in acks if ack.file_error is not None), None)
         self.free = [ack.free_bytes for ack in acks]
         return out
 

@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import threading
+import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -16,16 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minidecode.kernels.prefill import check_prefill_attention
-from minidecode.models.cache import KVCache
 
 from .cache import kv_dtype_name
-from .cache_file import config_hash, open_cache_file, weights_fingerprint, write_cache_file
+from .cache_file import config_hash, launch_name, part_path
 from .engine import Engine
 from .errors import UserError
 from .info import SYNTHETIC, resolve_device, resolve_dtype, resolve_kv_cache_dtype, synthetic_config
 from .loading import DEFAULT_MODEL, build_model, read_config, resolve_model_dir
 from .loop import EngineLoop
-from .plan import StepPlan
+from .plan import FileOpen, FileSave, StepPlan
 from .request import (
     DEFAULT_MAX_BATCH,
     Request,
@@ -121,6 +121,8 @@ class LLM:
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,
             max_batch=max_batch, one_sequence=cp_ranks > 1, prefill_attention=prefill_attention,
         )  # fmt: skip
+        if self.parallel is not None:  # its part of a cache file (cache_file.part_path)
+            self.engine.place = (self.parallel.tp, self.parallel.cp, self.parallel.rank)
         self.fanout = None  # rank 0's channel to the other ranks
         if self.parallel is not None and self.parallel.rank == 0:
             from .fanout import Fanout
@@ -386,7 +388,8 @@ class LLM:
     @property
     def identity(self) -> dict[str, str]:
         """What a saved cache must match: a hash of config.json (of the preset for a synthetic
-        model), a fingerprint of the loaded weights (computed once) and the cache dtype."""
+        model), a fingerprint of the loaded weights (computed once; under --tp, of this rank's
+        shard: each rank's part records its own) and the cache dtype."""
         if self._identity is None:
             config = (
                 self.name.encode()
@@ -395,48 +398,74 @@ class LLM:
             )
             self._identity = {
                 "config_sha256": config_hash(config),
-                "weights_fingerprint": self.loop.call(lambda: weights_fingerprint(self.model)),
+                "weights_fingerprint": self.loop.call(self.engine.fingerprint),
                 "cache_dtype": str(self._layout(1)["k"][0]).removeprefix("torch."),
             }
         return self._identity
 
     def _layout(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """{name: (dtype, shape)} of a saved cache's tensors holding `length` positions."""
-        cfg = self.config
-        template = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, length, cfg.head_dim, self.kv_dtype, "meta")
-        return {name: (t.dtype, tuple(t.shape)) for name, t in template.tensors().items()}
+        """{name: (dtype, shape)} of a saved cache's tensors holding `length` positions (this
+        rank's KV heads)."""
+        return self.engine.file_layout(length)
 
     def save_cache(self, path: str | Path) -> int:
         """Save the last finished request's cache (its prompt and the answer tokens fed back) to
-        `path`, a safetensors file, atomically; returns its size in bytes."""
-        self._check_single_process("saving a cache")
+        `path`, a safetensors file, atomically; returns its size in bytes. Under torchrun (--tp)
+        every rank saves its part of it in the same plan: rank 0's to `path`, rank k's beside it
+        (cache_file.part_path); the size is all the parts'."""
+        self._check_cache_files("saving a cache")
         identity = self.identity
 
         def save() -> int:
             prefix = self.loop.scheduler.latest()
             if prefix is None:
                 raise UserError("there is no prefilled cache to save: run a request first")
-            meta = dict(identity, rope_length=str(prefix.angles_len))
-            tensors = self.engine.region(prefix.start, len(prefix.ids)).tensors()  # the valid positions
-            return write_cache_file(Path(path), tensors, prefix.ids, meta)
+            meta = {key: identity[key] for key in ("config_sha256", "cache_dtype")}
+            meta.update(rope_length=str(prefix.angles_len), save_id=uuid.uuid4().hex)
+            return sum(self._file_plan(FileSave(Path(path), prefix.start, prefix.ids, meta)))
 
         return self.loop.call(save)
 
     def load_cache(self, path: str | Path) -> int:
         """Check the cache file at `path` against this model (refusing a mismatch) and keep it as a
         cached prefix: a request that starts with its tokens reads them from the file instead of
-        prefilling them. Returns the number of tokens it holds."""
-        self._check_single_process("loading a cache")
+        prefilling them. Returns the number of tokens it holds. Under torchrun (--tp) every rank
+        opens and checks its own part."""
+        self._check_cache_files("loading a cache")
         if not self.loop.scheduler.prefix_reuse:
             raise UserError("prefix reuse is off (prefix_reuse=False): a loaded cache would never be used")
-        file = open_cache_file(Path(path), self.identity, self._layout)
-        angles = int(file.metadata.get("rope_length", file.length))
-        self.loop.call(lambda: self.loop.scheduler.add_file(file, angles))
-        return file.length
+        path = Path(path)
+        identity = {key: self.identity[key] for key in ("config_sha256", "cache_dtype")}
 
-    def _check_single_process(self, what: str) -> None:
-        if self.parallel is not None:
-            raise UserError(f"{what} is not supported with tp / cp > 1 (each rank holds a part of it)")
+        def load() -> int:
+            parts = self._file_plan(FileOpen(path, identity))
+            others = [part_path(path, r, len(parts)).name for r, p in enumerate(parts) if p != parts[0]]
+            if others:
+                tp, cp = self.parallel.tp, self.parallel.cp
+                raise UserError(
+                    f"cache file {path} and its part {others[0]} were written by different saves: "
+                    f"save it again under {launch_name(tp, cp)}"
+                )
+            file = self.engine.parts[path]
+            angles = int(file.metadata.get("rope_length", file.length))
+            self.loop.scheduler.add_file(file, angles)
+            return file.length
+
+        return self.loop.call(load)
+
+    def _file_plan(self, op: FileSave | FileOpen) -> list:
+        """Run a cache file's save or open on every rank -> each rank's answer."""
+        out = self.loop.execute(StepPlan(file=op))
+        if out.file_error is not None:
+            raise UserError(out.file_error)
+        return out.file_results
+
+    def _check_cache_files(self, what: str) -> None:
+        if self.parallel is not None and self.parallel.cp > 1:
+            raise UserError(
+                f"{what} is not supported with cp > 1 (context parallel runs one sequence and keeps no "
+                "prefixes to save or reuse): use tp, or one process"
+            )
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -13,16 +13,18 @@ run it on their shards of the weights and of the cache). Its parts run in this o
 6. `prefill`: units of work of the one prefill in progress; when its last unit runs, its row starts
    (`RowStart`: region, position, sampling and logits-processor settings, prompt ids) and its first
    token is sampled;
-7. `score`: logits of every position of some token ids (`LLM.logits`).
+7. `score`: logits of every position of some token ids (`LLM.logits`);
+8. `file`: a cache file saved or opened, each rank its own part (`LLM.save_cache` / `load_cache`).
 
 What the engine returns is a `StepOutput`: the decode step's tokens (of the step before it: each
 step's tokens are copied to the host while the next one runs), the first token of a prefill that
-ended, and the failure of the admitted sequence, if any.
+ended, the failure of the admitted sequence, if any, and each rank's answer to `file`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .sampling import SamplingParams
@@ -59,12 +61,35 @@ class Copy:
 
 @dataclass
 class FileRead:
-    """A saved cache file's first `count` positions into the region starting at `start` (one process
-    only: a cache file holds a whole model's cache)."""
+    """A saved cache file's first `count` positions into the region starting at `start` (under
+    torchrun each rank reads its own part, the one FileOpen opened: `file` is rank 0's)."""
 
     file: Any  # cache_file.CacheFile
     start: int
     count: int
+
+
+@dataclass
+class FileSave:
+    """Every rank writes its part of the cache positions start..start + len(ids) - 1 (a finished
+    sequence's prefix) to its part of `path` (cache_file.part_path); `metadata`: what every part
+    records (the config hash, the cache dtype, the rope length, the save's id). Each rank adds its
+    weights' fingerprint and its place (tp, cp, rank, world size)."""
+
+    path: Path
+    start: int
+    ids: list[int]
+    metadata: dict[str, str]
+
+
+@dataclass
+class FileOpen:
+    """Every rank opens and checks its part of the cache file at `path` against `identity` (the
+    config hash and the cache dtype; each rank adds its weights' fingerprint) and its place, and
+    keeps it for the FileRead that reads it."""
+
+    path: Path
+    identity: dict[str, str]
 
 
 @dataclass
@@ -121,13 +146,14 @@ class StepPlan:
     decode: Decode | None = None
     prefill: Prefill | None = None
     score: list[int] | None = None
+    file: FileSave | FileOpen | None = None
     stop: bool = False  # the other ranks leave their plan loop
 
     @property
     def empty(self) -> bool:
         return not (
             self.moves or self.clears or self.cancel or self.cache or self.prepare or self.decode
-            or self.prefill or self.score is not None or self.stop
+            or self.prefill or self.score is not None or self.file is not None or self.stop
         )  # fmt: skip
 
 
@@ -151,3 +177,7 @@ class StepOutput:
     resized: bool = False  # the cache's size changed (a failed resize: see `capacity`)
     capacity: int = 0  # the cache's region positions after the plan
     logits: Any = None  # score's [T, V] float32
+    # `file`'s answer, one per rank (rank 0's first): a save's bytes written, an open's (save id,
+    # length); and the first failure of any rank (one UserError line)
+    file_results: list[Any] = field(default_factory=list)
+    file_error: str | None = None
