@@ -253,18 +253,24 @@ class LLM:
             frequency_penalty=float(request.frequency_penalty or 0),
         )  # fmt: skip
 
-    def check_context(self, context: int, allow_extrapolation: bool | None = False) -> bool:
+    def check_context(
+        self,
+        context: int,
+        allow_extrapolation: bool | None = False,
+        what: str = "max_context, else prompt + max_new_tokens",
+        opt_in: str = "allow_extrapolation (--allow-extrapolation)",
+    ) -> bool:
         """Refuse a context this model could never run: past the positions it was trained for
         (unless allow_extrapolation), or past a sliding window (not implemented). -> whether it
-        extrapolates (past the trained positions, allowed)."""
+        extrapolates (past the trained positions, allowed). `what` and `opt_in` name the caller's
+        own fields in the refusal (the server's clients send max_tokens)."""
         cfg = self.config
         # Synthetic models are noise at any length: only their speed matters, so no position limit.
         beyond = context > cfg.max_position_embeddings and not self.synthetic
         if beyond and not allow_extrapolation:
             raise UserError(
-                f"a context of {context:,} positions (max_context, else prompt + max_new_tokens) exceeds "
-                f"the {cfg.max_position_embeddings:,} the model was trained for; shorten it or opt in with "
-                "allow_extrapolation (--allow-extrapolation)"
+                f"a context of {context:,} positions ({what}) exceeds the {cfg.max_position_embeddings:,} "
+                f"the model was trained for; shorten it or opt in with {opt_in}"
             )
         if cfg.sliding_window is not None and context > cfg.sliding_window:
             raise UserError(

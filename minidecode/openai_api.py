@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,26 +239,29 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def choices(
-    call: Call, prompt_ids: list[list[int]], context: int, chat_cap: int, allow_extrapolation: bool
+    call: Call,
+    prompt_ids: list[list[int]],
+    context: int,
+    chat_cap: int,
+    allow_extrapolation: bool,
+    check_context: Callable[..., bool],
 ) -> list[Request]:
     """The Call's Requests, choice by choice, each prompt as its token ids: max_tokens' default
-    (completions 16, chat the rest of the context up to `chat_cap`), the context checked (the
-    model's `context` positions unless `allow_extrapolation`), n choices of each prompt."""
+    (completions 16, chat the rest of the model's `context` positions up to `chat_cap`), the
+    context checked by the runtime's one check (`check_context`: LLM.check_context, naming the
+    client's fields), n choices of each prompt."""
     out = []
     for request, ids in zip(call.prompts, prompt_ids, strict=True):
         new = request.max_new_tokens
         if new is None:
             rest = min(chat_cap, context - len(ids))  # a chat's: the rest of the context
             new = max(1, COMPLETION_MAX_TOKENS if call.endpoint == "completions" else rest)
-        if len(ids) + new > context and not allow_extrapolation:
-            prompt = "prompt" if call.endpoint == "completions" else "messages"
-            limit = call.names["max_new_tokens"]
-            raise APIError(
-                f"the {prompt} ({len(ids):,} tokens) + {limit} ({new:,}) = {len(ids) + new:,} exceeds the "
-                f"model's context of {context:,} positions: shorten the {prompt} or {limit}, or start the "
-                "server with --allow-extrapolation to run past the positions the model was trained for",
-                param=prompt, code="context_length_exceeded",
-            )  # fmt: skip
+        prompt = "prompt" if call.endpoint == "completions" else "messages"
+        what = f"the {prompt}'s {len(ids):,} tokens + {call.names['max_new_tokens']} {new:,}"
+        try:
+            check_context(len(ids) + new, allow_extrapolation, what, "--allow-extrapolation on the server")
+        except UserError as e:
+            raise APIError(str(e), param=prompt, code="context_length_exceeded") from None
         base = dataclasses.replace(
             request, prompt=None, messages=None, token_ids=ids, max_new_tokens=new,
             allow_extrapolation=True if allow_extrapolation else None,

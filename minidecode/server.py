@@ -247,7 +247,8 @@ class Service:
         ids = [self.llm.encode(request) for request in call.prompts]
         settings = self.settings
         return openai_api.choices(
-            call, ids, self.context, settings.max_tokens_default, settings.allow_extrapolation
+            call, ids, self.context, settings.max_tokens_default, settings.allow_extrapolation,
+            self.llm.check_context,
         )
 
     def relay(self) -> EventRelay:
