@@ -110,8 +110,9 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        """False once the loop has died (until a submission starts a new one)."""
-        return self.error is None or self.alive
+        """False once the loop has died (until a submission starts a new one). The error is set
+        before the dying thread ends, so this never reads a dying loop as healthy."""
+        return self.error is None
 
     def free_bytes(self) -> int:
         """Free device memory (under torchrun: the least of any rank's)."""
@@ -129,6 +130,8 @@ class EngineLoop:
 
     def _ensure_running(self) -> None:
         with self._lock:
+            if self.error is not None and self._thread is not None:
+                self._thread.join()  # a dying loop: let it finish, then start a new one
             if self.alive:
                 return
             if self.error is not None:  # a new loop after a failure: a clean scheduler and cache

@@ -17,6 +17,7 @@ import pytest
 
 from minidecode import LLM, Request, UserError
 from minidecode.engine import Engine
+from minidecode.loop import EngineLoop
 from minidecode.scheduler import common_prefix
 
 MAX_POS = 2048
@@ -186,7 +187,8 @@ def test_an_error_in_one_request_ends_only_that_request(llama, greedy, prompt_id
 
 def test_a_dying_loop_reaches_every_caller_and_the_next_call_restarts(llama, greedy, prompt_ids, monkeypatch):
     """A decode step fails (a device error): every caller with a request in the loop gets it as a
-    RuntimeError naming it, /health would say so, and the next call starts a new loop."""
+    RuntimeError naming it, /health says so at once (while the dying thread still ends), and the
+    next call starts a new loop."""
     llm = load(llama)
     rows = record_steps(monkeypatch)
     real = Engine.step
@@ -198,6 +200,13 @@ def test_a_dying_loop_reaches_every_caller_and_the_next_call_restarts(llama, gre
         real(self, n, mode, logprobs, *flags)
 
     monkeypatch.setattr(Engine, "step", step)
+    real_die = EngineLoop._die
+
+    def slow_die(self, error):  # the dying thread lingers after the callers heard: no race window hides
+        real_die(self, error)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(EngineLoop, "_die", slow_die)
 
     def caller_a():
         gate.wait()
