@@ -102,6 +102,20 @@ def default_config(
     return DEFAULT_CONFIG
 
 
+def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads: int = 1) -> list[int]:
+    """The smallest cache (positions, all rows) of each config default_config picks for this
+    cache, in increasing order: a cache grows through each, and each is a kernel of its own, so a
+    warm-up that steps once at every size compiles every kernel the cache will launch."""
+    candidates = sorted({1, FP8_TINY_HEAD_POSITIONS // kv_heads + 1, FP8_SHORT_POSITIONS}) if fp8 else [1]
+    sizes, configs = [], []
+    for positions in candidates:
+        config = default_config(head_dim, dtype, fp8, positions, kv_heads)
+        if config not in configs:
+            sizes.append(positions)
+            configs.append(config)
+    return sizes
+
+
 # Several query positions a sequence (q_lens) make a tile G * Q_MAX rows (padded to a power of
 # two, G_PAD) instead of G: the score and output tiles, and the shared memory that the segment's
 # stores stage through inside the tile loop, grow with them. The single-query configs hold up to

@@ -376,6 +376,14 @@ def decode_attention_problem(device: torch.device, head_dim: int) -> str | None:
     )
 
 
+def decode_cache_sizes(head_dim: int, dtype: torch.dtype, fp8: bool, kv_heads: int) -> list[int]:
+    """The smallest cache size (positions, all rows) of each launch config the decode kernel takes
+    for a cache of this kind (its shape decides: lean_attention.config_sizes)."""
+    from .lean_attention import config_sizes
+
+    return config_sizes(head_dim, dtype, fp8, kv_heads)
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D]; with q_lens: [B, Q_MAX, Hq, D]
     k_cache: torch.Tensor,  # [C, Hkv, S, D], C = B or 1 (one row shared by the batch)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from minidecode.kernels import ops
-from minidecode.kernels.prefill import choose_backend
+from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention, choose_backend
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
@@ -479,14 +479,40 @@ class Engine:
         return self.region(0, self.capacity) if self.one_sequence else self.cache
 
     def warm_up(self) -> None:
-        """Compile the prefill's and the decode step's kernels on a small cache (the first request
-        then pays none of it), and free that cache."""
+        """Compile every kernel a request will run before one arrives (its TTFT then pays none):
+        the prefill's on a short prompt, the FP8 prefill attention kernel (when it is the user's
+        choice) on a problem it takes, and the decode step at each cache size where the decode
+        kernel changes its launch config (warm_up_sizes: an FP8 cache has up to three, which a
+        request's cache grows into). Each cache is freed after; a size that does not fit beside
+        the weights is left to its first use."""
         if self.device.type != "cuda":
             return
-        size = self.region_size(64)
-        self.resize(size)
-        ids = list(range(1, 17))
-        self.prefill(ids, 0, size, 0)
-        self.prepare(1, SamplingParams().mode, False)
-        torch.cuda.synchronize(self.device)
-        self.release()
+        for i, capacity in enumerate(self.warm_up_sizes()):
+            try:
+                self.resize(capacity)
+                if i == 0:
+                    self.prefill(list(range(1, 17)), 0, capacity, 0)
+                self.prepare(1, SamplingParams().mode, False)
+                torch.cuda.synchronize(self.device)
+            except torch.OutOfMemoryError:
+                pass
+            finally:
+                self.release()
+        if self._backend() == "fp8":
+            cfg, like = self.config, {"device": self.device, "dtype": self.dtype}
+            q = torch.randn(1, cfg.num_heads, FP8_MIN_KEYS, cfg.head_dim, **like)  # [1, Hq, T, D]
+            k, v = (torch.randn(1, cfg.num_kv_heads, FP8_MIN_KEYS, cfg.head_dim, **like) for _ in range(2))
+            causal_attention(q, k, v, cfg.head_dim**-0.5, "fp8")
+            torch.cuda.synchronize(self.device)
+
+    def warm_up_sizes(self) -> list[int]:
+        """Cache capacities (region positions, whole granules) at which the decode step runs each
+        launch config the decode kernel takes for this cache (ops.decode_cache_sizes: the positions
+        it reads decide, the regions and the spare granule after them), smallest first; the first
+        also holds a short prompt's prefill."""
+        cfg, granule = self.config, self.granule
+        spare = 0 if self.one_sequence else granule  # one_sequence reads its region only
+        fp8 = self.kv_dtype == torch.float8_e4m3fn
+        sizes = ops.decode_cache_sizes(cfg.head_dim, self.dtype, fp8, cfg.num_kv_heads)
+        capacities = [-(-max(size - spare, 1) // granule) * granule for size in sizes]
+        return [max(capacities[0], self.region_size(64)), *capacities[1:]]

@@ -165,6 +165,24 @@ def heldout_ids(llm) -> list[int]:
     return llm.tokenizer.encode("\n".join(texts))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
+def test_warm_up_steps_at_every_decode_config_of_its_cache(kv_cache_dtype):
+    """The warm-up's caches (capacity + the spare granule: the positions the decode step reads)
+    reach each launch config the decode kernel takes for this model's cache, one each, the first
+    big enough for the warm-up prompt's prefill."""
+    from minidecode.kernels.lean_attention import default_config
+
+    engine = LLM(device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype).engine
+    cfg, fp8 = engine.config, kv_cache_dtype == "fp8"
+    config = lambda positions: default_config(cfg.head_dim, engine.dtype, fp8, positions, cfg.num_kv_heads)  # noqa: E731
+    capacities = engine.warm_up_sizes()
+    assert all(c % engine.granule == 0 for c in capacities) and capacities[0] >= engine.region_size(64)
+    reached = [config(c + engine.granule) for c in capacities]
+    every = {config(n) for n in range(1, 70_000, engine.granule)}
+    assert len(reached) == len(set(reached)) and set(reached) == every
+    assert len(every) == (3 if fp8 and cfg.num_kv_heads > 1 else 2 if fp8 else 1)
+
+
 def new_cache(llm: LLM, length: int, kv_dtype: torch.dtype) -> KVCache:
     cfg = llm.config
     return KVCache(cfg.num_layers, 1, cfg.num_kv_heads, length, cfg.head_dim, kv_dtype, llm.device)

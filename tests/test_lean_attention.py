@@ -661,3 +661,17 @@ def test_fp8_regions_of_one_shared_row(device, config):
     ref = reference(q[idx], (k8[idx], ks[idx]), (v8[idx], vs[idx]), lens[idx], 64**-0.5)
     assert rel_err(out[idx], ref) < fp8_tol(config, dtype)
     assert out[lens == 0].isnan().all(), "an idle slot's output was written"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8, 32])
+def test_config_sizes_start_every_config_the_cache_grows_into(fp8, kv_heads):
+    """Each size config_sizes gives starts a config of its own, and every cache size up to 40k
+    positions runs the config of the largest listed size at or below it (a warm-up stepping once
+    at each compiles every kernel a growing cache launches)."""
+    sizes = la.config_sizes(128, torch.bfloat16, fp8, kv_heads)
+    config = lambda n: la.default_config(128, torch.bfloat16, fp8, n, kv_heads)  # noqa: E731
+    assert sizes[0] == 1 and sizes == sorted(set(sizes))
+    assert len({config(s) for s in sizes}) == len(sizes)
+    for n in [*range(1, 40_000, 97), *(s + d for s in sizes for d in (-1, 0, 1) if s + d > 0)]:
+        assert config(n) == config(max(s for s in sizes if s <= n)), n
