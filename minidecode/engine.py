@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Generator
-from pathlib import Path
 
 import torch
 
@@ -34,16 +33,7 @@ from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention, choose_ba
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
-from .cache_file import (
-    CacheFile,
-    launch_name,
-    open_cache_file,
-    part_path,
-    place_metadata,
-    read_cache_file,
-    weights_fingerprint,
-    write_cache_file,
-)
+from .cache_parts import CacheParts
 from .decode import DecodeState, ProcessorRows, capture, decode_step
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
@@ -124,11 +114,7 @@ class Engine:
         self._host_logprobs = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
         self._host_top_ids = torch.empty(self.max_batch, top, dtype=torch.long, pin_memory=cuda)
         self._host_top_logprobs = torch.empty(self.max_batch, top, dtype=torch.float32, pin_memory=cuda)
-        # Cache files: this rank's place under torchrun (tp, cp, rank: its part's name and
-        # metadata), the part FileOpen opened (by the path given), the weights' fingerprint.
-        self.place = (1, 1, 0)
-        self.parts: dict[Path, CacheFile] = {}
-        self._fingerprint: str | None = None
+        self.files = CacheParts(model, self.kv_dtype)  # this rank's parts of cache files
 
     @property
     def prefill_backend(self) -> str:
@@ -270,10 +256,7 @@ class Engine:
                     self.copy_positions(op.src, op.dst, op.count)
                 elif isinstance(op, FileRead):
                     t0 = time.perf_counter()
-                    file = self.parts.pop(op.file.path, op.file if self.place == (1, 1, 0) else None)
-                    if file is None:
-                        raise UserError(f"cache file {op.file.path} was not opened on rank {self.place[2]}")
-                    read_cache_file(file, self.region(op.start, op.count).tensors())
+                    self.files.read(op, self.region(op.start, op.count).tensors())
                     out.file_seconds = time.perf_counter() - t0
                 else:
                     self.release()
@@ -285,41 +268,13 @@ class Engine:
             return False
         return True
 
-    # ---- cache files -------------------------------------------------------------------------
-    def fingerprint(self) -> str:
-        """This rank's weights' fingerprint (its shard's under --tp), computed once."""
-        if self._fingerprint is None:
-            self._fingerprint = weights_fingerprint(self.model)
-        return self._fingerprint
-
-    def file_layout(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """{name: (dtype, shape)} of this rank's saved cache tensors holding `length` positions."""
-        cfg = self.config
-        template = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, length, cfg.head_dim, self.kv_dtype, "meta")
-        return {name: (t.dtype, tuple(t.shape)) for name, t in template.tensors().items()}
-
     def _file_work(self, op: FileSave | FileOpen, out: StepOutput) -> None:
         """Save or open this rank's part of a cache file; a UserError is `out.file_error`."""
-        tp, cp, rank = self.place
-        path = part_path(op.path, rank, tp * cp)
         try:
-            if isinstance(op, FileSave):
-                meta = dict(op.metadata, weights_fingerprint=self.fingerprint())
-                meta.update(place_metadata(tp, cp, rank))
-                tensors = self.region(op.start, len(op.ids)).tensors()  # the valid positions
-                out.file_results = [write_cache_file(path, tensors, op.ids, meta)]
-                return
-            self.parts = {}
-            if rank and not path.exists():
-                raise UserError(
-                    f"cache file {op.path} has no part for rank {rank}: {path.name} is missing (a cache "
-                    f"saved under {launch_name(tp, cp)} is a part per rank, side by side); save it again "
-                    f"under {launch_name(tp, cp)}"
-                )
-            identity = dict(op.identity, weights_fingerprint=self.fingerprint())
-            file = open_cache_file(path, identity, self.file_layout, place_metadata(tp, cp, rank))
-            self.parts = {op.path: file}
-            out.file_results = [(file.metadata.get("save_id"), file.length)]
+            if isinstance(op, FileSave):  # the valid positions of the prefix's region
+                out.file_results = [self.files.save(op, self.region(op.start, len(op.ids)).tensors())]
+            else:
+                out.file_results = [self.files.open(op)]
         except UserError as e:
             out.file_error = str(e)
 

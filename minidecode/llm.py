@@ -122,7 +122,7 @@ class LLM:
             max_batch=max_batch, one_sequence=cp_ranks > 1, prefill_attention=prefill_attention,
         )  # fmt: skip
         if self.parallel is not None:  # its part of a cache file (cache_file.part_path)
-            self.engine.place = (self.parallel.tp, self.parallel.cp, self.parallel.rank)
+            self.engine.files.place = (self.parallel.tp, self.parallel.cp, self.parallel.rank)
         self.fanout = None  # rank 0's channel to the other ranks
         if self.parallel is not None and self.parallel.rank == 0:
             from .fanout import Fanout
@@ -404,7 +404,7 @@ class LLM:
             )
             self._identity = {
                 "config_sha256": config_hash(config),
-                "weights_fingerprint": self.loop.call(self.engine.fingerprint),
+                "weights_fingerprint": self.loop.call(self.engine.files.fingerprint),
                 "cache_dtype": str(self._layout(1)["k"][0]).removeprefix("torch."),
             }
         return self._identity
@@ -412,7 +412,7 @@ class LLM:
     def _layout(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """{name: (dtype, shape)} of a saved cache's tensors holding `length` positions (this
         rank's KV heads)."""
-        return self.engine.file_layout(length)
+        return self.engine.files.layout(length)
 
     def save_cache(self, path: str | Path) -> int:
         """Save the last finished request's cache (its prompt and the answer tokens fed back) to
@@ -452,7 +452,7 @@ class LLM:
                     f"cache file {path} and its part {others[0]} were written by different saves: "
                     f"save it again under {launch_name(tp, cp)}"
                 )
-            file = self.engine.parts[path]
+            file = self.engine.files.opened[path]
             angles = int(file.metadata.get("rope_length", file.length))
             self.loop.scheduler.add_file(file, angles)
             return file.length
