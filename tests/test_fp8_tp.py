@@ -28,10 +28,11 @@ from minidecode.models.presets import PRESETS
 
 E4M3 = torch.float8_e4m3fn
 # Block scales of 16 x 32 with input groups of 32 (the tiny models: q 64 rows, k/v 32, MLP 128,
-# hidden 64): tp 2 splits every layer on block boundaries (k/v at row 16, o_proj at column 32).
+# hidden 64, vocabulary 384): tp 2 splits every layer on block boundaries (k/v at row 16, o_proj at
+# column 32, the lm_head, quantized too, at row 192).
 BLOCK_FORMAT = dict(
     family="llama-bias", method="compressed-tensors", weights="block", block=(16, 32), acts="group", group=32,
-    scale_dtype=torch.float32,
+    scale_dtype=torch.float32, ignore=[],
 )  # fmt: skip
 # The per-channel compressed-tensors format of tests/test_fp8_weights.py (inputs per token, layer 1's
 # MLP left in float32).
