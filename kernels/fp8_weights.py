@@ -108,18 +108,27 @@ def fuse_fp8(parts: list[FP8Weight]) -> FP8Weight:
     return FP8Weight(values, scale, 1, first.block_k, first.act_group, input_scale)
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] (any float dtype) -> (values [N, K] float8_e4m3fn, scale [N, 1] float32), per
-    output channel: scale = the row's largest |w| / 448 (the FP8-dynamic scheme's weights)."""
+    output channel: scale = the row's largest |w| / 448 (the FP8-dynamic scheme's weights), or the
+    given `scale` [N, 1] (channel_scale of whole rows, where `weight` holds some of their columns)."""
     N, K = weight.shape
     values = torch.empty(N, K, dtype=FP8_DTYPE, device=weight.device)
-    scale = torch.empty(N, 1, dtype=torch.float32, device=weight.device)
+    scales = torch.empty(N, 1, dtype=torch.float32, device=weight.device) if scale is None else scale
     for start in range(0, N, ROWS_AT_ONCE):
         rows = weight[start : start + ROWS_AT_ONCE].float()
-        s = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(SCALE_FLOOR)
+        if scale is None:
+            scales[start : start + ROWS_AT_ONCE] = channel_scale(rows.abs().amax(dim=1))
+        s = scales[start : start + ROWS_AT_ONCE]
         values[start : start + ROWS_AT_ONCE] = (rows / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        scale[start : start + ROWS_AT_ONCE] = s
-    return values, scale
+    return values, scales
+
+
+def channel_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Each row's largest |w|, [N] -> its per-channel weight scale [N, 1] float32: amax / 448."""
+    return (amax.float().reshape(-1, 1) / FP8_MAX).clamp_min(SCALE_FLOOR)
 
 
 class QuantizedRows(NamedTuple):

@@ -104,14 +104,13 @@ def describe(
     rank_cfg, positions, parallel, plan_weights = cfg, context, None, weights
     if (tp, cp) != (1, 1):
         from minidecode.models.config import ConfigError
-        from minidecode.models.parallel import rank_weight_bytes
         from minidecode.models.sharding import rank_config, rank_positions, shard_plan
 
         try:
             shard = shard_plan(cfg, tp, 0)
         except ConfigError as e:
             raise UserError(str(e)) from None
-        rank_cfg, plan_weights = rank_config(cfg, shard), rank_weight_bytes(cfg, shard, tp, dt.itemsize)
+        rank_cfg, plan_weights = rank_config(cfg, shard), weight_plan(cfg, dt, quantization, tp)[0]
         positions = rank_positions(context, cp)
         parallel = (
             f"parallel     tp {tp} x cp {cp} = {tp * cp} GPUs (torchrun); each GPU holds "

@@ -117,6 +117,8 @@ def load_weights(
     """
     from safetensors import safe_open
 
+    from minidecode.kernels.fp8_weights import channel_scale
+
     expected = {name: p.shape for name, p in model.named_parameters()}
     kinds = _param_kinds(model)
     loaded: dict[str, torch.Tensor] = {}
@@ -146,7 +148,13 @@ def load_weights(
                         misshapen.append(f"{name} {tuple(tensor.shape)} (expected {tuple(expected[name])})")
                         misshapen_names.add(name)
                         continue
-                    stored = _stored(model, name, tensor, kinds.get(name, "model"), dtype, quantize)
+                    kind, scale = kinds.get(name, "model"), None
+                    columns = part is not None and part[0] == 1
+                    if quantize and kind == "fp8" and columns and _wide_float(tensor):
+                        # This rank holds some columns of each row: the per-channel scales come from
+                        # the whole rows, so its e4m3 values are one process's columns.
+                        scale = channel_scale(_row_amax(f.get_slice(name)))
+                    stored = _stored(model, name, tensor, kind, dtype, quantize, scale)
                     if isinstance(stored, str):
                         wrong_dtype.append(stored)
                     else:
@@ -186,10 +194,17 @@ def _param_kinds(model: nn.Module) -> dict[str, str]:
 
 
 def _stored(
-    model: nn.Module, name: str, tensor: torch.Tensor, kind: str, dtype: torch.dtype, quantize: bool
+    model: nn.Module,
+    name: str,
+    tensor: torch.Tensor,
+    kind: str,
+    dtype: torch.dtype,
+    quantize: bool,
+    scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor] | str:
     """The parameters checkpoint tensor `name` loads as (quantize-on-load: an FP8 layer's float
-    weight gives its e4m3 values and per-channel scale), or what is wrong with its dtype."""
+    weight gives its e4m3 values and per-channel scale, the given `scale` [N, 1] where it is
+    computed from whole rows), or what is wrong with its dtype."""
     import torch
 
     from minidecode.kernels.fp8_weights import FP8_DTYPE, quantize_weight
@@ -199,9 +214,9 @@ def _stored(
     if kind == "fp8":
         if tensor.dtype == FP8_DTYPE:
             return {name: tensor}
-        if quantize and tensor.dtype.is_floating_point and not one_byte:
+        if quantize and _wide_float(tensor):
             module = name.removesuffix(".weight")
-            values, scale = quantize_weight(tensor)
+            values, scale = quantize_weight(tensor, scale)
             return {name: values, f"{module}.{model.get_submodule(module).scheme.scale_name}": scale}
         return f"{name} {found} (expected float8_e4m3fn)"
     if one_byte:  # e4m3 values of a layer config.json leaves unquantized: without a scale, wrong
@@ -211,6 +226,21 @@ def _stored(
             return f"{name} {found} (expected a float32, bf16 or fp16 scale)"
         return {name: tensor.float()}
     return {name: tensor.to(dtype)}
+
+
+def _wide_float(tensor: torch.Tensor) -> bool:
+    """A float tensor of more than one byte an element (one quantize-on-load rounds)."""
+    return tensor.dtype.is_floating_point and tensor.element_size() > 1
+
+
+def _row_amax(tensor_slice) -> torch.Tensor:
+    """Each row's largest |value| of a 2-D safetensors slice, [rows] float32: whole rows, read
+    RANDOM_BLOCK values at a time."""
+    import torch
+
+    rows, cols = tensor_slice.get_shape()
+    step = max(1, RANDOM_BLOCK // cols)
+    return torch.cat([tensor_slice[r : r + step].float().abs().amax(dim=1) for r in range(0, rows, step)])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -286,7 +316,9 @@ def build_model(
     FP8 weights: a checkpoint whose config.json declares FP8 weights (quantization_config) loads
     them as they are; `quantization="fp8"` rounds a bf16 / fp16 checkpoint's (or the random)
     weights of the decoder layers' Linear layers to e4m3 on load, per output channel, their inputs
-    per token (the FP8-dynamic scheme); embeddings and lm_head stay in `dtype`."""
+    per token (the FP8-dynamic scheme); embeddings and lm_head stay in `dtype`. A tensor-parallel
+    rank loads (or rounds) its rows or columns of them with their scales, as one process's: a
+    column split's per-channel scales come from the whole rows."""
     from .memory import free_memory, gib
 
     quant = _weight_quantization(cfg, quantization, device, parallel)
@@ -319,15 +351,20 @@ def build_model(
     return model
 
 
-def weight_plan(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> tuple[int, str]:
+def weight_plan(
+    cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None, tp: int = 1
+) -> tuple[int, str]:
     """What the model's weights will be, with no weights loaded (for memory plans and `info`):
     their bytes (weight_bytes of the built model: FP8 layers, a checkpoint's or quantize-on-load's,
     1 byte a weight plus their float32 scales; the rest in `dtype`), and weights_description's
-    words for them."""
+    words for them. tp > 1: one tensor-parallel rank's (rank 0's: every rank holds as much)."""
     import torch
 
-    quant = _weight_quantization(cfg, quantization, torch.device("cpu"), None)
-    return _planned(cfg, quant, None, dtype)
+    from .distributed import Parallel
+
+    parallel = None if tp == 1 else Parallel(tp, 1, 0, torch.device("cpu"))  # no process group: shapes only
+    quant = _weight_quantization(cfg, quantization, torch.device("cpu"), parallel)
+    return _planned(cfg, quant, parallel, dtype)
 
 
 def _meta_model(cfg: ModelConfig, quant: Quantization | None, parallel: Parallel | None) -> Transformer:
@@ -376,7 +413,8 @@ def _weight_quantization(
     cfg: ModelConfig, quantization: str | None, device: torch.device, parallel: Parallel | None
 ) -> Quantization | None:
     """The FP8 weights to build: the checkpoint's (config.json), else quantize-on-load's if asked
-    for, else none. FP8 needs a GPU with FP8 tensor cores (compute capability 8.9+) or the CPU."""
+    for, else none. FP8 needs a GPU with FP8 tensor cores (compute capability 8.9+) or the CPU;
+    under tensor parallelism, a split that keeps every scale block whole on one rank."""
     import torch
 
     from minidecode.models.config import ON_LOAD_SCHEME, Quantization
@@ -391,7 +429,10 @@ def _weight_quantization(
     if quant is None:
         return None
     if parallel is not None and parallel.tp > 1:
-        raise UserError("FP8 weights are not supported with tensor parallelism (tp > 1) yet; use tp 1")
+        from minidecode.models.parallel import fp8_split_problem
+
+        if (problem := fp8_split_problem(cfg, parallel.tp, quant.scheme_for)) is not None:
+            raise UserError(problem)
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise UserError(
@@ -408,12 +449,16 @@ def _declare_fp8(model: nn.Module, quant: Quantization) -> None:
     from torch import nn
 
     from minidecode.models.llama import FP8Linear
+    from minidecode.models.parallel import RowParallelProjection
 
     for name, module in list(model.named_modules()):
         scheme = quant.scheme_for(name) if isinstance(module, nn.Linear) else None
         if scheme is not None:
             parent, _, attr = name.rpartition(".")
-            fp8 = FP8Linear(module.in_features, module.out_features, module.bias is not None, scheme)
+            if isinstance(module, RowParallelProjection):  # a tensor-parallel rank's input columns
+                fp8 = module.fp8_form(scheme)
+            else:
+                fp8 = FP8Linear(module.in_features, module.out_features, module.bias is not None, scheme)
             setattr(model.get_submodule(parent), attr, fp8)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -427,18 +472,15 @@ def _declare_fp8(model: nn.Module, quant: Quantization) -> None:
 
 
 def _pack_fp8(model: nn.Module, dtype: torch.dtype) -> None:
-    """After loading: each FP8 layer's FP8Weight (random weights rounded first). A checkpoint's
-    quantized lm_head is dequantized to `dtype` (the logits stay a model-dtype GEMM)."""
+    """After loading: each FP8 layer's FP8Weight. A checkpoint's quantized lm_head is dequantized
+    to `dtype` (the logits stay a model-dtype GEMM)."""
     import torch
     from torch import nn
 
-    from minidecode.kernels.fp8_weights import FP8_DTYPE
     from minidecode.models.llama import FP8Linear
 
     for module in model.modules():
         if isinstance(module, FP8Linear):
-            if module.weight.dtype != FP8_DTYPE:  # random weights in the model dtype
-                module.quantize()
             module.pack()
     head = getattr(model, "lm_head", None)
     if isinstance(head, FP8Linear):
@@ -462,20 +504,39 @@ def init_random_weights(model: nn.Module, device: torch.device, dtype: torch.dty
     One block (at most RANDOM_BLOCK values) beside the weights at a time, on the device: a 70B
     shape never touches host memory nor holds a whole tensor twice.
 
+    An FP8 layer's weight is drawn in `dtype` and rounded to e4m3 per output channel, as
+    quantize-on-load rounds a checkpoint's; its scales are those of the whole rows (a rank that
+    keeps some columns of each row takes them from the blocks it draws), so every split holds the
+    one-process e4m3 values.
+
     A tensor-parallel rank's model (models/parallel.py) names its part of each tensor with
     `shard(name)` -> (dim, start, stop) or None (rows past the tensor's end are zeros: the
     lm_head's padding), and the whole tensor's shape with `checkpoint_shape(name)`."""
     import torch
 
+    from minidecode.kernels.fp8_weights import channel_scale, quantize_weight
+
     shard = getattr(model, "shard", None)
+    kinds = _param_kinds(model)
     weights = {}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(p.shape, dtype=dtype, device=device)
             continue
+        if kinds.get(name) == "scale":  # made with its layer's e4m3 values
+            continue
         part = None if shard is None else shard(name)
         whole = p.shape if part is None else model.checkpoint_shape(name)
-        weights[name] = _random_part(name, whole, part, seed, device, dtype)
+        if kinds.get(name) != "fp8":
+            weights[name] = _random_part(name, whole, part, seed, device, dtype)
+            continue
+        split_columns = part is not None and part[0] == 1
+        amax = torch.empty(whole[0], dtype=dtype, device=device) if split_columns else None
+        drawn = _random_part(name, whole, part, seed, device, dtype, amax)
+        module = name.removesuffix(".weight")
+        scale_name = f"{module}.{model.get_submodule(module).scheme.scale_name}"
+        scale = None if amax is None else channel_scale(amax)
+        weights[name], weights[scale_name] = quantize_weight(drawn, scale)
     model.load_state_dict(weights, strict=True, assign=True)
 
 
@@ -486,9 +547,11 @@ def _random_part(
     seed: int,
     device: torch.device,
     dtype: torch.dtype,
+    row_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Part (dim, start, stop) of tensor `name` of the whole `shape` (None: all of it), drawn
-    block of rows by block of rows: normal(0, 0.02), zeros for rows past the end."""
+    block of rows by block of rows: normal(0, 0.02), zeros for rows past the end. row_amax [rows]
+    (a 2-D weight split by input columns): filled with each whole row's largest |value|."""
     import torch
 
     rows, row_numel = shape[0], math.prod(shape[1:])
@@ -508,6 +571,8 @@ def _random_part(
             out[a - first : b - first] = values[a - lo : b - lo]
         else:  # a 2-D weight split by input columns
             out[lo:hi] = values[:, start:stop]
+            if row_amax is not None:
+                row_amax[lo:hi] = values.abs().amax(dim=1)
     return out
 
 

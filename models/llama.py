@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minidecode.kernels import ops
-from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8, quantize_weight
+from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8
 from minidecode.kernels.prefill import attention_units, causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 
@@ -85,12 +85,6 @@ class FP8Linear(nn.Module):
             self.register_parameter(scheme.input_scale_name, _frozen(torch.empty(1)))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.fp8: FP8Weight | None = None  # set by pack()
-
-    def quantize(self) -> None:
-        """Round a model-dtype `weight` (random weights of a synthetic model) to e4m3 per output
-        channel, as quantize-on-load does a checkpoint's (the per-channel scheme)."""
-        self.weight, scale = (_frozen(t) for t in quantize_weight(self.weight.data))
-        setattr(self, self.scheme.scale_name, scale)
 
     def pack(self) -> None:
         """After loading: the FP8Weight of this layer. A per-tensor scale becomes one per channel

@@ -7,9 +7,12 @@ q/k/v and gate/up are split by output rows (column parallel: no communication), 
 down_proj by input columns (row parallel): each rank's product is a partial sum, all-reduced once
 per projection, with the bias added once after the sum (in the decode step on GPUs, over
 symmetric memory in the projection's own GEMV launch; at tp 2 rank 0 folds the residual into its
-part, so the sum lands in the residual stream: minidecode/distributed.py's OneShot). The lm_head
-is split by vocabulary rows and the logits all-gathered ([B, V] per step, 0.5 MB at V = 128k):
-replicating it would add the whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's
+part, so the sum lands in the residual stream: minidecode/distributed.py's OneShot). FP8 layers
+split the same way, their scales with their rows or columns (per-channel scales with the rows, whole
+under a column split; block scales by whole blocks: fp8_split_problem refuses a split inside one);
+a row-parallel layer's per-token input scale is that of the rank's columns (RowParallelFP8Projection).
+The lm_head is split by vocabulary rows and the logits all-gathered ([B, V] per step, 0.5 MB at V =
+128k): replicating it would add the whole [V, hidden] matrix (2.1 GB for Llama-3-70B) to every rank's
 per-step reads, about 6% of a 70B rank's weights at tp 4. The embedding stays whole (a step
 reads one row of it).
 
@@ -36,8 +39,8 @@ from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows
 from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
 
 from .cache import KVCache
-from .config import ModelConfig
-from .llama import NormAfter, Projection, Transformer, _quantize_into
+from .config import ConfigError, FP8Scheme, ModelConfig
+from .llama import FP8Linear, NormAfter, Projection, Transformer, _quantize_into
 from .sharding import Collectives, ShardPlan, rank_config, rank_positions, shard_plan
 
 
@@ -57,28 +60,73 @@ class RowParallelProjection(Projection):
     def add_to(
         self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter
     ) -> torch.Tensor | QuantizedRows:
-        par = self.parallel
-        if par.tp == 2 and (one_shot := par.one_shot_tp(residual)) is not None:
-            # The residual stream (the same on every rank) folded into rank 0's partial sum, bias
-            # included, so the one-shot sum is the new residual, written in place, by the GEMV's own
-            # launch where it takes x (ops.linear_summed). It rounds the residual twice (x + y0,
-            # then + y1) where the unfolded sum rounds it once; at tp > 2 each further rank would
-            # add one more.
-            norm = None
-            if not isinstance(then.feeds, FP8Weight) and one_shot.can_norm(residual, then.norm.weight):
-                # The next norm in the same kernel (its input rows need no e4m3 rounding): one
-                # launch fewer in the step's chain.
-                norm = (then.norm.weight, then.norm.eps, torch.empty_like(residual))
-            first = par.tp_rank == 0
-            one_shot.sum_of_linear(
-                x, self.weight, self.bias if first else None, residual,
-                residual=residual if first else None, norm=norm, pdl=pdl,
-            )  # fmt: skip
-            return then(residual, pdl) if norm is None else norm[2]
-        y = ops.linear(x, self.weight, None, pdl=pdl)  # [B, out]: this rank's partial sum
-        par.all_reduce_tp(y)
-        residual += y if self.bias is None else y + self.bias
-        return then(residual, pdl)
+        return _row_parallel_add_to(self.parallel, self.weight, self.bias, residual, x, pdl, then)
+
+    def fp8_form(self, scheme: FP8Scheme) -> RowParallelFP8Projection:
+        """This projection with FP8 weights of `scheme` (declared on the meta device, before loading)."""
+        bias = self.bias is not None
+        return RowParallelFP8Projection(self.in_features, self.out_features, bias, scheme, self.parallel)
+
+
+class RowParallelFP8Projection(FP8Linear):
+    """RowParallelProjection with FP8 weights: this rank's input columns of the e4m3 weight, with
+    their scales (per output channel: every rank the whole [N, 1], as one process's; blocks: the
+    columns' blocks, whole ones: models/parallel.fp8_split_problem). Its input, the rank's columns
+    of the attention output or MLP activation, is rounded to e4m3 per token over those columns
+    (each rank its own scale, as vLLM's row-parallel FP8 layers do: one scale over every rank's
+    columns would cost a collective before each projection); a group or static scale rounds as one
+    process does."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, scheme: FP8Scheme, parallel: Collectives
+    ):
+        super().__init__(in_features, out_features, bias, scheme)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.linear(x, self.fp8, None)  # [..., out]: this rank's partial sum
+        self.parallel.all_reduce_tp(y)
+        return y if self.bias is None else y + self.bias
+
+    def add_to(
+        self, residual: torch.Tensor, x: torch.Tensor, pdl: bool, then: NormAfter
+    ) -> torch.Tensor | QuantizedRows:
+        return _row_parallel_add_to(self.parallel, self.fp8, self.bias, residual, x, pdl, then)
+
+
+def _row_parallel_add_to(
+    par: Collectives,
+    weight: torch.Tensor | FP8Weight,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    pdl: bool,
+    then: NormAfter,
+) -> torch.Tensor | QuantizedRows:
+    """A row-parallel projection's decode form: residual [B, out] += the sum over the ranks of
+    x [B, in] (this rank's columns) times `weight` (its columns, model dtype or FP8), the bias
+    once -> then(residual)."""
+    if par.tp == 2 and (one_shot := par.one_shot_tp(residual)) is not None:
+        # The residual stream (the same on every rank) folded into rank 0's partial sum, bias
+        # included, so the one-shot sum is the new residual, written in place, by the GEMV's own
+        # launch where it takes x (ops.linear_summed; an FP8 weight's input rounded to e4m3 first).
+        # It rounds the residual twice (x + y0, then + y1) where the unfolded sum rounds it once; at
+        # tp > 2 each further rank would add one more.
+        norm = None
+        if not isinstance(then.feeds, FP8Weight) and one_shot.can_norm(residual, then.norm.weight):
+            # The next norm in the same kernel (its input rows need no e4m3 rounding): one
+            # launch fewer in the step's chain.
+            norm = (then.norm.weight, then.norm.eps, torch.empty_like(residual))
+        first = par.tp_rank == 0
+        one_shot.sum_of_linear(
+            x, weight, bias if first else None, residual,
+            residual=residual if first else None, norm=norm, pdl=pdl,
+        )  # fmt: skip
+        return then(residual, pdl) if norm is None else norm[2]
+    y = ops.linear(x, weight, None, pdl=pdl)  # [B, out]: this rank's partial sum
+    par.all_reduce_tp(y)
+    residual += y if bias is None else y + bias
+    return then(residual, pdl)
 
 
 class ContextParallelAttention:
@@ -132,25 +180,19 @@ class ParallelTransformer(Transformer):
     # ---- loading --------------------------------------------------------------------------------
     def shard(self, name: str) -> tuple[int, int, int] | None:
         """The part of checkpoint tensor `name` this rank holds: (dim, start, stop), rows past the
-        tensor's end read as zeros (the lm_head's padding); None: the whole tensor."""
+        tensor's end read as zeros (the lm_head's padding); None: the whole tensor. A split
+        weight's bias goes with its rows (a row-parallel one is whole); an FP8 layer's scales
+        with the weight's rows or columns (_scale_part)."""
         if self.parallel.tp == 1:
             return None
-        plan, D = self.plan, self.config.head_dim
         module, _, param = name.rpartition(".")
-        module = module.rpartition(".")[2]
-        if module == "q_proj":
-            return 0, plan.q_lo * D, plan.q_hi * D
-        if module in ("k_proj", "v_proj"):
-            return 0, plan.kv_lo * D, plan.kv_hi * D
-        if module in ("gate_proj", "up_proj"):
-            return 0, plan.mlp_lo, plan.mlp_hi
-        if module == "o_proj" and param == "weight":
-            return 1, plan.q_lo * D, plan.q_hi * D
-        if module == "down_proj" and param == "weight":
-            return 1, plan.mlp_lo, plan.mlp_hi
-        if name == "lm_head.weight":
-            return 0, plan.vocab_lo, plan.vocab_lo + plan.vocab_rows
-        return None
+        part = _weight_part(self.plan, self.config.head_dim, module)
+        if part is None or param == "weight":
+            return part
+        layer = self.get_submodule(module)
+        if isinstance(layer, FP8Linear) and param != "bias":
+            return _scale_part(layer.scheme, param, part)
+        return part if part[0] == 0 else None
 
     def checkpoint_shape(self, name: str) -> torch.Size:
         """The whole checkpoint tensor `name`'s shape (this rank holds the part `shard` names)."""
@@ -360,9 +402,104 @@ def _math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return (torch.exp(scores - lse) @ v.float()).to(q.dtype), lse
 
 
-def rank_weight_bytes(cfg: ModelConfig, plan: ShardPlan, tp: int, itemsize: int) -> int:
-    """Bytes of one tensor-parallel rank's weights (for memory plans, with no model built)."""
-    local = rank_config(cfg, plan)
-    lm_head = 0 if cfg.tie_word_embeddings else plan.vocab_rows * cfg.hidden_size
-    whole_lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    return (local.num_parameters() - whole_lm_head + lm_head) * itemsize
+def _weight_part(plan: ShardPlan, head_dim: int, module: str) -> tuple[int, int, int] | None:
+    """The part (dim, start, stop) of linear layer `module`'s weight [out, in] that the rank of
+    `plan` holds: output rows (column parallel: q/k/v, gate/up, lm_head) or input columns (row
+    parallel: o_proj, down_proj); None: a module held whole."""
+    D, kind = head_dim, module.rpartition(".")[2]
+    if kind == "q_proj":
+        return 0, plan.q_lo * D, plan.q_hi * D
+    if kind in ("k_proj", "v_proj"):
+        return 0, plan.kv_lo * D, plan.kv_hi * D
+    if kind in ("gate_proj", "up_proj"):
+        return 0, plan.mlp_lo, plan.mlp_hi
+    if kind == "o_proj":
+        return 1, plan.q_lo * D, plan.q_hi * D
+    if kind == "down_proj":
+        return 1, plan.mlp_lo, plan.mlp_hi
+    if module == "lm_head":
+        return 0, plan.vocab_lo, plan.vocab_lo + plan.vocab_rows
+    return None
+
+
+def _scale_part(scheme: FP8Scheme, param: str, part: tuple[int, int, int]) -> tuple[int, int, int] | None:
+    """The part of an FP8 layer's scale tensor `param` that goes with its weight's `part`: per
+    channel [N, 1], the rows' (a column split keeps every row: whole); blocks, the blocks the part
+    covers (it starts and ends on block boundaries: fp8_split_problem); a per-tensor or input scale
+    whole."""
+    dim, start, stop = part
+    if param != scheme.scale_name or scheme.weights == "tensor":
+        return None
+    if scheme.weights == "channel":
+        return part if dim == 0 else None
+    size = scheme.block[dim]
+    return dim, start // size, -(-stop // size)
+
+
+def fp8_split_problem(cfg: ModelConfig, tp: int, scheme_for: Callable[[str], FP8Scheme | None]) -> str | None:
+    """Why `tp` ranks cannot split these FP8 weights (None: they can): a rank's rows or columns
+    of a layer that start or end inside a block of its weight scales, or (columns) inside a group
+    of its input's scales, would need scales no rank has. `scheme_for(module)` is the layer's FP8
+    scheme (None: not FP8). Every rank's part is checked, so every rank gives the same answer."""
+    if (found := _fp8_cut(cfg, tp, scheme_for)) is None:
+        return None
+    module, dim, at, size, scheme = found
+    what = "weight block" if scheme.block is not None and size == scheme.block[dim] else "input group"
+    ways = [n for n in _tp_ways(cfg) if n != tp and _fp8_cut(cfg, n, scheme_for) is None]  # 1 at least
+    instead = f"use --tp {' or '.join(map(str, ways))}"
+    return (
+        f"--tp {tp} splits {module}'s FP8 weights at {('row', 'column')[dim]} {at}, inside a {what} of "
+        f"{size} {('rows', 'columns')[dim]} ({scheme.describe()}); {instead}"
+    )
+
+
+def _fp8_cut(
+    cfg: ModelConfig, tp: int, scheme_for: Callable[[str], FP8Scheme | None]
+) -> tuple[str, int, int, int, FP8Scheme] | None:
+    """The first place a rank's part cuts a scale block of an FP8 layer: (module, dim, where, the
+    block's size, the scheme); None where no part does."""
+    if tp == 1:
+        return None
+    plans = [shard_plan(cfg, tp, rank) for rank in range(tp)]
+    for module, shape in _whole_shapes(cfg).items():
+        if (scheme := scheme_for(module)) is None:
+            continue
+        for plan in plans:
+            dim, start, stop = _weight_part(plan, cfg.head_dim, module)
+            sizes = [] if scheme.block is None else [scheme.block[dim]]
+            if dim == 1 and scheme.act_group is not None:
+                sizes.append(scheme.act_group)
+            for size in sizes:
+                if start % size:
+                    return module, dim, start, size, scheme
+                if stop % size and stop < shape[dim]:
+                    return module, dim, stop, size, scheme
+    return None
+
+
+def _whole_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of every linear layer a tensor-parallel rank holds part of, by module name."""
+    hidden, D, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {}
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        shapes[f"{attn}.q_proj"] = (cfg.num_heads * D, hidden)
+        shapes[f"{attn}.k_proj"] = shapes[f"{attn}.v_proj"] = (cfg.num_kv_heads * D, hidden)
+        shapes[f"{attn}.o_proj"] = (hidden, cfg.num_heads * D)
+        shapes[f"{mlp}.gate_proj"] = shapes[f"{mlp}.up_proj"] = (inter, hidden)
+        shapes[f"{mlp}.down_proj"] = (hidden, inter)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, hidden)
+    return shapes
+
+
+def _tp_ways(cfg: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes this model's heads and MLP split into (shard_plan's)."""
+    ways = []
+    for n in range(1, cfg.num_heads + 1):
+        try:
+            shard_plan(cfg, n, 0)
+        except ConfigError:
+            continue
+        ways.append(n)
+    return ways

@@ -181,11 +181,12 @@ def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int = 1) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def build_fp8_checkpoint(src: Path, out: Path, name: str) -> tuple[Path, Path, dict]:
-    """From the float32 checkpoint `src`: (the FP8 checkpoint in format `name`, the same weights
-    dequantized to float32 as a plain checkpoint, the input rounding of each quantized layer:
-    module -> ("token" | "group" | "static", group size or static scale))."""
-    fmt = FORMATS[name]
+def build_fp8_checkpoint(src: Path, out: Path, name: str, fmt: dict | None = None) -> tuple[Path, Path, dict]:
+    """From the float32 checkpoint `src`: (the FP8 checkpoint in format `name` (or `fmt`, a format
+    as FORMATS writes them), the same weights dequantized to float32 as a plain checkpoint, the
+    input rounding of each quantized layer: module -> ("token" | "group" | "static", group size or
+    static scale))."""
+    fmt = FORMATS[name] if fmt is None else fmt
     tensors = load_file(src / "model.safetensors")
     fp8_dir, deq_dir = out / "fp8", out / "dequantized"
     for d in (fp8_dir, deq_dir):
