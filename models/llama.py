@@ -3,7 +3,9 @@
 Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so checkpoint
 tensors load by name with no renaming. Two entry points, both writing K/V into the runtime's
 contiguous cache:
-- `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA;
+- `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA (a rank's rows of
+  it and how its attention runs are the model's `context`: every position here, a
+  context-parallel rank's share in models/parallel.py);
 - `decode`: one new token per sequence, attention through the lean decode kernel.
 
 FP8 weights (a checkpoint's, or quantized on load: minidecode/loading.py) live in FP8Linear layers

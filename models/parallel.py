@@ -13,14 +13,15 @@ replicating it would add the whole [V, hidden] matrix (2.1 GB for Llama-3-70B) t
 per-step reads, about 6% of a 70B rank's weights at tp 4. The embedding stays whole (a step
 reads one row of it).
 
-Context parallel (cp): rank c holds cache positions [c * span, (c + 1) * span) plus one scratch
-row, span = ceil(context / cp). A decode step writes the new token's K/V on the rank whose range
-holds its position (the others write the scratch row), every rank attends over its own range,
-and the per-head (o, lse) partials are all-gathered and merged exactly (ops.merge_ranks): one
-B x Hq x (D + 1) float32 gather per layer, whatever the context. Prefill runs every rank's range
-at once, layer by layer: after its projections, each rank broadcasts the layer's K/V of its range
-to the later ranks, and attends causally over its own keys and fully over the earlier ranges',
-merged by log-sum-exp (exact; memory: one layer's K/V of the earlier ranges at a time).
+Context parallel (cp): the context's positions are dealt over the ranks (sharding.deal: the
+prompt in 2 cp chunks, rank i taking chunks i and 2 cp - 1 - i, so every rank has the same causal
+work; the positions after them round robin), each rank holding its positions' K/V compactly plus
+one scratch row, and attention runs as ContextParallelAttention: in prefill, the one prefill loop
+(Transformer.prefill_units) computes each rank's rows, and a layer's attention gathers the
+prompt's K/V one KV head at a time and attends each run of the rank's positions over the keys
+before it; in decode, the new token's K/V go to the one rank that holds its position and every
+rank's partial result over its positions is merged exactly by log-sum-exp. ParallelTransformer
+has no prefill of its own.
 """
 
 from __future__ import annotations
