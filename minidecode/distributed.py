@@ -48,6 +48,7 @@ NO_MULTICAST = {
 # one-shot kernels (OneShot) up to collectives.MAX_BYTES (512 KiB) a rank; larger ones (prefill's
 # activations) go through NCCL, whose ring and tree algorithms move large messages at link bandwidth.
 
+
 def world_size_from_environment() -> int | None:
     """torchrun's WORLD_SIZE, or None outside torchrun."""
     value = os.environ.get("WORLD_SIZE")
