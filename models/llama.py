@@ -422,7 +422,7 @@ class Transformer(nn.Module):
         causally to themselves and fully to positions 0..start-1.
 
         Which positions this rank's rows are and how a layer's attention runs over them are the
-        model's `context` (PromptRows, WholeContext below): one process holds every position, at
+        model's `context` (PromptRows, WholeContext): one process holds every position, at
         cache positions start..start+T-1; a context-parallel rank (models/parallel.py) its share
         of them, at cache positions 0.. of its own. Everything else runs the same on each row.
 
