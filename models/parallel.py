@@ -197,7 +197,8 @@ class ContextParallelAttention:
         rank that holds it), or every position's [B, T, hidden] in order, on every rank."""
         if not last_only:
             return self._gather_in_order(x, rows.end)
-        owner = next(c for c, runs in enumerate(deal(rows.end, self.parallel.cp)) if runs[-1][1] == rows.end)
+        shares = deal(rows.end, self.parallel.cp)
+        owner = next(c for c, runs in enumerate(shares) if runs and runs[-1][1] == rows.end)
         held = self.parallel.cp_rank == owner
         last = x[:, -1].contiguous() if held else x.new_empty(x.shape[0], x.shape[-1])
         self.parallel.broadcast_cp(last, owner)

@@ -195,3 +195,20 @@ def test_decode_slots_continue_the_dealing():
         assert max(lengths) <= span
     idle = ranks[0].slots(torch.tensor([0]), span, active=torch.tensor([0], dtype=torch.int32))
     assert int(idle[0]) == span and int(idle[1]) == 0  # an idle row writes the scratch row, reads nothing
+
+
+@pytest.mark.parametrize("cp, T", [(2, 9), (3, 12), (4, 2)])
+def test_prefill_output_is_every_position_in_order_on_every_rank(cp, T):
+    """ContextParallelAttention.output: each rank's rows of the residual stream -> on every rank,
+    the last position's (broadcast by the rank that holds it, the last of its rows), or every
+    position's in order (gathered); a rank with no rows (a prompt shorter than cp) takes part."""
+    x = torch.randn(1, T, 8, generator=torch.Generator().manual_seed(T))
+
+    def rank_main(rank: int, par: Rank):
+        attention = ContextParallelAttention(par)
+        rows = attention.rows(T, 0)
+        own = x[:, rows.positions(torch.device("cpu"))]
+        return attention.output(own, rows, True), attention.output(own, rows, False)
+
+    for last, every in run_ranks_in_threads(cp, rank_main):
+        assert torch.equal(last, x[:, -1]) and torch.equal(every, x)
