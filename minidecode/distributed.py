@@ -4,9 +4,9 @@
   GPUs, gloo on CPUs, with NVLink multicast forced off in every process;
 - each rank's share of the model is models/sharding.py's (ShardPlan: tensor parallel (tp) splits
   the query and KV heads, the MLP's intermediate rows and the vocabulary; context parallel (cp)
-  splits the cache's positions into contiguous ranges, one per rank);
+  deals the context's positions over the ranks, `deal`);
 - the collectives the model calls (models/sharding.py's Collectives; the exact log-sum-exp merge
-  of attention computed over disjoint ranges of the context is kernels/ops.py's); on GPUs, the
+  of attention computed over disjoint sets of the context's positions is kernels/ops.py's); on GPUs, the
   small ones of the decode step run as one-shot kernels over symmetric memory (OneShot), the rest
   through NCCL;
 - agreement between ranks: one rank's error becomes every rank's, so all exit together;
@@ -48,6 +48,7 @@ NO_MULTICAST = {
 # one-shot kernels (OneShot) up to collectives.MAX_BYTES (512 KiB) a rank; larger ones (prefill's
 # activations) go through NCCL, whose ring and tree algorithms move large messages at link bandwidth.
 
+
 def world_size_from_environment() -> int | None:
     """torchrun's WORLD_SIZE, or None outside torchrun."""
     value = os.environ.get("WORLD_SIZE")
@@ -88,7 +89,7 @@ class Parallel:
         return self.rank // self.tp
 
     def cp_peer(self, cp_rank: int) -> int:
-        """The global rank holding cp range `cp_rank` with this rank's heads."""
+        """The global rank of context-parallel rank `cp_rank` that holds this rank's heads."""
         return cp_rank * self.tp + self.tp_rank
 
     # ---- collectives over model tensors (ordered on the current stream: graph-capturable) ------

@@ -114,8 +114,6 @@ class LLM:
             check_prefill_attention(prefill_attention, self.device, self.config.head_dim)
         except ValueError as e:
             raise UserError(str(e)) from None
-        if prefill_attention == "fp8" and cp_ranks > 1:
-            raise UserError("FP8 prefill attention is not supported with --cp (context parallel): use auto")
         # Context-parallel ranks split one sequence's positions: one at a time, no prefix reuse.
         self.engine = Engine(
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,

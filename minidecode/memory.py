@@ -66,11 +66,13 @@ def activation_bytes(
     plus a decode step's logits. An FP8 cache (kv_dtype) adds one layer's unquantized K and V over
     the prompt (the staging buffer) and one chunk's float32 quantization temporaries.
     rank_positions: the cache positions of a context-parallel rank, if fewer than the prompt's: it
-    prefills only those rows, and receives one layer's K/V of the earlier ranks' positions at a
-    time (models/parallel.py)."""
+    prefills only its share of the rows (at most rank_positions), and a layer's attention gathers
+    one KV head's K and V of the whole prompt at a time (models/parallel.py's
+    ContextParallelAttention): its own part padded to the longest share, every rank's parts (at
+    most the prompt plus a row a rank), and the head in position order (the prompt)."""
     received = 0
     if rank_positions is not None and rank_positions < prompt_len:
-        received = (prompt_len - rank_positions) * 2 * cfg.num_kv_heads * cfg.head_dim
+        received = 2 * cfg.head_dim * (2 * prompt_len + 2 * rank_positions)  # K and V of one head
         prompt_len = rank_positions
     T, c = prompt_len, min(chunk, prompt_len)
     whole_prompt = T * (cfg.hidden_size + cfg.num_heads * cfg.head_dim + cfg.group_size * cfg.head_dim)

@@ -3,7 +3,9 @@
 Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so checkpoint
 tensors load by name with no renaming. Two entry points, both writing K/V into the runtime's
 contiguous cache:
-- `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA;
+- `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA (a rank's rows of
+  it and how its attention runs are the model's `context`: every position here, a
+  context-parallel rank's share in models/parallel.py);
 - `decode`: one new token per sequence, attention through the lean decode kernel.
 
 FP8 weights (a checkpoint's, or quantized on load: minidecode/loading.py) live in FP8Linear layers
@@ -14,7 +16,8 @@ an FP8Weight (kernels/fp8_weights.py) wherever they take a weight.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -276,6 +279,91 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+@dataclass(frozen=True)
+class PromptRows:
+    """The prompt positions one rank prefills: `runs` of consecutive positions [lo, hi), in the
+    order of its rows, row r going to cache position first_slot + r; `end`, the prompt's end
+    (start + T: RoPE's length, and the keys its last position reads)."""
+
+    runs: tuple[tuple[int, int], ...]
+    first_slot: int
+    end: int
+    # The rows every rank's loop goes over (>= count: the longest rank's share), so that every
+    # rank yields the same units of work, in which the same collectives run (a plan runs a number
+    # of units on every rank); the rows past count are skipped.
+    padded: int
+
+    @property
+    def count(self) -> int:
+        return sum(hi - lo for lo, hi in self.runs)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[count] int64: each row's position."""
+        parts = [torch.arange(lo, hi, device=device) for lo, hi in self.runs]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+    def take(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """tokens [B, T] at positions start.. -> the rows' [B, count] (one run: a view)."""
+        if not self.runs:  # a context-parallel rank with no position of a short prompt
+            return tokens[:, :0]
+        parts = [tokens[:, lo - start : hi - start] for lo, hi in self.runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+class WholeContext:
+    """The prefill context of a model that holds every position (one process, or tensor-parallel
+    ranks): its rows are the prompt's positions in order, at cache positions start..start+T-1,
+    and a layer's attention reads them all from the cache. Context parallelism deals the
+    positions over ranks instead (models/parallel.py's ContextParallelAttention: the same
+    methods)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.config = cfg
+
+    def rows(self, prompt_len: int, start: int) -> PromptRows:
+        return PromptRows(((start, start + prompt_len),), start, start + prompt_len, prompt_len)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: PromptRows,
+        scale: float,
+        backend: str | None,
+        unit_flops: float | None,
+        chunk: int,
+    ) -> Iterator[float]:
+        """A layer's causal attention of the rows' queries q [B, Hq, T, D] over the cache's keys
+        k/v [B, Hkv, >= end, D], the output overwriting q; yields each call's FLOPs once queued.
+
+        Square causal SDPA over the whole prompt, which is cuDNN's fastest case on Hopper, for as
+        many KV heads a call as its temporaries fit in one chunk's (temporaries.
+        prefill_attention_kv_heads: a whole layer in one GQA call up to long prompts, else
+        fewer). Calls per KV head would be most of a short prompt's time (each too small to fill
+        the GPU; bench/NOTES-prefill.md). Under `unit_flops`: one KV head at a time, in the units
+        of kernels/prefill.py's attention_units (on cuDNN, calls of fixed shapes, so that no
+        unit waits for a new cuDNN graph)."""
+        cfg, (B, _, T, D) = self.config, q.shape
+        G, Hkv, start, end = cfg.group_size, cfg.num_kv_heads, rows.first_slot, rows.end
+        if unit_flops is not None:
+            for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit
+                group, kv = q[:, h * G : (h + 1) * G], slice(h, h + 1)
+                yield from attention_units(group, k[:, kv], v[:, kv], start, scale, backend, unit_flops)
+            return
+        heads = prefill_attention_kv_heads(cfg, B, T, end, chunk, q.dtype, backend == "fp8")
+        for h in range(0, Hkv, heads):
+            kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
+            group = q[:, kv.start * G : kv.stop * G]  # [B, n G, T, D], overwritten
+            causal_attention(group, k[:, kv, :end], v[:, kv, :end], scale, backend, out=group)
+            yield 4 * B * group.shape[1] * D * T * end
+
+    def output(self, x: torch.Tensor, rows: PromptRows, last_only: bool) -> torch.Tensor:
+        """The residual stream of the rows x [B, T, hidden] -> the last position's [B, hidden], or
+        every position's [B, T, hidden]."""
+        return x[:, -1] if last_only else x
+
+
 class Transformer(nn.Module):
     """The causal LM: `model.*` backbone plus `lm_head` (absent when tied to the embedding)."""
 
@@ -286,6 +374,9 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None  # built on the weights' device by setup_rope
+        # Which prompt positions this rank prefills and how its layers' prefill attention runs
+        # (context parallelism sets its own: models/parallel.py).
+        self.context: WholeContext = WholeContext(cfg)
 
     def cache_len(self, context: int) -> int:
         """Cache positions this model's ranks each hold for a context (context parallelism splits it)."""
@@ -320,29 +411,30 @@ class Transformer(nn.Module):
         unit_flops: float | None = None,
     ) -> Generator[float, None, torch.Tensor]:
         """tokens [B, T] at positions start..start+T-1 -> (the generator's value) final-normed
-        hidden [B, hidden] (last position) or [B, T, hidden]; fills cache positions
-        start..start+T-1. start > 0 prefills a suffix after a prefix already in the cache: the new
-        rows attend causally to themselves and fully to positions 0..start-1.
+        hidden [B, hidden] (last position) or [B, T, hidden]; fills this rank's cache positions of
+        them. start > 0 prefills a suffix after a prefix already in the cache: the new rows attend
+        causally to themselves and fully to positions 0..start-1.
+
+        Which positions this rank's rows are and how a layer's attention runs over them are the
+        model's `context` (PromptRows, WholeContext): one process holds every position, at
+        cache positions start..start+T-1; a context-parallel rank (models/parallel.py) its share
+        of them, at cache positions 0.. of its own. Everything else runs the same on each row.
 
         A resumable prefill: it yields each unit of work's FLOPs (about) once the unit is queued (a
         chunk of projections, an attention call, a chunk of o_proj + MLP), so its owner (the
         engine, running a step plan) can run other work between units or drop it. `unit_flops`
         bounds a unit's work so that other sequences' decode steps can come often: projection
         chunks shrink below `chunk`, and attention goes one KV head at a time in the units of
-        kernels/prefill.py's attention_units (on cuDNN, calls of fixed shapes, so that no unit
-        waits for a new cuDNN graph); None keeps whole-prompt attention calls.
+        kernels/prefill.py's attention_units; None keeps whole-prompt attention calls.
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
-        and the MLP go `chunk` rows at a time (bounded temporaries); attention is square causal
-        SDPA over the whole prompt, which is cuDNN's fastest case on Hopper, for as many KV heads a
-        call as its temporaries fit in one chunk's (temporaries.prefill_attention_kv_heads: a whole
-        layer in one GQA call up to long prompts, else fewer), and its output overwrites those
-        heads' queries. Calls per KV head would be most of a short prompt's time (each too small
-        to fill the GPU; bench/NOTES-prefill.md). RoPE cos/sin are made once for every layer
-        where together they take no more than the one chunk's float64 angles the memory plan
-        counts (a prompt of up to two chunks), else per layer. Beyond the weights and cache this
-        holds two [B, T, hidden]-sized tensors: the residual stream and q/attn-out. Dynamic / long
-        RoPE scale for start + T positions (transformers: longest position + 1).
+        and the MLP go `chunk` rows at a time (bounded temporaries); attention is the context's
+        (WholeContext: square causal SDPA over the whole prompt). RoPE cos/sin are made once for
+        every layer where together they take no more than the one chunk's float64 angles the
+        memory plan counts (a prompt of up to two chunks), else per layer. Beyond the weights and
+        cache this holds two [B, rows, hidden]-sized tensors: the residual stream and
+        q/attn-out. Dynamic / long RoPE scale for start + T positions (transformers: longest
+        position + 1).
 
         FP8 cache: attention reads the layer's unquantized K/V from a model-dtype staging buffer
         (so the output is exactly the model-dtype cache's; a cached prefix enters it dequantized),
@@ -350,63 +442,57 @@ class Transformer(nn.Module):
         """
         cfg = self.config
         B, T = tokens.shape
-        G, D, Hkv = cfg.group_size, cfg.head_dim, cfg.num_kv_heads
-        seq_len = torch.tensor(start + T, device=tokens.device)
-        x = self.model.embed_tokens(tokens)  # [B, T, hidden]: the residual stream
-        q_all = torch.empty(B, cfg.num_heads, T, D, dtype=x.dtype, device=x.device)  # heads-major
+        D, Hkv = cfg.head_dim, cfg.num_kv_heads
+        rows = self.context.rows(T, start)  # this rank's rows: their positions and cache positions
+        n, first = rows.count, rows.first_slot
+        seq_len = torch.tensor(rows.end, device=tokens.device)
+        x = self.model.embed_tokens(rows.take(tokens, start))  # [B, n, hidden]: the residual stream
+        q_all = torch.empty(B, cfg.num_heads, n, D, dtype=x.dtype, device=x.device)  # heads-major
         quantized = cache.kv_scale is not None
-        if quantized:  # one layer's K and V, [B, Hkv, start + T, D] each, reused by every layer
-            shape = (B, Hkv, start + T, D)
+        if quantized:  # one layer's K and V, [B, Hkv, first + n, D] each, reused by every layer
+            shape = (B, Hkv, first + n, D)
             staging = [torch.empty(shape, dtype=x.dtype, device=x.device) for _ in "kv"]
-        end = start + T
         qkv_row, out_row = self.flops_per_row()  # a row through q/k/v; through o_proj and the MLP
-        rows = chunk if unit_flops is None else max(16, min(chunk, int(unit_flops / out_row)))
-        spans = [(s, min(s + rows, T)) for s in range(0, T, rows)]  # the projection chunks
+        per = chunk if unit_flops is None else max(16, min(chunk, int(unit_flops / out_row)))
+        # The projection chunks (rows), over the rows every rank runs (rows.padded: empty past n)
+        spans = [(min(s, n), min(s + per, n)) for s in range(0, rows.padded, per)]
+        positions = rows.positions(x.device)  # [n] int64
 
         def angles(s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, e - s, D] float32
-            positions = torch.arange(start + s, start + e, device=x.device).expand(B, e - s)
-            return self.rope.cos_sin(positions, seq_len)
+            return self.rope.cos_sin(positions[s:e].expand(B, e - s), seq_len)
 
-        # Every chunk's cos/sin (B x T x D float32 each) made once for all layers where together
+        # Every chunk's cos/sin (B x n x D float32 each) made once for all layers where together
         # they take no more than the one chunk's float64 angles the memory plan counts.
-        angles_for_all_layers = B * T * D * 8 <= rope_bytes(cfg, min(chunk, T))
-        chunk_angles = [angles(s, e) for s, e in spans] if angles_for_all_layers else None
-        # KV heads per attention call, each over the whole prompt (under unit_flops: one KV head at a
-        # time, in units of attention_units).
-        heads = prefill_attention_kv_heads(cfg, B, T, end, chunk, x.dtype, backend == "fp8")
+        angles_for_all_layers = B * n * D * 8 <= rope_bytes(cfg, min(chunk, n))
+        chunk_angles = [angles(s, e) if e > s else None for s, e in spans] if angles_for_all_layers else None
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or start + T, D]
+            k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or first + n, D]
             if quantized and start:
                 _dequantize_prefix(cache.layer(i), staging, start, chunk)
             for j, (s, e) in enumerate(spans):
-                cos, sin = chunk_angles[j] if angles_for_all_layers else angles(s, e)  # [B, c, D]
-                at = slice(start + s, start + e)  # the chunk's cache positions
-                normed = layer.input_layernorm(x[:, s:e])
-                attn.project_into(normed, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at])
+                if e > s:
+                    cos, sin = chunk_angles[j] if angles_for_all_layers else angles(s, e)  # [B, c, D]
+                    at = slice(first + s, first + e)  # the chunk's cache positions
+                    normed = layer.input_layernorm(x[:, s:e])
+                    attn.project_into(
+                        normed, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at]
+                    )
                 yield B * (e - s) * qkv_row
-            if unit_flops is not None:
-                for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit
-                    group, kv = q_all[:, h * G : (h + 1) * G], slice(h, h + 1)
-                    keys, values = k_cache[:, kv], v_cache[:, kv]  # [B, 1, S, D]
-                    yield from attention_units(group, keys, values, start, attn.scale, backend, unit_flops)
-            else:
-                for h in range(0, Hkv, heads):
-                    kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
-                    group = q_all[:, kv.start * G : kv.stop * G]  # [B, n G, T, D], overwritten
-                    keys, values = k_cache[:, kv, :end], v_cache[:, kv, :end]
-                    causal_attention(group, keys, values, attn.scale, backend, out=group)
-                    yield 4 * B * group.shape[1] * D * T * end
+            # q_all's heads overwritten by their attention output, unit by unit
+            context = (rows, attn.scale, backend, unit_flops, chunk)
+            yield from self.context.attention(q_all, k_cache, v_cache, *context)
             if quantized:
-                _quantize_into(cache.layer(i), staging, start, chunk, attn.kv_static_scales)
+                _quantize_into(cache.layer(i), staging, first, chunk, attn.kv_static_scales)
             for s, e in spans:
-                out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
-                x[:, s:e] += attn.o_proj(out)
-                x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
-                if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
-                    on_progress(i * T + e, cfg.num_layers * T)
+                if e > s:
+                    out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
+                    x[:, s:e] += attn.o_proj(out)
+                    x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
+                    if on_progress is not None:  # (layer-rows done, layer-rows in all), per chunk
+                        on_progress(i * n + e, cfg.num_layers * n)
                 yield B * (e - s) * out_row
-        return self.model.norm(x[:, -1] if last_only else x)
+        return self.model.norm(self.context.output(x, rows, last_only))
 
     def flops_per_row(self) -> tuple[float, float]:
         """Multiply-adds x 2 of one prompt row through one layer's q/k/v projection, and through its

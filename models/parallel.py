@@ -16,19 +16,20 @@ The lm_head is split by vocabulary rows and the logits all-gathered ([B, V] per 
 per-step reads, about 6% of a 70B rank's weights at tp 4. The embedding stays whole (a step
 reads one row of it).
 
-Context parallel (cp): rank c holds cache positions [c * span, (c + 1) * span) plus one scratch
-row, span = ceil(context / cp). A decode step writes the new token's K/V on the rank whose range
-holds its position (the others write the scratch row), every rank attends over its own range,
-and the per-head (o, lse) partials are all-gathered and merged exactly (ops.merge_ranks): one
-B x Hq x (D + 1) float32 gather per layer, whatever the context. Prefill runs every rank's range
-at once, layer by layer: after its projections, each rank broadcasts the layer's K/V of its range
-to the later ranks, and attends causally over its own keys and fully over the earlier ranges',
-merged by log-sum-exp (exact; memory: one layer's K/V of the earlier ranges at a time).
+Context parallel (cp): the context's positions are dealt over the ranks (sharding.deal: the
+prompt in 2 cp chunks, rank i taking chunks i and 2 cp - 1 - i, so every rank has the same causal
+work; the positions after them round robin), each rank holding its positions' K/V compactly plus
+one scratch row, and attention runs as ContextParallelAttention: in prefill, the one prefill loop
+(Transformer.prefill_units) computes each rank's rows, and a layer's attention gathers the
+prompt's K/V one KV head at a time and attends each run of the rank's positions over the keys
+before it; in decode, the new token's K/V go to the one rank that holds its position and every
+rank's partial result over its positions is merged exactly by log-sum-exp. ParallelTransformer
+has no prefill of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +37,12 @@ from torch import nn
 
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows
-from minidecode.kernels.prefill import BLOCK, CPU_BLOCK, cpu_flash_with_lse, cudnn_with_lse
+from minidecode.kernels.prefill import causal_attention
 
 from .cache import KVCache
 from .config import ConfigError, FP8Scheme, ModelConfig
-from .llama import FP8Linear, NormAfter, Projection, Transformer, _quantize_into
-from .sharding import Collectives, ShardPlan, rank_config, rank_positions, shard_plan
+from .llama import FP8Linear, NormAfter, Projection, PromptRows, Transformer
+from .sharding import Collectives, ShardPlan, deal, rank_config, rank_positions, shard_plan
 
 
 class RowParallelProjection(Projection):
@@ -130,12 +131,46 @@ def _row_parallel_add_to(
 
 
 class ContextParallelAttention:
-    """Attention.attend for a context-parallel rank: attention over this rank's range of the
-    cache (lengths are per range: 0 where the range is still empty), merged with the other
-    ranks' by log-sum-exp. Same arguments and result as ops.decode_attention."""
+    """Attention over a context dealt over the context-parallel ranks (sharding.deal): each rank
+    holds its positions' K/V compactly, at its cache positions 0, 1, ..., plus a scratch row at
+    the end; each rank attends over what it holds and the partial results are merged exactly by
+    log-sum-exp. Position order within a rank does not matter: RoPE was applied at the true
+    positions before the K/V were cached.
+
+    Decode (`__call__`, ops.decode_attention's form: Attention.attend): the new token's K/V go to
+    the one rank that holds its position (`slots`), the scratch row elsewhere; every rank attends
+    over its positions and the per-head (o, lse) partials are all-gathered and merged
+    (ops.merge_ranks): one B x Hq x (D + 1) float32 gather per layer, whatever the context.
+
+    Prefill (`rows`, `attention`, `output`: the Transformer's context, as models/llama.py's
+    WholeContext): each rank computes the rows of its positions (projections, MLP) in the one
+    prefill loop (Transformer.prefill_units); a layer's attention gathers every rank's K/V of
+    the prompt, one KV head at a time, puts it in position order, and attends each run of the
+    rank's consecutive positions causally over its own keys and fully over every earlier one
+    (kernels/prefill.py's causal_attention with the run's start as its past: the same calls, and
+    the same backends, FP8 included, as a suffix after a cached prefix in one process). The
+    dealing gives every rank the same causal work."""
 
     def __init__(self, parallel: Collectives):
         self.parallel = parallel
+        self._order: tuple[tuple[int, torch.device], torch.Tensor, int] | None = None
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def slots(
+        self, positions: torch.Tensor, span: int, active: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B] int64 of the new tokens, in a cache of span positions plus the scratch row
+        -> (written [B] int64: this rank's cache position of the token where it holds it (rank
+        p mod cp, at p // cp: sharding.deal), else the scratch row; lengths [B] int32: how many of
+        positions 0..p it holds). active [B] int32 0/1: an idle row (a graph's warm-up) writes only
+        the scratch row and reads nothing."""
+        cp, rank = self.parallel.cp, self.parallel.cp_rank
+        held = positions % cp == rank
+        if active is not None:
+            held = held & (active > 0)
+        written = torch.where(held, positions // cp, span)
+        lengths = ((positions - rank + cp) // cp).clamp(max=span).to(torch.int32)  # [B] (p - rank) // cp + 1
+        return written, lengths if active is None else lengths * active
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
         o, lse = ops.decode_attention(q, k_cache, v_cache, lengths, scale, return_lse=True, **kwargs)
@@ -145,12 +180,102 @@ class ContextParallelAttention:
         self, o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype,
         triton: bool | None = None, pdl: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        """This rank's attention over its range, o [B, Hq, D] and lse [B, Hq], merged with every
-        other rank's: [B, Hq, D] of dtype. lengths [B]: this range's valid positions; where it has
-        none the kernel wrote neither o nor lse, and the range goes out as o 0, lse -inf."""
+        """This rank's attention over its positions, o [B, Hq, D] and lse [B, Hq], merged with every
+        other rank's: [B, Hq, D] of dtype. lengths [B]: this rank's valid positions; where it has
+        none the kernel wrote neither o nor lse, and the part goes out as o 0, lse -inf."""
         packed = ops.pack_partials(o, lse, lengths, triton, pdl)  # [B, Hq, D + 1] float32
         parts = self.parallel.all_gather_cp(packed)  # [cp, B, Hq, D + 1]
         return ops.merge_ranks(parts, dtype, triton, pdl)
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def rows(self, prompt_len: int, start: int) -> PromptRows:
+        """This rank's positions of a fresh prompt (sharding.deal), at its cache positions 0..
+        (start must be 0: prefix reuse is off under cp); padded to the longest share."""
+        if start:
+            raise ValueError("context-parallel prefill starts at position 0 (no prefix reuse)")
+        shares = deal(prompt_len, self.parallel.cp)
+        most = max(_count(runs) for runs in shares)
+        return PromptRows(tuple(shares[self.parallel.cp_rank]), 0, prompt_len, most)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: PromptRows,
+        scale: float,
+        backend: str | None,
+        unit_flops: float | None,
+        chunk: int,
+    ) -> Iterator[float]:
+        """A layer's causal attention of this rank's queries q [B, Hq, n, D] (its rows, in their
+        order) over the whole prompt's keys, the output overwriting q; k/v [B, Hkv, >= n, D]: this
+        rank's K/V of its rows (the cache, or the FP8 cache's staging buffer).
+
+        One KV head at a time: its keys and values gathered in position order [B, 1, T, D] (every
+        rank takes part in every gather), then per run [lo, hi) of the rank's rows a causal call
+        with past lo: one unit each, or under unit_flops blocks of the run's rows small enough
+        that a block against the whole prompt stays within it. Every rank yields as many units
+        per head (the most any rank has; the others pad with empty units), so that the gathers
+        of every head fall in the same unit on every rank. `chunk` (the one-process grouping of
+        KV heads) is not needed: the gathered head is each call's whole operand."""
+        B, Hq, n, D = q.shape
+        Hkv, T = k.shape[1], rows.end
+        G = Hq // Hkv
+        block = T if unit_flops is None else max(64, int(unit_flops / (4 * B * G * D * T)))
+        shares = deal(T, self.parallel.cp)
+        units = max(sum(-(-(hi - lo) // block) for lo, hi in runs) for runs in shares)
+        for h in range(Hkv):
+            keys = self._gather_in_order(k[:, h : h + 1, :n], T)  # [B, 1, T, D]
+            values = self._gather_in_order(v[:, h : h + 1, :n], T)
+            group, row, ran = q[:, h * G : (h + 1) * G], 0, 0  # group [B, G, n, D]
+            for lo, hi in rows.runs:
+                for s in range(lo, hi, block):  # positions s..e-1, rows row + s - lo..
+                    e = min(s + block, hi)
+                    part = group[:, :, row + s - lo : row + e - lo]  # overwritten by its output
+                    causal_attention(part, keys[:, :, :e], values[:, :, :e], scale, backend, out=part)
+                    yield 4 * B * G * D * (e - s) * e
+                    ran += 1
+                row += hi - lo
+            for _ in range(units - ran):
+                yield 0.0
+
+    def output(self, x: torch.Tensor, rows: PromptRows, last_only: bool) -> torch.Tensor:
+        """This rank's residual stream x [B, n, hidden] -> the last position's [B, hidden] (from the
+        rank that holds it), or every position's [B, T, hidden] in order, on every rank."""
+        if not last_only:
+            return self._gather_in_order(x, rows.end)
+        shares = deal(rows.end, self.parallel.cp)
+        owner = next(c for c, runs in enumerate(shares) if runs and runs[-1][1] == rows.end)
+        held = self.parallel.cp_rank == owner
+        last = x[:, -1].contiguous() if held else x.new_empty(x.shape[0], x.shape[-1])
+        self.parallel.broadcast_cp(last, owner)
+        return last
+
+    def _gather_in_order(self, own: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """own [..., n, E]: this rank's rows on dim -2 -> every rank's, in position order
+        [..., prompt_len, E] (an all-gather of the parts padded to the longest share)."""
+        order, most = self._positions_order(prompt_len, own.device)
+        part = F.pad(own, (0, 0, 0, most - own.shape[-2]))  # [..., most, E]
+        every = self.parallel.all_gather_cp(part)  # [cp, ..., most, E]
+        every = every.movedim(0, -3).flatten(-3, -2)  # [..., cp * most, E]: rank c's rows from c * most
+        return every.index_select(-2, order)
+
+    def _positions_order(self, prompt_len: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """-> (for each prompt position, its row in the gathered parts [cp * most] int64; most, the
+        longest share): kept for the last prompt (every layer of a prefill gathers with it)."""
+        key = (prompt_len, device)
+        if self._order is None or self._order[0] != key:
+            shares = deal(prompt_len, self.parallel.cp)
+            most = max(_count(runs) for runs in shares)
+            order = torch.empty(prompt_len, dtype=torch.long)
+            for c, runs in enumerate(shares):
+                row = c * most
+                for lo, hi in runs:
+                    order[lo:hi] = torch.arange(row, row + hi - lo)
+                    row += hi - lo
+            self._order = (key, order.to(device), most)
+        return self._order[1], self._order[2]
 
 
 class ParallelTransformer(Transformer):
@@ -173,9 +298,10 @@ class ParallelTransformer(Transformer):
                 )
             if not cfg.tie_word_embeddings:
                 self.lm_head = nn.Linear(cfg.hidden_size, plan.vocab_rows, bias=False)
-        if parallel.cp > 1:
+        if parallel.cp > 1:  # the prefill's rows and attention, and each layer's decode attention
+            self.context = ContextParallelAttention(parallel)
             for layer in self.model.layers:
-                layer.self_attn.attend = ContextParallelAttention(parallel)
+                layer.self_attn.attend = self.context
 
     # ---- loading --------------------------------------------------------------------------------
     def shard(self, name: str) -> tuple[int, int, int] | None:
@@ -233,173 +359,19 @@ class ParallelTransformer(Transformer):
         starts: torch.Tensor | None = None,
         active: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As Transformer.decode; with cp > 1, the new K/V go to the rank whose range holds the
-        position (the scratch row elsewhere) and attention runs over each rank's range. Under cp a
-        sequence owns the whole row (the engine runs one sequence at a time under cp, in a cache of
-        exactly its positions), so `starts` (all 0) is not read."""
+        """As Transformer.decode; with cp > 1, the new K/V go to the rank that holds the position
+        (the scratch row elsewhere) and attention runs over each rank's positions
+        (ContextParallelAttention.slots). Under cp a sequence owns the whole row (the engine runs
+        one sequence at a time under cp, in a cache of exactly its positions), so `starts` (all
+        0) is not read."""
         if self.parallel.cp == 1:
             return super().decode(tokens, positions, cache, pdl, starts, active)
-        span = cache.max_len - 1
-        local = positions - self.parallel.cp_rank * span  # [B]
-        held = (local >= 0) & (local < span)
-        if active is not None:  # an idle row (a graph's warm-up) writes only the scratch row
-            held = held & (active > 0)
-        write_at = torch.where(held, local, span)  # [B] int64: the scratch row when not ours
-        lengths = local.add(1).clamp(0, span).to(torch.int32)  # [B] our valid positions
-        if active is not None:
-            lengths = lengths * active
-        return self.decode_layers(tokens, positions, write_at, lengths, cache, pdl)
-
-    def prefill_units(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        chunk: int,
-        backend: str | None = None,
-        last_only: bool = True,
-        on_progress: Callable[[int, int], None] | None = None,
-        start: int = 0,
-        unit_flops: float | None = None,
-    ) -> Generator[float, None, torch.Tensor]:
-        """As Transformer.prefill_units (every rank runs the same units: the step plans say how
-        many); with cp > 1 one unit of all the work: every rank prefills the prompt positions of
-        its range (a fresh prompt: start must be 0, prefix reuse is off under cp), and every rank
-        returns the final-normed hidden of the last position (or of every position)."""
-        if self.parallel.cp == 1:
-            args = (tokens, cache, chunk, backend, last_only, on_progress, start, unit_flops)
-            return (yield from super().prefill_units(*args))
-        hidden = self._prefill_ranges(tokens, cache, chunk, backend, last_only, on_progress, start)
-        yield 0.0
-        return hidden
-
-    def _prefill_ranges(self, tokens, cache, chunk, backend, last_only, on_progress, start) -> torch.Tensor:
-        """Context-parallel prefill: every rank's range at once, layer by layer (the module docstring)."""
-        if start:
-            raise ValueError("context-parallel prefill starts at position 0 (no prefix reuse)")
-        cfg, par = self.config, self.parallel
-        B, T = tokens.shape
-        G, D = cfg.group_size, cfg.head_dim
-        span = cache.max_len - 1
-        ranges = [(c * span, min(T, (c + 1) * span)) for c in range(par.cp)]  # empty where lo >= T
-        lo, hi = ranges[par.cp_rank]
-        n = max(hi - lo, 0)
-        seq_len = torch.tensor(T, device=tokens.device)
-        x = self.model.embed_tokens(tokens[:, lo : lo + n])  # [B, n, hidden]: our rows' residual stream
-        q_all = torch.empty(B, cfg.num_heads, n, D, dtype=x.dtype, device=x.device)
-        quantized = cache.kv_scale is not None
-        if quantized:  # our range's K and V in the model dtype; quantized into the cache after attention
-            staging = [torch.empty(B, cfg.num_kv_heads, n, D, dtype=x.dtype, device=x.device) for _ in "kv"]
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            k_own, v_own = staging if quantized else (t[:, :, :n] for t in cache.layer(i)[:2])
-            for s in range(0, n, chunk):
-                e = min(s + chunk, n)
-                positions = torch.arange(lo + s, lo + e, device=x.device).expand(B, e - s)
-                cos, sin = self.rope.cos_sin(positions, seq_len)
-                normed = layer.input_layernorm(x[:, s:e])
-                attn.project_into(normed, cos, sin, q_all[:, :, s:e], k_own[:, :, s:e], v_own[:, :, s:e])
-            earlier = self._earlier_ranges(k_own, v_own, ranges)  # [(k, v) [B, Hkv, span, D]]
-            for h in range(cfg.num_kv_heads if n else 0):
-                group = q_all[:, h * G : (h + 1) * G]  # [B, G, n, D], overwritten by its output
-                sources = [(k[:, h : h + 1], v[:, h : h + 1]) for k, v in earlier]
-                own = k_own[:, h : h + 1], v_own[:, h : h + 1]
-                group.copy_(_ranged_causal_attention(group, *own, sources, attn.scale, backend))
-            if quantized:
-                _quantize_into(cache.layer(i), staging, 0, chunk, attn.kv_static_scales)
-            for s in range(0, n, chunk):
-                e = min(s + chunk, n)
-                out = q_all[:, :, s:e].transpose(1, 2).reshape(B, e - s, -1)  # [B, c, Hq * D]
-                x[:, s:e] += attn.o_proj(out)
-                x[:, s:e] += layer.mlp(layer.post_attention_layernorm(x[:, s:e]))
-            if on_progress is not None:
-                on_progress((i + 1) * T, cfg.num_layers * T)
-        return self.model.norm(self._gather_rows(x, ranges, last_only))
-
-    def _earlier_ranges(self, k_own: torch.Tensor, v_own: torch.Tensor, ranges: list[tuple[int, int]]):
-        """Each range's K/V of this layer, broadcast by its rank to the later ranks (every rank takes
-        part in every broadcast); -> the ranges before ours, in order."""
-        par, (B, Hkv, _, D) = self.parallel, k_own.shape
-        last_active = max(c for c, (lo, hi) in enumerate(ranges) if hi > lo)
-        earlier = []
-        for c in range(last_active):  # the last active range is needed by nobody
-            lo, hi = ranges[c]
-            if c == par.cp_rank:
-                k, v = k_own.contiguous(), v_own.contiguous()
-            else:
-                k, v = (torch.empty(B, Hkv, hi - lo, D, dtype=k_own.dtype, device=k_own.device) for _ in "kv")
-            par.broadcast_cp(k, c)
-            par.broadcast_cp(v, c)
-            if c < par.cp_rank:
-                earlier.append((k, v))
-        return earlier
-
-    def _gather_rows(self, x: torch.Tensor, ranges: list[tuple[int, int]], last_only: bool) -> torch.Tensor:
-        """The residual stream of the last prompt position [B, hidden], or of every position
-        [B, T, hidden], from the ranks that hold them, on every rank."""
-        par, B, hidden = self.parallel, x.shape[0], x.shape[-1]
-        if last_only:
-            owner = max(c for c, (lo, hi) in enumerate(ranges) if hi > lo)
-            last = x[:, -1].contiguous() if par.cp_rank == owner else x.new_empty(B, hidden)
-            par.broadcast_cp(last, owner)
-            return last
-        rows = []
-        for c, (lo, hi) in enumerate(ranges):
-            if hi > lo:
-                part = x.contiguous() if c == par.cp_rank else x.new_empty(B, hi - lo, hidden)
-                par.broadcast_cp(part, c)
-                rows.append(part)
-        return torch.cat(rows, dim=1)
+        written, lengths = self.context.slots(positions, cache.max_len - 1, active)
+        return self.decode_layers(tokens, positions, written, lengths, cache, pdl)
 
 
-def _ranged_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    earlier: list[tuple[torch.Tensor, torch.Tensor]],
-    scale: float,
-    backend: str | None,
-) -> torch.Tensor:
-    """q [B, G, n, D] at the positions of k/v [B, 1, n, D], after the earlier ranges' keys
-    [(k, v) [B, 1, m, D]] -> [B, G, n, D]: per block of queries, causal over its own keys, full
-    over the block's earlier own keys and over every earlier range, merged by log-sum-exp."""
-    if q.device.type == "cpu":
-        block, attend = CPU_BLOCK, cpu_flash_with_lse
-    elif backend in ("cudnn", "flash"):
-        block, attend = BLOCK, cudnn_with_lse if backend == "cudnn" else _flash_with_lse
-    else:  # neither runs this dtype / head size (float32 in the GPU tests): plain math, small blocks
-        block, attend = CPU_BLOCK, _math_with_lse
-    out = torch.empty_like(q)
-    for s in range(0, q.shape[2], block):
-        e = min(s + block, q.shape[2])
-        qb = q[:, :, s:e]
-        parts = [attend(qb, k[:, :, s:e], v[:, :, s:e], True, scale=scale)]
-        if s:
-            parts.append(attend(qb, k[:, :, :s], v[:, :, :s], False, scale=scale))
-        parts += [attend(qb, k_c, v_c, False, scale=scale) for k_c, v_c in earlier]
-        o = torch.stack([p[0] for p in parts])  # [parts, B, G, e - s, D]
-        lse = torch.stack([p[1][..., 0] for p in parts])  # [parts, B, G, e - s]
-        out[:, :, s:e] = ops.merge_partials(o, lse)
-    return out
-
-
-def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """PyTorch's CUDA flash attention with its log-sum-exp; the one KV head is broadcast to the G
-    query heads (a stride-0 view, no copy)."""
-    group = q.shape[1]
-    k, v = k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention
-    out, lse = flash(q, k, v, 0.0, causal, False, scale=scale)[:2]
-    return out, lse.reshape(*q.shape[:3], 1)
-
-
-def _math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """Attention in float32 PyTorch ops with its log-sum-exp: q [B, G, t, D], k/v [B, 1, m, D]
-    (causal: t == m, aligned) -> out [B, G, t, D] in q's dtype, lse [B, G, t, 1] float32."""
-    scores = q.float() @ k.float().transpose(-1, -2) * scale  # [B, G, t, m]
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return (torch.exp(scores - lse) @ v.float()).to(q.dtype), lse
+def _count(runs: list[tuple[int, int]]) -> int:
+    return sum(hi - lo for lo, hi in runs)
 
 
 def _weight_part(plan: ShardPlan, head_dim: int, module: str) -> tuple[int, int, int] | None:

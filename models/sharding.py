@@ -115,6 +115,36 @@ def rank_config(cfg: ModelConfig, plan: ShardPlan) -> ModelConfig:
 
 
 def rank_positions(context: int, cp: int) -> int:
-    """Cache positions each context-parallel rank holds for a context: its range of ceil(context /
-    cp) positions plus one scratch row (where the other ranks' new tokens are written)."""
+    """Cache positions each context-parallel rank holds for a context: its ceil(context / cp) share
+    of the positions (`deal`: no rank ever holds more) plus one scratch row (where the other
+    ranks' new tokens are written)."""
     return context if cp == 1 else -(-context // cp) + 1
+
+
+def deal(prompt_len: int, cp: int) -> list[list[tuple[int, int]]]:
+    """Each context-parallel rank's prompt positions: runs [lo, hi) of consecutive positions, in the
+    order the rank holds them (its cache positions 0, 1, ...).
+
+    The first 2 cp q positions (q = prompt_len // (2 cp)) are cut into 2 cp chunks of q; rank i
+    takes chunks i and 2 cp - 1 - i, so every rank has the same causal work: q rows after i q
+    earlier keys, and q rows after (2 cp - 1 - i) q. The last prompt_len mod 2 cp positions, and
+    every generated position after them, are dealt round robin: position p to rank p mod cp, at
+    its cache position p // cp. The two halves agree on that: each rank's chunks hold 2 q = 2 cp q
+    / cp positions, so past them position p is rank p mod cp's (p // cp)-th whatever the prompt's
+    length, and a decode step needs only the position (models/parallel.py). Ranks' counts differ
+    by at most one at every length. Adjacent runs are joined (cp 1: one run of the whole prompt)."""
+    q = prompt_len // (2 * cp)
+    shares: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+    for i in range(cp if q else 0):
+        for chunk in (i, 2 * cp - 1 - i):
+            _append_run(shares[i], chunk * q, (chunk + 1) * q)
+    for p in range(2 * cp * q, prompt_len):
+        _append_run(shares[p % cp], p, p + 1)
+    return shares
+
+
+def _append_run(runs: list[tuple[int, int]], lo: int, hi: int) -> None:
+    if runs and runs[-1][1] == lo:
+        runs[-1] = (runs[-1][0], hi)
+    else:
+        runs.append((lo, hi))

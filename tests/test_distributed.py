@@ -342,22 +342,32 @@ def test_one_shot_paths_match_one_process(checkpoints, tmp_path, split):
 
 
 def test_context_parallel_2_ranks_match_one_process(checkpoints, tmp_path):
-    """cp 2, context 30 -> 15 positions a rank: the 20-token prompt fills rank 0 and 5 positions
-    of rank 1, whose prefill attends over rank 0's broadcast K/V; decode writes on rank 1."""
-    job = dict(model=checkpoints("llama"), cp=2, prompt=random_ids(20, seed=3), new=10, chunk=6, sample=True)
+    """cp 2, a 21-token prompt: 4 chunks of 5 (rank 0 the first and the last, rank 1 the middle
+    two) and position 20 on rank 0, prefilled in chunks of 4 rows (rank 0's 11 rows and rank 1's
+    10 run the same units); 12 decode steps write positions 21.. round robin, each merging both
+    ranks' partials."""
+    job = dict(model=checkpoints("llama"), cp=2, prompt=random_ids(21, seed=3), new=12, chunk=4, sample=True)
     check_ranks_match_one_process(spawn(2, job, tmp_path), job)
 
 
-def test_context_parallel_4_ranks_decode_crosses_ranges(checkpoints, tmp_path):
-    """cp 4, context 24 -> 6 positions a rank: the prompt spans ranks 0-1 (ranks 2-3 start empty),
-    and decode moves into rank 2 then rank 3, each step merging 4 partials (some empty)."""
-    job = dict(model=checkpoints("qwen2"), cp=4, prompt=random_ids(10, seed=4), new=14, chunk=4)
+def test_context_parallel_3_ranks_odd_split(checkpoints, tmp_path):
+    """cp 3, a 17-token prompt: 6 chunks of 2 and 5 positions round robin (ranks of 6, 6 and 5
+    rows); 16 decode steps, past the prompt's length, on every rank in turn."""
+    job = dict(model=checkpoints("qwen2"), cp=3, prompt=random_ids(17, seed=9), new=16, chunk=4)
+    check_ranks_match_one_process(spawn(3, job, tmp_path), job)
+
+
+def test_context_parallel_4_ranks_prompt_shorter_than_its_chunks(checkpoints, tmp_path):
+    """cp 4, a 7-token prompt, fewer positions than 2 x 4 chunks: all dealt round robin (rank 3
+    holds one row fewer), and decode goes on round robin, each step merging 4 partials."""
+    job = dict(model=checkpoints("qwen2"), cp=4, prompt=random_ids(7, seed=4), new=14, chunk=4)
     check_ranks_match_one_process(spawn(4, job, tmp_path), job)
 
 
 def test_tensor_and_context_parallel_combined_fp8_cache(checkpoints, tmp_path):
-    """tp 2 x cp 2 with an FP8 cache: each rank holds one KV head over half the positions, its
-    prefill quantizes its own range after attending over the unquantized K/V, like one process."""
+    """tp 2 x cp 2 with an FP8 cache: each rank holds one KV head over half the positions; its
+    prefill quantizes its own rows after attending over the gathered unquantized K/V, like one
+    process."""
     job = dict(
         model=checkpoints("llama"), tp=2, cp=2, prompt=random_ids(12, seed=5), new=8, chunk=5, kv="fp8"
     )
@@ -568,8 +578,8 @@ def gpu_checkpoint(tmp_path_factory):
 def test_two_gpus_match_one(tmp_path, gpu_checkpoint, split):
     """The lean kernel and the CUDA-graph decode step with its collectives captured, through the
     one-shot symmetric-memory kernels (which must be set up on 2 GPUs of one host) or NCCL: 2 GPUs
-    give one GPU's greedy tokens and logits (fp32). cp: 20 + 24 positions, 22 a rank, so the first
-    decode steps merge rank 1's empty range (the kernel leaves its output unwritten there)."""
+    give one GPU's greedy tokens and logits (fp32). cp: a 20-token prompt dealt in 4 chunks of 5,
+    then 24 decode steps round robin, each merging both ranks' partials."""
     job = dict(
         model=gpu_checkpoint, device="cuda", prompt=random_ids(20, seed=6), new=24, sample=True, **split
     )
