@@ -335,6 +335,9 @@ REQUEST_OPTIONS = {  # Request's fields (their API names), each option's default
     "top_logprobs": Opt(
         number(int, "Also return each new token's most likely alternatives, this many (0..20; with log p)")
     ),
+    "speculate": Opt(
+        number(int, "Verify up to this many draft tokens a step, copied from the prompt (0..16; 0 = off)")
+    ),
 }
 AllowExtrapolationOpt = REQUEST_OPTIONS["allow_extrapolation"].annotation
 
@@ -783,6 +786,9 @@ def serve(
     ] = None,
     allow_extrapolation: AllowExtrapolationOpt = False,
     access_log: Annotated[bool, typer.Option(help="One line per request on stderr")] = True,
+    speculate: Annotated[
+        int, typer.Option(help="A request's default speculate: the most draft tokens a step (0..16; 0 = off)")
+    ] = 0,
     *,
     runtime: Runtime,
 ) -> None:
@@ -801,6 +807,9 @@ def serve(
             raise UserError(f"--port must be at most 65535, got {port}")
         check_int("--max-tokens-default", max_tokens_default, 1)
         check_int("--max-waiting", max_waiting, 1)
+        Request(speculate=speculate).check(need_prompt=False, names={"speculate": "--speculate"})
+        if speculate and runtime.cp > 1:
+            raise UserError("--speculate is not supported with --cp yet")
         if api_key is not None and not api_key.strip():
             raise UserError("--api-key (MINIDECODE_API_KEY) is empty")
         missing = [
@@ -818,6 +827,7 @@ def serve(
         settings = ServerSettings(
             served_model_name or model or "stdlib-tiny", max_tokens_default, max_waiting,
             api_key=api_key, allow_extrapolation=allow_extrapolation, access_log=access_log,
+            speculate=speculate,
         )  # fmt: skip
         typer.echo(f"serving {settings.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
         code = serve(llm, settings, host, port)

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 from .cache import Regions
 from .cache_file import CacheFile
-from .engine import Engine
+from .engine import Engine, draft_bucket
 from .errors import UserError
 from .pacer import Pacer
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
+from .speculation import PromptLookup
 
 
 @dataclass
@@ -140,11 +141,48 @@ class Scheduler:
             self._step_due = False
             if self._kind is None:
                 self._kind = step_kind(self.running)
-            plan.decode = Decode(len(self.running), self._kind)
+            plan.decode = self._decode_step()
         done = self.pending()  # rows freed and cache work, this admission's included
         done.admit, done.prepare = plan.admit, plan.prepare
         done.prefill, done.decode = plan.prefill, plan.decode
         return done
+
+    def _decode_step(self) -> Decode:
+        """The running rows' step: with drafts where a row speculates and one is found (a step
+        whose rows need no log-probs or logits processors: those are exact only one token a step)."""
+        kind, running = self._kind, self.running
+        plain = Decode(len(running), kind)
+        if kind.logprobs or kind.adjust or kind.top or not any(s.speculate for s in running):
+            return plain
+        drafts = [self._drafts(seq) for seq in running]
+        most = max(len(d) for d in drafts) - 1  # the most drafts a row has
+        if most < 1:
+            return plain
+        return Decode(len(running), kind, draft_bucket(most), drafts)
+
+    @staticmethod
+    def _drafts(seq: Sequence) -> list[int]:
+        """seq's drafts for the next step: [lead, d1, ..] (the token its row holds, then the tokens
+        proposed to follow it), or [] when it does not speculate or nothing matches. The row's token
+        is on the host after its prefill and after a step with drafts (seq.skip); otherwise (after a
+        plain step) it is still on the device, and the lead is the lookup's guess of it, verified
+        on the device. At most as many drafts as can still be returned and written in its region."""
+        if not seq.speculate:
+            return []
+        prompt = len(seq.prompt_ids)
+        if seq.lookup is None:
+            most = seq.speculate
+            seq.lookup = PromptLookup(seq.prompt_ids, max_draft=most, initial_draft=min(4, most))
+        seq.lookup.extend(seq.sampled[len(seq.lookup) - prompt :])
+        held = len(seq.sampled) - (1 if seq.skip else 0)  # the row's token: new token `held` (0-based)
+        room = min(seq.max_new_tokens - held - 2, seq.size - 1 - (prompt + held))
+        if room < 1:
+            return []
+        if seq.skip:
+            drafts = seq.lookup.propose(room)
+            return [seq.sampled[-1], *drafts] if drafts else []
+        guess = seq.lookup.propose(room + 1)  # the row's token, then what follows it
+        return guess if len(guess) > 1 else []
 
     def _admit(self, plan: StepPlan) -> None:
         """Admit the head of the queue if a row and a region are free: its cache work and its
@@ -197,8 +235,9 @@ class Scheduler:
             self._rebuild_regions(out.capacity)
         if out.step_marks is not None:
             self.pacer.stepped(*out.step_marks)
-            for fed in self.running[: plan.decode.rows]:
-                fed.fed += 1  # the step writes the K/V of the token its row holds
+            kept = out.accepted or [0] * plan.decode.rows
+            for fed, accepted in zip(self.running[: plan.decode.rows], kept, strict=True):
+                fed.fed += 1 + accepted  # the step writes the K/V of its row's token (and of kept drafts)
         if out.unit_mark is not None and self.running:
             self._step_due = self.pacer.unit_done(out.unit_flops, out.unit_mark)
         if self.prefilling is not None and out.file_seconds:

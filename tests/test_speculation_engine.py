@@ -1,0 +1,182 @@
+"""Speculation through the runtime (prompt-lookup drafts verified in the decode step): greedy output
+with `speculate` is token for token the output without it, on the shipped model and on a
+transformers-made checkpoint (against transformers' greedy generate), alone, in a batch beside
+requests that do not speculate, with a reused prefix, with the FP8 cache, under stop strings and
+max_new_tokens, and through the server; seeded sampling with speculation is reproducible; bad values
+are one line in the API, the CLI and the server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import random_ids
+from typer.testing import CliRunner
+
+from minidecode import LLM, Request
+from minidecode.errors import UserError
+from minidecode_cli.cli import app
+
+# The shipped model repeats what it was shown: its answer copies the prompt's lines, so drafts match.
+REPEATS = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
+CODE = (
+    'import os\nimport sys\n\n\ndef main(argv):\n    path = os.path.join(argv[1], "out")\n'
+    "    return path\n\n\ndef main(argv):\n    path"
+)
+CLASS = "class A:\n    def f(self):\n        return self.x\n\n    def g(self):\n        return self."
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu", dtype="float32")
+
+
+def greedy(llm: LLM, prompt, **settings):
+    return llm.generate(prompt, temperature=0, reuse_prefix=False, **settings)
+
+
+@pytest.mark.parametrize("prompt", [REPEATS, CODE, CLASS])
+def test_greedy_with_speculation_is_greedy_without(llm, prompt):
+    plain = greedy(llm, prompt, max_new_tokens=64)
+    spec = greedy(llm, prompt, max_new_tokens=64, speculate=8)
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert spec.finish_reason == plain.finish_reason
+    stats = spec.stats
+    assert 0 < stats.accepted_tokens <= stats.proposed_tokens
+    assert stats.decode_steps < len(spec.token_ids) - 1  # several tokens in some steps
+    assert plain.stats.proposed_tokens == plain.stats.accepted_tokens == 0
+    assert plain.stats.decode_steps >= len(plain.token_ids) - 1
+    assert "drafts" in stats.summary() and "drafts" not in plain.stats.summary()
+
+
+def test_rejected_drafts_leave_the_output_unchanged(llm):
+    """Drafts that the model turns down (a prompt whose repeats differ): the output is still exact."""
+    prompt = "x = [1, 2, 3]\ny = [1, 2, 4]\nz = [1, 2, 5]\nw = [1, 2,"
+    plain = greedy(llm, prompt, max_new_tokens=48)
+    spec = greedy(llm, prompt, max_new_tokens=48, speculate=16)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_tokens < spec.stats.proposed_tokens  # some drafts were rejected
+
+
+@pytest.mark.parametrize("new", [1, 2, 3, 5, 9, 17])
+def test_max_new_tokens_is_exact(llm, new):
+    plain = greedy(llm, REPEATS, max_new_tokens=new)
+    spec = greedy(llm, REPEATS, max_new_tokens=new, speculate=16)
+    assert spec.token_ids == plain.token_ids and len(spec.token_ids) == new
+    assert spec.finish_reason == plain.finish_reason == "length"
+
+
+def test_stop_strings_end_where_they_would(llm):
+    plain = greedy(llm, REPEATS, max_new_tokens=64, stop="a + b\n\ndef")
+    spec = greedy(llm, REPEATS, max_new_tokens=64, stop="a + b\n\ndef", speculate=8)
+    assert spec.text == plain.text and spec.finish_reason == plain.finish_reason == "stop"
+    assert spec.token_ids == plain.token_ids
+
+
+def test_a_batch_mixing_speculation_and_none(llm):
+    prompts = [REPEATS, CODE, CLASS, CODE]
+    settings = [0, 8, 4, 16]
+    alone = [greedy(llm, p, max_new_tokens=40).token_ids for p in prompts]
+    batch = llm.generate(
+        [Request(prompt=p, speculate=k) for p, k in zip(prompts, settings, strict=True)],
+        temperature=0, max_new_tokens=40, reuse_prefix=False,
+    )  # fmt: skip
+    assert [r.token_ids for r in batch] == alone
+    assert batch[0].stats.proposed_tokens == 0
+    assert all(r.stats.accepted_tokens > 0 for r in batch[1:])
+
+
+def test_a_row_with_log_probs_runs_its_batch_without_drafts(llm):
+    """log-probs are one token a step: a batch holding such a row makes no drafts (still exact)."""
+    batch = llm.generate(
+        [Request(prompt=REPEATS, speculate=8), Request(prompt=CODE, logprobs=True)],
+        temperature=0, max_new_tokens=24, reuse_prefix=False,
+    )  # fmt: skip
+    assert batch[0].token_ids == greedy(llm, REPEATS, max_new_tokens=24).token_ids
+    assert batch[1].logprobs is not None and len(batch[1].logprobs) == len(batch[1].token_ids)
+
+
+def test_a_reused_prefix(llm):
+    first = llm.generate(REPEATS, temperature=0, max_new_tokens=32, speculate=8)
+    again = llm.generate(REPEATS + "    return", temperature=0, max_new_tokens=32, speculate=8)
+    assert again.stats.reused_tokens > 0 and again.stats.accepted_tokens > 0
+    assert again.token_ids == greedy(llm, REPEATS + "    return", max_new_tokens=32).token_ids
+    assert first.token_ids == greedy(llm, REPEATS, max_new_tokens=32).token_ids
+
+
+def test_the_fp8_cache():
+    fp8 = LLM(device="cpu", dtype="float32", kv_cache_dtype="fp8")
+    plain = greedy(fp8, CODE, max_new_tokens=48)
+    spec = greedy(fp8, CODE, max_new_tokens=48, speculate=8)
+    assert spec.stats.kv_cache_dtype == "fp8_e4m3"
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(llm):
+    runs = [
+        llm.generate(REPEATS, temperature=0.7, top_k=50, seed=3, max_new_tokens=48, speculate=8)
+        for _ in range(2)
+    ]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].text == runs[1].text
+    assert runs[0].stats.accepted_tokens > 0
+    other = llm.generate(REPEATS, temperature=0.7, top_k=50, seed=4, max_new_tokens=48, speculate=8)
+    assert other.token_ids != runs[0].token_ids  # the seed matters
+
+
+def test_a_transformers_checkpoint_against_transformers_greedy(tiny_llama, hf):
+    llm = LLM(tiny_llama, device="cpu", dtype="float32")
+    ids = random_ids(12, seed=5) * 3  # a prompt that repeats itself
+    want = hf.greedy(tiny_llama, ids, 40)
+    got = [greedy(llm, None, token_ids=ids, max_new_tokens=40, ignore_eos=True, speculate=k) for k in (0, 6)]
+    assert got[0].token_ids == want and got[1].token_ids == want
+    assert got[1].stats.proposed_tokens > 0
+
+
+@pytest.mark.parametrize("value", [-1, 17, 2.5, True, "4"])
+def test_bad_values_are_one_line(llm, value):
+    with pytest.raises(UserError, match="speculate") as refused:
+        llm.generate(REPEATS, max_new_tokens=2, speculate=value)
+    assert "\n" not in str(refused.value) and refused.value.field == "speculate"
+
+
+def test_the_cli_option(llm):
+    runner = CliRunner()
+    args = ["generate", "--device", "cpu", "--dtype", "float32", "--prompt", REPEATS, "-n", "24"]
+    ok = runner.invoke(app, [*args, "--temperature", "0", "--speculate", "8", "--json"])
+    assert ok.exit_code == 0, ok.output
+    stats = json.loads(ok.stdout)["stats"]
+    assert stats["accepted_tokens"] > 0 and stats["decode_steps"] < 23
+    assert json.loads(ok.stdout)["token_ids"] == greedy(llm, REPEATS, max_new_tokens=24).token_ids
+    bad = runner.invoke(app, [*args, "--speculate", "99"])
+    assert bad.exit_code != 0 and "speculate must be <= 16" in bad.output
+
+
+def test_the_server_default_and_the_extension_field(llm):
+    pytest.importorskip("openai")
+    from test_server import metrics, post, started
+
+    reference = LLM(device="cpu")  # the server's dtype
+    want = reference.generate(REPEATS, temperature=0, max_new_tokens=32, reuse_prefix=False).text
+    body = {"model": "stdlib-tiny", "prompt": REPEATS, "max_tokens": 32, "temperature": 0}
+    with started(None, "--speculate", "4") as served:
+        status, answer = post(served.base, "/v1/completions", body)  # the server's default
+        assert status == 200 and answer["choices"][0]["text"] == want
+        accepted = metrics(served.base)["minidecode_accepted_tokens_total"]
+        assert accepted > 0
+        status, answer = post(served.base, "/v1/completions", {**body, "speculate": 0})
+        assert status == 200 and answer["choices"][0]["text"] == want
+        assert metrics(served.base)["minidecode_accepted_tokens_total"] == accepted  # off: none
+        status, answer = post(served.base, "/v1/completions", {**body, "speculate": 16})
+        assert status == 200 and answer["choices"][0]["text"] == want
+        numbers = metrics(served.base)
+        assert numbers["minidecode_accepted_tokens_total"] > accepted
+        assert numbers["minidecode_proposed_tokens_total"] >= numbers["minidecode_accepted_tokens_total"]
+        assert 0 < numbers["minidecode_decode_steps_total"] < numbers["minidecode_generation_tokens_total"]
+        status, answer = post(served.base, "/v1/completions", {**body, "speculate": 17})
+        assert status == 400 and answer["error"]["param"] == "speculate"
+        assert "speculate must be <= 16" in answer["error"]["message"]
+
+
+def test_serve_refuses_a_bad_default():
+    refused = CliRunner().invoke(app, ["serve", "--device", "cpu", "--speculate", "-1"])
+    assert refused.exit_code != 0 and "--speculate must be >= 0" in refused.output
