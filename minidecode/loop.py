@@ -266,7 +266,7 @@ class EngineLoop:
                 seq.stats.accepted_tokens += accepted
                 self.stats.proposed_tokens += len(drafts) - 1
                 self.stats.accepted_tokens += accepted
-                seq.lookup.record(len(drafts) - 1, accepted)
+                seq.lookup.record(len(drafts), accepted + 1)  # (the lead counts as a kept proposal)
             tokens.extend((token, None, None) for token in [*drafts[1 : 1 + accepted], out.next[row]])
             seq.skip = True
         self.stats.decode_steps += 1

@@ -162,27 +162,29 @@ class Scheduler:
 
     @staticmethod
     def _drafts(seq: Sequence) -> list[int]:
-        """seq's drafts for the next step: [lead, d1, ..] (the token its row holds, then the tokens
-        proposed to follow it), or [] when it does not speculate or nothing matches. The row's token
-        is on the host after its prefill and after a step with drafts (seq.skip); otherwise (after a
-        plain step) it is still on the device, and the lead is the lookup's guess of it, verified
-        on the device. At most as many drafts as can still be returned and written in its region."""
+        """seq's drafts for the next step: [lead, d1, ..] or [] (it does not speculate, nothing
+        matches, or no room is left). They are proposed from its tokens before the one its row
+        holds (on the host after its prefill and after a step with drafts, else still on the
+        device): the lead is the lookup's guess of that token, verified on the device, then what
+        follows it. So its drafts depend on its own tokens only, whatever ran beside it (a seeded
+        request draws the same tokens in any batch). At most as many drafts as can still be
+        returned (max_new_tokens) and written in its region."""
         if not seq.speculate:
             return []
         prompt = len(seq.prompt_ids)
         if seq.lookup is None:
-            most = seq.speculate
-            seq.lookup = PromptLookup(seq.prompt_ids, max_draft=most, initial_draft=min(4, most))
-        seq.lookup.extend(seq.sampled[len(seq.lookup) - prompt :])
+            # (its proposals hold the lead too: one more than the drafts)
+            most = seq.speculate + 1
+            seq.lookup = PromptLookup(seq.prompt_ids, max_draft=most, initial_draft=min(5, most))
         held = len(seq.sampled) - (1 if seq.skip else 0)  # the row's token: new token `held` (0-based)
+        seq.lookup.extend(seq.sampled[len(seq.lookup) - prompt : held])
         room = min(seq.max_new_tokens - held - 2, seq.size - 1 - (prompt + held))
         if room < 1:
             return []
-        if seq.skip:
-            drafts = seq.lookup.propose(room)
-            return [seq.sampled[-1], *drafts] if drafts else []
         guess = seq.lookup.propose(room + 1)  # the row's token, then what follows it
-        return guess if len(guess) > 1 else []
+        if len(guess) < 2 or (seq.skip and guess[0] != seq.sampled[-1]):  # (known to fail)
+            return []
+        return guess
 
     def _admit(self, plan: StepPlan) -> None:
         """Admit the head of the queue if a row and a region are free: its cache work and its

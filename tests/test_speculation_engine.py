@@ -49,6 +49,13 @@ def test_greedy_with_speculation_is_greedy_without(llm, prompt):
     assert "drafts" in stats.summary() and "drafts" not in plain.stats.summary()
 
 
+def test_one_draft_a_step(llm):
+    plain = greedy(llm, REPEATS, max_new_tokens=32)
+    spec = greedy(llm, REPEATS, max_new_tokens=32, speculate=1)
+    assert spec.token_ids == plain.token_ids
+    assert 0 < spec.stats.accepted_tokens <= spec.stats.proposed_tokens <= spec.stats.decode_steps
+
+
 def test_rejected_drafts_leave_the_output_unchanged(llm):
     """Drafts that the model turns down (a prompt whose repeats differ): the output is still exact."""
     prompt = "x = [1, 2, 3]\ny = [1, 2, 4]\nz = [1, 2, 5]\nw = [1, 2,"
@@ -121,6 +128,20 @@ def test_seeded_sampling_with_speculation_is_reproducible(llm):
     assert runs[0].stats.accepted_tokens > 0
     other = llm.generate(REPEATS, temperature=0.7, top_k=50, seed=4, max_new_tokens=48, speculate=8)
     assert other.token_ids != runs[0].token_ids  # the seed matters
+
+
+def test_seeded_sampling_draws_the_same_tokens_in_a_batch(llm):
+    """A seeded request's drafts follow its own tokens only: beside others (a greedy one among
+    them: the step samples, its row stays greedy) it draws what it draws alone."""
+    sampled = Request(prompt=CLASS, temperature=0.8, seed=11, speculate=8)
+    alone = llm.generate(sampled, max_new_tokens=40, reuse_prefix=False)
+    others = (
+        Request(prompt=REPEATS, temperature=0, speculate=4),
+        Request(prompt=CODE, temperature=1.2, speculate=16),
+    )
+    batch = llm.generate([others[0], sampled, others[1]], max_new_tokens=40, reuse_prefix=False)
+    assert batch[1].token_ids == alone.token_ids and alone.stats.accepted_tokens > 0
+    assert batch[0].token_ids == greedy(llm, REPEATS, max_new_tokens=40).token_ids
 
 
 def test_a_transformers_checkpoint_against_transformers_greedy(tiny_llama, hf):
