@@ -433,6 +433,12 @@ def shared_options(runtime: tuple[str, ...] = (), request: bool = False) -> Call
     return decorate
 
 
+def check_speculate(runtime: Runtime, speculate: int | None) -> None:
+    """Refuse speculation under --cp up front (the runtime refuses each such request too)."""
+    if speculate and runtime.cp > 1:
+        raise UserError("--speculate is not supported with --cp yet")
+
+
 def check_launch(runtime: Runtime) -> None:
     """Refuse a torchrun launch whose size is not --tp x --cp (every rank would run the whole
     command, and write its output), and --tp / --cp without torchrun."""
@@ -551,6 +557,7 @@ def check_generate_args(
 
     runtime.check()
     check_parallel(runtime.tp, runtime.cp, world_size())
+    check_speculate(runtime, request.speculate)
     if runtime.cp > 1 and (load_cache or save_cache):  # under --tp each rank saves and reads its part
         raise UserError(
             "--load-cache / --save-cache are not supported with --cp (context parallel runs one sequence "
@@ -712,6 +719,7 @@ def batch(
         runtime.check()
         check_launch(runtime)
         request.check(need_prompt=False)
+        check_speculate(runtime, request.speculate)
         if rank() != 0:  # rank 0 reads and writes; the others run its plans
             serve_rank0(runtime.load(model))
             return
@@ -801,15 +809,14 @@ def serve(
 
     try:
         runtime.check()
+        Request(speculate=speculate).check(need_prompt=False, names={"speculate": "--speculate"})
+        check_speculate(runtime, speculate)
         check_launch(runtime)
         check_int("--port", port, 0)
         if port > 65535:
             raise UserError(f"--port must be at most 65535, got {port}")
         check_int("--max-tokens-default", max_tokens_default, 1)
         check_int("--max-waiting", max_waiting, 1)
-        Request(speculate=speculate).check(need_prompt=False, names={"speculate": "--speculate"})
-        if speculate and runtime.cp > 1:
-            raise UserError("--speculate is not supported with --cp yet")
         if api_key is not None and not api_key.strip():
             raise UserError("--api-key (MINIDECODE_API_KEY) is empty")
         missing = [

@@ -201,3 +201,45 @@ def test_the_server_default_and_the_extension_field(llm):
 def test_serve_refuses_a_bad_default():
     refused = CliRunner().invoke(app, ["serve", "--device", "cpu", "--speculate", "-1"])
     assert refused.exit_code != 0 and "--speculate must be >= 0" in refused.output
+
+
+def test_context_parallel_refuses_it_in_one_line():
+    refused = CliRunner().invoke(app, ["serve", "--device", "cpu", "--cp", "2", "--speculate", "4"])
+    assert refused.exit_code != 0 and refused.output.strip().endswith(
+        "--speculate is not supported with --cp yet"
+    )
+
+
+def test_batch_under_tp_speculates_and_gives_one_process_greedy_text(tmp_path):
+    """torchrun --tp 2: rank 0's drafts go to both ranks in the plan; the text is one process's."""
+    pytest.importorskip("fastapi")
+    import subprocess
+    import sys
+
+    from test_torchrun import _env, _torchrun
+
+    lines = [
+        {"prompt": REPEATS, "id": "a"},
+        {"prompt": CLASS, "id": "b", "speculate": 16},
+        {"prompt": CODE, "id": "c"},
+    ]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    options = ["--max-new-tokens", "32", "--temperature", "0", "--device", "cpu", "--no-progress"]
+
+    def run(command: list[str], out, *extra: str) -> dict[str, dict]:
+        proc = subprocess.run(
+            [*command, str(requests), *options, *extra, "--output", str(out)],
+            env=_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+    single = run(
+        [sys.executable, "-m", "minidecode_cli.cli", "batch"], tmp_path / "one.jsonl"
+    )  # b speculates
+    ranks = run(_torchrun("batch", "--tp", "2"), tmp_path / "two.jsonl", "--speculate", "8")
+    for key, want in single.items():
+        assert ranks[key]["token_ids"] == want["token_ids"] and ranks[key]["text"] == want["text"]
+        assert ranks[key]["stats"]["accepted_tokens"] > 0
+    assert single["a"]["stats"]["proposed_tokens"] == single["c"]["stats"]["proposed_tokens"] == 0
