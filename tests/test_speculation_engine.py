@@ -243,3 +243,89 @@ def test_batch_under_tp_speculates_and_gives_one_process_greedy_text(tmp_path):
         assert ranks[key]["token_ids"] == want["token_ids"] and ranks[key]["text"] == want["text"]
         assert ranks[key]["stats"]["accepted_tokens"] > 0
     assert single["a"]["stats"]["proposed_tokens"] == single["c"]["stats"]["proposed_tokens"] == 0
+
+
+@pytest.mark.parametrize("kernels", ["twins", "triton"])
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+def test_the_step_with_drafts_is_the_step_one_token_at_a_time(checkpoint_factory, kernels, kv, monkeypatch):
+    """Transformer.decode_drafts over ragged rows (q_lens 3, 1, 4 and an idle row) against decode
+    run token by token: the same logits at every real row, the same K/V at every real position, and
+    nothing written outside them but the spare position. kernels "triton": the CUDA path's Triton
+    kernels (interpreter) for every op, the fused RoPE + cache write and the multi-query lean kernel
+    included."""
+    import torch
+
+    from minidecode.kernels import ops
+
+    model_dir = checkpoint_factory(
+        "gpu-llama-hd64", "default", max_positions=512
+    )  # the GPU kernel's head_dim
+    llm = LLM(model_dir, device="cpu", dtype="float32", kv_cache_dtype="fp8" if kv == "fp8" else "auto")
+    engine, model = llm.engine, llm.model
+    if kernels == "triton":
+        monkeypatch.setattr(ops, "_triton", lambda x, triton: True if triton is None else triton)
+    granule, Q = engine.granule, 4
+    size = -(-40 // granule) * granule
+    engine.resize(3 * size)
+    prompts = [random_ids(n, seed=n) for n in (9, 17, 5)]
+    starts = [0, size, 2 * size]
+    for ids, start in zip(prompts, starts, strict=True):
+        engine.prefill(ids, start, size, 0)
+    before = {name: t.clone() for name, t in engine.cache.tensors().items()}
+    q_lens = [3, 1, 4]
+    tokens = [random_ids(Q, seed=20 + b) for b in range(3)]
+    # token by token: each sequence's real rows through the plain decode step, its own batch of one
+    want_logits = torch.zeros(4, Q, model.config.vocab_size)
+    with torch.inference_mode():
+        for b in range(3):
+            for j in range(q_lens[b]):
+                hidden = model.decode(
+                    torch.tensor([tokens[b][j]]), torch.tensor([len(prompts[b]) + j]), engine.cache,
+                    starts=torch.tensor([starts[b]]), active=torch.ones(1, dtype=torch.int32),
+                )  # fmt: skip
+                want_logits[b, j] = model.logits(hidden)[0]
+        want_cache = {name: t.clone() for name, t in engine.cache.tensors().items()}
+        for name, t in engine.cache.tensors().items():
+            t.copy_(before[name])
+        spare = engine.spare_start
+        got = model.logits(
+            model.decode_drafts(
+                torch.tensor([*tokens, [0] * Q]), torch.tensor([len(p) for p in prompts] + [0]),
+                torch.tensor([*q_lens, 1], dtype=torch.int32), engine.cache, spare,
+                starts=torch.tensor([*starts, spare]), active=torch.tensor([1, 1, 1, 0], dtype=torch.int32),
+            )
+        )  # fmt: skip
+    for b in range(3):
+        # (FP8: a later layer's K/V, a last bit apart in float32, may round to the next e4m3 step)
+        tol = 1e-4 if kv == "model" else 2e-3
+        torch.testing.assert_close(got[b, : q_lens[b]], want_logits[b, : q_lens[b]], rtol=tol, atol=tol)
+    real = torch.zeros(engine.cache.tensors()["k"].shape[3], dtype=torch.bool)
+    for b in range(3):
+        first = starts[b] + len(prompts[b])
+        real[first : first + q_lens[b]] = True
+    untouched = ~real
+    untouched[spare : spare + granule] = False
+    for name, t in engine.cache.tensors().items():
+        got_rows, want_rows, old_rows = (rows(x) for x in (t, want_cache[name], before[name]))
+        same = got_rows[:, :, :, untouched].view(torch.uint8) == old_rows[:, :, :, untouched].view(
+            torch.uint8
+        )
+        assert bool(same.all()), name  # (bytes: the unwritten cache is uninitialized, NaN included)
+        if t.dtype == torch.float32:  # (FP8: the same values rounded, to a step of e4m3 apart)
+            torch.testing.assert_close(
+                got_rows[:, :, :, real], want_rows[:, :, :, real], rtol=1e-4, atol=1e-5
+            )
+
+
+def rows(t):
+    """A cache tensor as [layers, 1, Hkv, positions, ...] (an FP8 cache's blocked V unblocked; FP8
+    values as their bytes)."""
+    import torch
+
+    if t.dtype == torch.float32 or t.dtype == torch.bfloat16:
+        return t
+    t = t.view(torch.uint8)
+    if t.dim() == 6:  # V: [layers, 1, Hkv, blocks, D, V_BLOCK]
+        L, C, H, blocks, D, block = t.shape
+        return t.permute(0, 1, 2, 3, 5, 4).reshape(L, C, H, blocks * block, D)
+    return t
