@@ -133,6 +133,9 @@ class Engine:
         # a step with drafts: its own results (accepted drafts, the token after them), no lag
         self._host_accepted = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
         self._host_next = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
+        # ... and its drafts on their way in, [rows, (lead, count, drafts...)]: one buffer serves, since
+        # a step with drafts is waited for (its results), its copy from here with it
+        self._host_drafts = torch.zeros(self.max_batch, 2 + MAX_SPECULATE, dtype=torch.long, pin_memory=cuda)
         # Cache files: this rank's place under torchrun (tp, cp, rank: its part's name and
         # metadata), the part FileOpen opened (by the path given), the weights' fingerprint.
         self.place = (1, 1, 0)
@@ -356,12 +359,13 @@ class Engine:
     def _load_drafts(self, decode: Decode) -> None:
         """The plan's drafts into the decode state's buffers (rows 0..n-1: lead, draft_lens, drafts)."""
         n, k, state = decode.rows, decode.queries - 1, self.state
-        table = torch.zeros(n, 2 + k, dtype=torch.long)  # [n, lead, count, drafts...]
-        for row, drafts in enumerate(decode.drafts):
-            if drafts:
-                table[row, 0], table[row, 1] = drafts[0], len(drafts) - 1
-                table[row, 2 : 1 + len(drafts)] = torch.tensor(drafts[1:])
-        table = table.to(self.device)
+        rows = []
+        for row in decode.drafts:
+            lead, drafts = (row[0], row[1:]) if row else (0, [])
+            rows.append([lead, len(drafts), *drafts, *[0] * (k - len(drafts))])
+        host = self._host_drafts[:n, : 2 + k]
+        host.copy_(torch.tensor(rows, dtype=torch.long))
+        table = host.to(self.device, non_blocking=True)
         state.lead[:n].copy_(table[:, 0])
         state.draft_lens[:n].copy_(table[:, 1])
         state.drafts[:n, :k].copy_(table[:, 2:])

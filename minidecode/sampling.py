@@ -102,8 +102,8 @@ class SamplingRows:
             t[dst] = t[src]
 
     def repeat(self, q: int) -> SamplingRows:
-        """Each row's settings q times in a row ([B * q]: a sequence's q query rows)."""
-        return SamplingRows(*(t.repeat_interleave(q) for t in self.tensors()))
+        """Each row's settings q times in a row ([B * q]: a sequence's q query rows; no host sync)."""
+        return SamplingRows(*(t[:, None].expand(-1, q).reshape(-1) for t in self.tensors()))
 
 
 @dataclass
@@ -233,7 +233,7 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows, mode: str) -> torch.
     """logits [B, V] float32 -> the distribution [B, V] float32 `sample` draws each row's token
     from: a greedy row's (temperature 0, or mode GREEDY) is one-hot at its argmax (what
     speculation.accept_sampled verifies drafts against)."""
-    one_hot = torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
+    one_hot = torch.zeros_like(logits).scatter_(-1, argmax(logits)[:, None], 1.0)  # (no host sync)
     if mode == GREEDY:
         return one_hot
     return torch.where(rows.temperature[:, None] > 0, _probs(logits, rows, mode), one_hot)

@@ -329,3 +329,26 @@ def rows(t):
         L, C, H, blocks, D, block = t.shape
         return t.permute(0, 1, 2, 3, 5, 4).reshape(L, C, H, blocks * block, D)
     return t
+
+
+def test_sampling_with_speculation_keeps_the_models_distribution(llm):
+    """Sampled tokens at positions the drafts verify, over many seeds, against the model's own
+    distribution there (its logits, scored in one pass): the total variation stays within the
+    sampling noise, while drafts are checked and kept."""
+    from collections import Counter
+
+    import torch
+
+    seeds = range(300)
+    batch = [Request(prompt=CLASS, seed=s, speculate=8) for s in seeds]
+    results = llm.generate(batch, temperature=1.0, max_new_tokens=3, reuse_prefix=False)
+    assert sum(r.stats.accepted_tokens for r in results) > len(seeds) // 2  # drafts were kept
+    prompt = llm.tokenizer.encode(CLASS)
+    for at in (1, 2):  # the tokens of the first two decode steps, given the most common ones before
+        before = Counter(tuple(r.token_ids[:at]) for r in results).most_common(1)[0][0]
+        drawn = Counter(r.token_ids[at] for r in results if tuple(r.token_ids[:at]) == before)
+        n = sum(drawn.values())
+        assert n >= 100
+        p = torch.softmax(llm.logits(prompt + list(before))[-1], -1)
+        tv = (sum(abs(drawn[t] / n - float(p[t])) for t in drawn) + float(p.sum() - p[list(drawn)].sum())) / 2
+        assert tv < 0.1, (at, tv, drawn.most_common(4), p.topk(4))
