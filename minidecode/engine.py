@@ -14,6 +14,10 @@ no work). Positions, region starts and sampling settings are device tensors, so 
 every step of every mix of sequences; the graphs are captured once per cache allocation
 (decode.py holds the step and its state).
 
+With speculation (Request.speculate) a step takes several query rows a sequence: its token and
+the drafts the plan carries, verified in the same step (decode.py's draft_step, one graph per draft
+bucket); such a step returns its own tokens, since the next drafts follow them.
+
 The engine decides nothing: each turn it runs one step plan (plan.py, made by scheduler.py) with
 `run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py). The prefill in
 progress is the model's generator of units of work (Transformer.prefill_units), held here between

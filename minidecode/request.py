@@ -51,10 +51,12 @@ class Request:
     frequency_penalty: float | None = None  # [-2, 2]; times each generated token's count (OpenAI)
     stop_token_ids: list[int] | None = None  # generation ends when one is sampled (not returned)
     top_logprobs: int | None = None  # [0, 20]: each new token's most likely alternatives (implies logprobs)
-    # [0, 16]: the most draft tokens a decode step verifies (prompt lookup: tokens that followed the
-    # latest earlier occurrence of the last few); 0 or unset: off. The output is unchanged (greedy:
-    # token for token; sampling: the same distribution). A step runs drafts only when none of its
-    # sequences asks for log-probs or a logits processor (they decode one token a step).
+    # [0, 16]: the most draft tokens a decode step verifies (prompt lookup: the tokens that followed
+    # the latest earlier occurrence of the last few, in the prompt or the answer); 0 or unset: off.
+    # Greedy output is unchanged token for token; sampling keeps the model's distribution (a seeded
+    # request's draws are its own in any batch, but not those it draws without speculation). A step
+    # runs drafts only when none of its sequences asks for log-probs, top log-probs or a logits
+    # processor: those decode one token a step (exact), and so does the batch beside them.
     speculate: int | None = None
 
     @classmethod

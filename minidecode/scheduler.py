@@ -6,9 +6,11 @@ Each `schedule()` gives one StepPlan: the rows of sequences that ended, the admi
 of the queue (its region and reused prefix: the cache's resize, copy or file read), one unit of
 the prefill in progress, and a decode step of the running sequences where it is their turn: always
 outside a prefill, and between its units where it started beside them, as the pacer (pacer.py)
-decides from the engine's marks of the last step and unit. Sequences admitted together start
-together (their prefills run back to back, without steps between them). `update()` takes the
-plan's StepOutput back: tokens fed, a prefill ended (its sequence now runs) or failed.
+decides from the engine's marks of the last step and unit. Where running sequences speculate,
+the step carries their drafts (prompt lookup on the tokens the host has: speculation.py).
+Sequences admitted together start together (their prefills run back to back, without steps
+between them). `update()` takes the plan's StepOutput back: tokens fed, a prefill ended (its
+sequence now runs) or failed.
 
 Requests are admitted in order while a decode row and a region of the cache are free. A finished
 sequence's K/V stay in its region as a cached prefix (evicted least-recently-used, only when the
