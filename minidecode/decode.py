@@ -110,9 +110,9 @@ def decode_step(
     processor (state.processors); top: some row reports its top log-probs (implies want_logprobs).
 
     queries > 1: the step with drafts (`draft_step`: `queries` - 1 draft slots a row, padding
-    rows' K/V written at cache position `spare`); no logits processors, no log-probs there."""
+    rows' K/V written at cache position `spare`)."""
     if queries > 1:
-        draft_step(model, cache, state, mode, queries, spare, pdl)
+        draft_step(model, cache, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
         return
     hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active)
     logits = model.logits(hidden)  # [B, V] float32
@@ -133,7 +133,16 @@ def decode_step(
 
 
 def draft_step(
-    model: Transformer, cache: KVCache, state: DecodeState, mode: str, queries: int, spare: int, pdl: bool
+    model: Transformer,
+    cache: KVCache,
+    state: DecodeState,
+    mode: str,
+    queries: int,
+    spare: int,
+    pdl: bool,
+    want_logprobs: bool = False,
+    adjust: bool = False,
+    top: bool = False,
 ) -> None:
     """The decode step with drafts: each row's last token and its drafts (state.lead, drafts,
     draft_lens: up to queries - 1 of them, verified only where lead is the token the row holds) as
@@ -142,7 +151,11 @@ def draft_step(
     `sample` draws from, its draws counted by position like sample's), then tokens <- the token
     after the kept drafts, accepted <- how many were kept, positions += accepted + 1 (active rows).
     The rejected drafts' K/V stay behind the new position, overwritten by later steps. Device
-    work only, fixed shapes (a CUDA graph per `queries`)."""
+    work only, fixed shapes (a CUDA graph per `queries`).
+
+    Rows with logits processors or log-probs get no drafts (the scheduler's rule): their one query
+    row is the plain step's, so adjust / want_logprobs / top do what decode_step does, on each
+    row's first query row (a row with drafts uses no processor: its state is neutral)."""
     k = queries - 1
     drafts = state.drafts[:, :k]  # [B, k]
     verified = (state.lead == state.tokens) & (state.active > 0)
@@ -153,12 +166,23 @@ def draft_step(
         tokens, state.positions, q_lens, cache, spare, pdl, starts=state.starts, active=state.active
     )
     logits = model.logits(hidden)  # [B, Q, V] float32
+    chosen = logits
+    if adjust:  # the first query rows processed, as decode_step processes its one
+        first = process(logits[:, 0], state.processors, state.positions + 1)  # [B, V]
+        chosen = torch.cat((first[:, None], logits[:, 1:]), dim=1)
     if mode == GREEDY:
-        accepted, nxt = accept_greedy(drafts, logits, draft_lens)
+        accepted, nxt = accept_greedy(drafts, chosen, draft_lens)
     else:
         B, Q, V = logits.shape
-        probs = probabilities(logits.view(B * Q, V), state.sampling.repeat(Q), mode).view(B, Q, V)
+        probs = probabilities(chosen.reshape(B * Q, V), state.sampling.repeat(Q), mode).view(B, Q, V)
         accepted, nxt = accept_sampled(drafts, probs, draft_lens, state.sampling.seed, state.positions + 1)
+    if adjust:
+        state.processors.count(nxt, state.active)
+    if want_logprobs or top:  # of the model's own distribution (rows without drafts: nxt follows row 0)
+        logprobs = logits[:, 0].log_softmax(-1)  # [B, V]
+        state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
+        if top:
+            top_logprobs(logprobs, state.top_logprob, state.top_ids)
     state.accepted.copy_(accepted)
     state.tokens.copy_(nxt)
     state.positions.add_((accepted + 1) * state.active)

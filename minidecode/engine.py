@@ -137,6 +137,9 @@ class Engine:
         # a step with drafts: its own results (accepted drafts, the token after them), no lag
         self._host_accepted = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
         self._host_next = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
+        self._host_next_logprobs = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
+        self._host_next_top_ids = torch.empty(self.max_batch, top, dtype=torch.long, pin_memory=cuda)
+        self._host_next_top_logprobs = torch.empty(self.max_batch, top, dtype=torch.float32, pin_memory=cuda)
         # ... and its drafts on their way in, [rows, (lead, count, drafts...)]: one buffer serves, since
         # a step with drafts is waited for (its results), its copy from here with it
         self._host_drafts = torch.zeros(self.max_batch, 2 + MAX_SPECULATE, dtype=torch.long, pin_memory=cuda)
@@ -357,6 +360,11 @@ class Engine:
         if decode.queries > 1:
             self._host_accepted[:n].copy_(state.accepted[:n], non_blocking=True)
             self._host_next[:n].copy_(state.tokens[:n], non_blocking=True)
+            if kind.logprobs:
+                self._host_next_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
+            if kind.top:
+                self._host_next_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
+                self._host_next_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
         out.step_marks = (copied, self.clock.mark(STEP_END))
         return copied if decode.queries == 1 else out.step_marks[1]
 
@@ -384,6 +392,11 @@ class Engine:
             out.top_ids, out.top_logprobs = self._host_top_ids[:n], self._host_top_logprobs[:n]
         if decode.queries > 1:
             out.accepted, out.next = self._host_accepted[:n].tolist(), self._host_next[:n].tolist()
+            if kind.logprobs:
+                out.next_logprobs = self._host_next_logprobs[:n].tolist()
+            if kind.top:
+                out.next_top_ids = self._host_next_top_ids[:n]
+                out.next_top_logprobs = self._host_next_top_logprobs[:n]
 
     def _run_prefill(self, p: Prefill, out: StepOutput, on_progress) -> None:
         """Run p.units units of the prefill in progress (starting it if p.begin); once its last unit

@@ -267,7 +267,12 @@ class EngineLoop:
                 self.stats.proposed_tokens += len(drafts) - 1
                 self.stats.accepted_tokens += accepted
                 seq.lookup.record(len(drafts), accepted + 1)  # (the lead counts as a kept proposal)
-            tokens.extend((token, None, None) for token in [*drafts[1 : 1 + accepted], out.next[row]])
+            tokens.extend((token, None, None) for token in drafts[1 : 1 + accepted])  # (none: log-probs)
+            logprob = out.next_logprobs[row] if seq.want_logprobs else None
+            top = None
+            if out.next_top_ids is not None:
+                top = _top(seq, out.next_top_ids[row], out.next_top_logprobs[row])
+            tokens.append((out.next[row], logprob, top))
             seq.skip = True
         self.stats.decode_steps += 1
         if not tokens:  # its first token, handed out at its prefill's end, is what its row held

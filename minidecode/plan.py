@@ -175,8 +175,12 @@ class StepOutput:
     # where asked for), on the host
     tokens: list[int] = field(default_factory=list)
     # a step with drafts, its own results (no lag): each row's drafts kept, and the token after them
+    # (its log p and top ids / log-probs where asked for: rows without drafts)
     accepted: list[int] | None = None
     next: list[int] | None = None
+    next_logprobs: list[float] | None = None
+    next_top_ids: Any = None  # [n, 20] int64 (host)
+    next_top_logprobs: Any = None  # [n, 20] float32 (host)
     logprobs: list[float] | None = None
     top_ids: Any = None  # [n, 20] int64 (host)
     top_logprobs: Any = None  # [n, 20] float32 (host)

@@ -54,9 +54,8 @@ class Request:
     # [0, 16]: the most draft tokens a decode step verifies (prompt lookup: the tokens that followed
     # the latest earlier occurrence of the last few, in the prompt or the answer); 0 or unset: off.
     # Greedy output is unchanged token for token; sampling keeps the model's distribution (a seeded
-    # request's draws are its own in any batch, but not those it draws without speculation). A step
-    # runs drafts only when none of its sequences asks for log-probs, top log-probs or a logits
-    # processor: those decode one token a step (exact), and so does the batch beside them.
+    # request's draws are its own in any batch, but not those it draws without speculation). With
+    # log-probs, top log-probs or a logits processor it makes no drafts (one token a step: exact).
     speculate: int | None = None
 
     @classmethod

@@ -150,11 +150,10 @@ class Scheduler:
         return done
 
     def _decode_step(self) -> Decode:
-        """The running rows' step: with drafts where a row speculates and one is found (a step
-        whose rows need no log-probs or logits processors: those are exact only one token a step)."""
+        """The running rows' step: with drafts where a row speculates and one is found."""
         kind, running = self._kind, self.running
         plain = Decode(len(running), kind)
-        if kind.logprobs or kind.adjust or kind.top or not any(s.speculate for s in running):
+        if not any(s.speculate for s in running):
             return plain
         drafts = [self._drafts(seq) for seq in running]
         most = max(len(d) for d in drafts) - 1  # the most drafts a row has
@@ -170,8 +169,9 @@ class Scheduler:
         device): the lead is the lookup's guess of that token, verified on the device, then what
         follows it. So its drafts depend on its own tokens only, whatever ran beside it (a seeded
         request draws the same tokens in any batch). At most as many drafts as can still be
-        returned (max_new_tokens) and written in its region."""
-        if not seq.speculate:
+        returned (max_new_tokens) and written in its region. None for a sequence with log-probs or
+        a logits processor (those are exact one token a step: it runs its one query row)."""
+        if not seq.speculate or seq.want_logprobs or seq.want_top or seq.params.adjusts:
             return []
         prompt = len(seq.prompt_ids)
         if seq.lookup is None:

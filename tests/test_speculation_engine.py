@@ -8,8 +8,10 @@ are one line in the API, the CLI and the server."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 from conftest import random_ids
 from typer.testing import CliRunner
 
@@ -93,14 +95,34 @@ def test_a_batch_mixing_speculation_and_none(llm):
     assert all(r.stats.accepted_tokens > 0 for r in batch[1:])
 
 
-def test_a_row_with_log_probs_runs_its_batch_without_drafts(llm):
-    """log-probs are one token a step: a batch holding such a row makes no drafts (still exact)."""
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_rows_with_log_probs_or_processors_beside_speculating_rows(llm, mode):
+    """Log-probs, top log-probs and logits processors are one token a step: such rows make no drafts
+    but run in the steps with drafts beside those that do, with what they get alone."""
+    sampling = {"temperature": 0} if mode == "greedy" else {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+    others = [
+        Request(prompt=CODE, logprobs=True, **sampling),
+        Request(prompt=CLASS, top_logprobs=3, **sampling),
+        Request(
+            prompt=CODE, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={"13": 2.0}, **sampling
+        ),
+        Request(prompt=CLASS, min_tokens=20, frequency_penalty=0.4, **sampling),
+    ]
+    alone = [llm.generate(r, max_new_tokens=24, reuse_prefix=False) for r in others]
     batch = llm.generate(
-        [Request(prompt=REPEATS, speculate=8), Request(prompt=CODE, logprobs=True)],
-        temperature=0, max_new_tokens=24, reuse_prefix=False,
+        [Request(prompt=REPEATS, speculate=8, temperature=0), *[replace(r, speculate=8) for r in others]],
+        max_new_tokens=24, reuse_prefix=False,
     )  # fmt: skip
     assert batch[0].token_ids == greedy(llm, REPEATS, max_new_tokens=24).token_ids
-    assert batch[1].logprobs is not None and len(batch[1].logprobs) == len(batch[1].token_ids)
+    assert batch[0].stats.accepted_tokens > 0 and batch[0].stats.decode_steps < 20
+    for got, want in zip(batch[1:], alone, strict=True):
+        assert got.token_ids == want.token_ids and got.stats.proposed_tokens == 0
+        if want.logprobs is not None:
+            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+        if want.top_logprobs is not None:
+            assert [[i for i, _ in t] for t in got.top_logprobs] == [
+                [i for i, _ in t] for t in want.top_logprobs
+            ]
 
 
 def test_a_reused_prefix(llm):
@@ -210,6 +232,7 @@ def test_context_parallel_refuses_it_in_one_line():
     )
 
 
+@pytest.mark.slow
 def test_batch_under_tp_speculates_and_gives_one_process_greedy_text(tmp_path):
     """torchrun --tp 2: rank 0's drafts go to both ranks in the plan; the text is one process's."""
     pytest.importorskip("fastapi")
@@ -253,8 +276,6 @@ def test_the_step_with_drafts_is_the_step_one_token_at_a_time(checkpoint_factory
     nothing written outside them but the spare position. kernels "triton": the CUDA path's Triton
     kernels (interpreter) for every op, the fused RoPE + cache write and the multi-query lean kernel
     included."""
-    import torch
-
     from minidecode.kernels import ops
 
     model_dir = checkpoint_factory(
@@ -320,8 +341,6 @@ def test_the_step_with_drafts_is_the_step_one_token_at_a_time(checkpoint_factory
 def rows(t):
     """A cache tensor as [layers, 1, Hkv, positions, ...] (an FP8 cache's blocked V unblocked; FP8
     values as their bytes)."""
-    import torch
-
     if t.dtype == torch.float32 or t.dtype == torch.bfloat16:
         return t
     t = t.view(torch.uint8)
@@ -336,8 +355,6 @@ def test_sampling_with_speculation_keeps_the_models_distribution(llm):
     distribution there (its logits, scored in one pass): the total variation stays within the
     sampling noise, while drafts are checked and kept."""
     from collections import Counter
-
-    import torch
 
     seeds = range(300)
     batch = [Request(prompt=CLASS, seed=s, speculate=8) for s in seeds]
