@@ -75,6 +75,18 @@ def test_max_new_tokens_is_exact(llm, new):
     assert spec.finish_reason == plain.finish_reason == "length"
 
 
+def test_a_row_near_its_end_writes_nothing_past_its_region(llm):
+    """Drafts are cut to what a row can still return: its K/V never reach past its region into the
+    next one (here the region of the request admitted after it, whose output would change)."""
+    batch = llm.generate(
+        [Request(prompt=REPEATS, max_new_tokens=6, speculate=16), Request(prompt=CODE, max_new_tokens=30)],
+        temperature=0, reuse_prefix=False,
+    )  # fmt: skip
+    assert batch[0].token_ids == greedy(llm, REPEATS, max_new_tokens=6).token_ids
+    assert batch[0].stats.accepted_tokens > 0
+    assert batch[1].token_ids == greedy(llm, CODE, max_new_tokens=30).token_ids
+
+
 def test_stop_strings_end_where_they_would(llm):
     plain = greedy(llm, REPEATS, max_new_tokens=64, stop="a + b\n\ndef")
     spec = greedy(llm, REPEATS, max_new_tokens=64, stop="a + b\n\ndef", speculate=8)
