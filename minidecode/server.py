@@ -253,7 +253,7 @@ class Service:
         return openai_api.choices(
             call, ids, self.context, settings.max_tokens_default, settings.allow_extrapolation,
             self.llm.check_context, settings.speculate,
-        )
+        )  # fmt: skip
 
     def relay(self) -> EventRelay:
         loop = asyncio.get_running_loop()
