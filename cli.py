@@ -335,6 +335,9 @@ REQUEST_OPTIONS = {  # Request's fields (their API names), each option's default
     "top_logprobs": Opt(
         number(int, "Also return each new token's most likely alternatives, this many (0..20; with log p)")
     ),
+    "speculate": Opt(
+        number(int, "Verify up to this many draft tokens a step, copied from the prompt (0..16; 0 = off)")
+    ),
 }
 AllowExtrapolationOpt = REQUEST_OPTIONS["allow_extrapolation"].annotation
 
@@ -428,6 +431,12 @@ def shared_options(runtime: tuple[str, ...] = (), request: bool = False) -> Call
         return wrapper
 
     return decorate
+
+
+def check_speculate(runtime: Runtime, speculate: int | None) -> None:
+    """Refuse speculation under --cp up front (the runtime refuses each such request too)."""
+    if speculate and runtime.cp > 1:
+        raise UserError("--speculate is not supported with --cp yet")
 
 
 def check_launch(runtime: Runtime) -> None:
@@ -548,6 +557,7 @@ def check_generate_args(
 
     runtime.check()
     check_parallel(runtime.tp, runtime.cp, world_size())
+    check_speculate(runtime, request.speculate)
     if runtime.cp > 1 and (load_cache or save_cache):  # under --tp each rank saves and reads its part
         raise UserError(
             "--load-cache / --save-cache are not supported with --cp (context parallel runs one sequence "
@@ -709,6 +719,7 @@ def batch(
         runtime.check()
         check_launch(runtime)
         request.check(need_prompt=False)
+        check_speculate(runtime, request.speculate)
         if rank() != 0:  # rank 0 reads and writes; the others run its plans
             serve_rank0(runtime.load(model))
             return
@@ -783,6 +794,9 @@ def serve(
     ] = None,
     allow_extrapolation: AllowExtrapolationOpt = False,
     access_log: Annotated[bool, typer.Option(help="One line per request on stderr")] = True,
+    speculate: Annotated[
+        int, typer.Option(help="A request's default speculate: the most draft tokens a step (0..16; 0 = off)")
+    ] = 0,
     *,
     runtime: Runtime,
 ) -> None:
@@ -795,6 +809,8 @@ def serve(
 
     try:
         runtime.check()
+        Request(speculate=speculate).check(need_prompt=False, names={"speculate": "--speculate"})
+        check_speculate(runtime, speculate)
         check_launch(runtime)
         check_int("--port", port, 0)
         if port > 65535:
@@ -818,6 +834,7 @@ def serve(
         settings = ServerSettings(
             served_model_name or model or "stdlib-tiny", max_tokens_default, max_waiting,
             api_key=api_key, allow_extrapolation=allow_extrapolation, access_log=access_log,
+            speculate=speculate,
         )  # fmt: skip
         typer.echo(f"serving {settings.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
         code = serve(llm, settings, host, port)

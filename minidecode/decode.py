@@ -1,6 +1,11 @@
 """The decode step: the device buffers of every decode row (`DecodeState`), one token for every
 row through the model, the logits processors and the sampler (`decode_step`), and its capture as a
-CUDA graph (`capture`). The engine (engine.py) owns one DecodeState and replays the graphs."""
+CUDA graph (`capture`). The engine (engine.py) owns one DecodeState and replays the graphs.
+
+With speculation the same step takes Q = k + 1 tokens a row: the row's last token and up to k
+drafts (prompt lookup, made on the host: speculation.py), all through the model at once, and keeps
+the longest verified prefix plus one token of the model's own (accept_greedy / accept_sampled), so
+a row moves on by 1..Q positions in one step."""
 
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ import torch
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer
 
-from .request import MAX_TOP_LOGPROBS
-from .sampling import ProcessorRows, SamplingRows, process, sample, top_logprobs
+from .request import MAX_SPECULATE, MAX_TOP_LOGPROBS
+from .sampling import GREEDY, ProcessorRows, SamplingRows, probabilities, process, sample, top_logprobs
+from .speculation import accept_greedy, accept_sampled
 
 
 @dataclass
@@ -31,6 +37,14 @@ class DecodeState:
     # [B, MAX_TOP_LOGPROBS]: the most likely ids and their log p at the token just sampled (when asked for)
     top_ids: torch.Tensor  # int64
     top_logprob: torch.Tensor  # float32
+    # Speculation (a step with drafts): in, `lead` [B] int64, the token the host believes the row
+    # holds, and drafts [B, MAX_SPECULATE] int64, the first draft_lens [B] int64 of which follow it
+    # (verified only where lead == tokens: a draft made before the row's last token reached the host
+    # may be for another token); out, accepted [B] int64, how many drafts were kept.
+    lead: torch.Tensor
+    drafts: torch.Tensor
+    draft_lens: torch.Tensor
+    accepted: torch.Tensor
     processors: ProcessorRows | None = None  # logits-processor state, once a sequence uses one
 
     @classmethod
@@ -43,7 +57,12 @@ class DecodeState:
         top_logprob = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device)
         # active is int32, as the decode kernel's lengths (lengths * active stays int32)
         sampling, logprob, active = SamplingRows.zeros(batch, device), new(torch.float32), new(torch.int32)
-        return cls(tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob)
+        drafts = torch.zeros(batch, MAX_SPECULATE, dtype=torch.long, device=device)
+        lead, draft_lens, accepted = (new(torch.long) for _ in range(3))
+        return cls(
+            tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob,
+            lead, drafts, draft_lens, accepted,
+        )  # fmt: skip
 
     def add_processors(self, vocab: int) -> ProcessorRows:
         """The logits-processor state ([B, vocab] buffers), allocated on first use."""
@@ -53,18 +72,16 @@ class DecodeState:
 
     def rows(self, n: int, first: int = 0) -> DecodeState:
         """Rows first..first+n-1, as views."""
-        tokens, positions, logprob, starts, active, top_ids, top_logprob = (
-            x[first : first + n] for x in self._columns()
-        )
+        tokens, positions, logprob, starts, active, *rest = (x[first : first + n] for x in self._columns())
         processors = None if self.processors is None else self.processors.rows(n, first)
+        # rest: top_ids, top_logprob, lead, drafts, draft_lens, accepted
         return DecodeState(
-            tokens, positions, logprob, self.sampling.rows(n, first), starts, active, top_ids, top_logprob,
-            processors,
+            tokens, positions, logprob, self.sampling.rows(n, first), starts, active, *rest, processors
         )  # fmt: skip
 
     def _columns(self) -> tuple[torch.Tensor, ...]:
         rows = self.tokens, self.positions, self.logprob, self.starts, self.active
-        return (*rows, self.top_ids, self.top_logprob)
+        return (*rows, self.top_ids, self.top_logprob, self.lead, self.drafts, self.draft_lens, self.accepted)
 
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""
@@ -84,11 +101,19 @@ def decode_step(
     pdl: bool,
     adjust: bool = False,
     top: bool = False,
+    queries: int = 1,
+    spare: int = 0,
 ) -> None:
     """One token for every row of `state`, reading and writing only its device buffers (so it can
     be captured in a CUDA graph): each row's sequence lives in its region of the cache's one row
     (state.starts); idle rows (state.active 0) read nothing. adjust: some row uses a logits
-    processor (state.processors); top: some row reports its top log-probs (implies want_logprobs)."""
+    processor (state.processors); top: some row reports its top log-probs (implies want_logprobs).
+
+    queries > 1: the step with drafts (`draft_step`: `queries` - 1 draft slots a row, padding
+    rows' K/V written at cache position `spare`)."""
+    if queries > 1:
+        draft_step(model, cache, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
+        return
     hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active)
     logits = model.logits(hidden)  # [B, V] float32
     if adjust:  # rows that use no processor have neutral state: their logits pass unchanged
@@ -105,6 +130,62 @@ def decode_step(
         state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
     state.tokens.copy_(nxt)
     state.positions.add_(state.active)
+
+
+def draft_step(
+    model: Transformer,
+    cache: KVCache,
+    state: DecodeState,
+    mode: str,
+    queries: int,
+    spare: int,
+    pdl: bool,
+    want_logprobs: bool = False,
+    adjust: bool = False,
+    top: bool = False,
+) -> None:
+    """The decode step with drafts: each row's last token and its drafts (state.lead, drafts,
+    draft_lens: up to queries - 1 of them, verified only where lead is the token the row holds) as
+    `queries` query rows through the model at once (Transformer.decode_drafts), the accept rule on
+    each row's logits (greedy: accept_greedy; sampling: accept_sampled, over the distributions
+    `sample` draws from, its draws counted by position like sample's), then tokens <- the token
+    after the kept drafts, accepted <- how many were kept, positions += accepted + 1 (active rows).
+    The rejected drafts' K/V stay behind the new position, overwritten by later steps. Device
+    work only, fixed shapes (a CUDA graph per `queries`).
+
+    Rows with logits processors or log-probs get no drafts (the scheduler's rule): their one query
+    row is the plain step's, so adjust / want_logprobs / top do what decode_step does, on each
+    row's first query row (a row with drafts uses no processor: its state is neutral)."""
+    k = queries - 1
+    drafts = state.drafts[:, :k]  # [B, k]
+    verified = (state.lead == state.tokens) & (state.active > 0)
+    draft_lens = torch.where(verified, state.draft_lens.clamp(max=k), 0)  # [B]
+    q_lens = (draft_lens + 1).to(torch.int32)
+    tokens = torch.cat((state.tokens[:, None], drafts), dim=1)  # [B, Q]
+    hidden = model.decode_drafts(
+        tokens, state.positions, q_lens, cache, spare, pdl, starts=state.starts, active=state.active
+    )
+    logits = model.logits(hidden)  # [B, Q, V] float32
+    chosen = logits
+    if adjust:  # the first query rows processed, as decode_step processes its one
+        first = process(logits[:, 0], state.processors, state.positions + 1)  # [B, V]
+        chosen = torch.cat((first[:, None], logits[:, 1:]), dim=1)
+    if mode == GREEDY:
+        accepted, nxt = accept_greedy(drafts, chosen, draft_lens)
+    else:
+        B, Q, V = logits.shape
+        probs = probabilities(chosen.reshape(B * Q, V), state.sampling.repeat(Q), mode).view(B, Q, V)
+        accepted, nxt = accept_sampled(drafts, probs, draft_lens, state.sampling.seed, state.positions + 1)
+    if adjust:
+        state.processors.count(nxt, state.active)
+    if want_logprobs or top:  # of the model's own distribution (rows without drafts: nxt follows row 0)
+        logprobs = logits[:, 0].log_softmax(-1)  # [B, V]
+        state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
+        if top:
+            top_logprobs(logprobs, state.top_logprob, state.top_ids)
+    state.accepted.copy_(accepted)
+    state.tokens.copy_(nxt)
+    state.positions.add_((accepted + 1) * state.active)
 
 
 @functools.cache

@@ -14,6 +14,10 @@ no work). Positions, region starts and sampling settings are device tensors, so 
 every step of every mix of sequences; the graphs are captured once per cache allocation
 (decode.py holds the step and its state).
 
+With speculation (Request.speculate) a step takes several query rows a sequence: its token and
+the drafts the plan carries, verified in the same step (decode.py's draft_step, one graph per draft
+bucket); such a step returns its own tokens, since the next drafts follow them.
+
 The engine decides nothing: each turn it runs one step plan (plan.py, made by scheduler.py) with
 `run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py). The prefill in
 progress is the model's generator of units of work (Transformer.prefill_units), held here between
@@ -40,10 +44,11 @@ from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
 from .pacer import STEP_END, STEP_START, DeviceClock
 from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, StepOutput, StepPlan
-from .request import DEFAULT_MAX_BATCH, MAX_TOP_LOGPROBS, check_int
+from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE, MAX_TOP_LOGPROBS, check_int
 from .sampling import SamplingParams, process, sample, top_logprobs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
+DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1) a graph is captured for
 # The most work (FLOPs) in one unit of a prefill that runs beside decoding sequences: they may
 # step after any unit (pacer.py decides when). About 3 ms of bf16 tensor-core work at a prefill's
 # ~500 TFLOP/s on an H100 or H200, short against a step's 4-8 ms; on the CPU, a few milliseconds.
@@ -53,6 +58,11 @@ PREFILL_UNIT_FLOPS = {"cuda": 1.5e12, "cpu": 5e8}
 def bucket(n: int) -> int:
     """The smallest bucket that holds n running sequences."""
     return next(b for b in BUCKETS if b >= n)
+
+
+def draft_bucket(k: int) -> int:
+    """The step's query rows a sequence for k drafts (k >= 1): 1 + the smallest draft bucket >= k."""
+    return 1 + next(b for b in DRAFT_BUCKETS if b >= k)
 
 
 def check_max_batch(max_batch: int) -> int:
@@ -114,6 +124,15 @@ class Engine:
         self._host_logprobs = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
         self._host_top_ids = torch.empty(self.max_batch, top, dtype=torch.long, pin_memory=cuda)
         self._host_top_logprobs = torch.empty(self.max_batch, top, dtype=torch.float32, pin_memory=cuda)
+        # a step with drafts: its own results (accepted drafts, the token after them), no lag
+        self._host_accepted = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
+        self._host_next = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
+        self._host_next_logprobs = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
+        self._host_next_top_ids = torch.empty(self.max_batch, top, dtype=torch.long, pin_memory=cuda)
+        self._host_next_top_logprobs = torch.empty(self.max_batch, top, dtype=torch.float32, pin_memory=cuda)
+        # ... and its drafts on their way in, [rows, (lead, count, drafts...)]: one buffer serves, since
+        # a step with drafts is waited for (its results), its copy from here with it
+        self._host_drafts = torch.zeros(self.max_batch, 2 + MAX_SPECULATE, dtype=torch.long, pin_memory=cuda)
         self.files = CacheParts(model, self.kv_dtype)  # this rank's parts of cache files
 
     @property
@@ -280,8 +299,11 @@ class Engine:
 
     def _decode(self, decode: Decode, out: StepOutput):
         """Copy the rows' previous tokens to the host, then queue the step (it runs while they are
-        handed out) -> the copy's mark."""
+        handed out) -> the copy's mark. A step with drafts loads them first, and copies its own
+        results after it (-> the mark after that copy: it is waited for, no lag)."""
         n, kind, state = decode.rows, decode.kind, self.state
+        if decode.queries > 1:
+            self._load_drafts(decode)
         self._host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
         if kind.logprobs:
             self._host_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
@@ -289,9 +311,31 @@ class Engine:
             self._host_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
             self._host_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
         copied = self.clock.mark(STEP_START)
-        self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top)
+        self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries)
+        if decode.queries > 1:
+            self._host_accepted[:n].copy_(state.accepted[:n], non_blocking=True)
+            self._host_next[:n].copy_(state.tokens[:n], non_blocking=True)
+            if kind.logprobs:
+                self._host_next_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
+            if kind.top:
+                self._host_next_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
+                self._host_next_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
         out.step_marks = (copied, self.clock.mark(STEP_END))
-        return copied
+        return copied if decode.queries == 1 else out.step_marks[1]
+
+    def _load_drafts(self, decode: Decode) -> None:
+        """The plan's drafts into the decode state's buffers (rows 0..n-1: lead, draft_lens, drafts)."""
+        n, k, state = decode.rows, decode.queries - 1, self.state
+        rows = []
+        for row in decode.drafts:
+            lead, drafts = (row[0], row[1:]) if row else (0, [])
+            rows.append([lead, len(drafts), *drafts, *[0] * (k - len(drafts))])
+        host = self._host_drafts[:n, : 2 + k]
+        host.copy_(torch.tensor(rows, dtype=torch.long))
+        table = host.to(self.device, non_blocking=True)
+        state.lead[:n].copy_(table[:, 0])
+        state.draft_lens[:n].copy_(table[:, 1])
+        state.drafts[:n, :k].copy_(table[:, 2:])
 
     def _hand_back(self, decode: Decode, copied, out: StepOutput) -> None:
         n, kind = decode.rows, decode.kind
@@ -301,6 +345,13 @@ class Engine:
             out.logprobs = self._host_logprobs[:n].tolist()
         if kind.top:
             out.top_ids, out.top_logprobs = self._host_top_ids[:n], self._host_top_logprobs[:n]
+        if decode.queries > 1:
+            out.accepted, out.next = self._host_accepted[:n].tolist(), self._host_next[:n].tolist()
+            if kind.logprobs:
+                out.next_logprobs = self._host_next_logprobs[:n].tolist()
+            if kind.top:
+                out.next_top_ids = self._host_next_top_ids[:n]
+                out.next_top_logprobs = self._host_next_top_logprobs[:n]
 
     def _run_prefill(self, p: Prefill, out: StepOutput, on_progress) -> None:
         """Run p.units units of the prefill in progress (starting it if p.begin); once its last unit
@@ -394,30 +445,35 @@ class Engine:
         return self.model.logits(hidden[0])
 
     # ---- decode ------------------------------------------------------------------------------
-    def step(self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False) -> None:
+    def step(
+        self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False, queries: int = 1
+    ) -> None:
         """One decode step of rows 0..n-1 (a CUDA graph replay of their bucket on CUDA): tokens ->
         the next tokens, positions += 1. adjust: some row uses a logits processor; top: some row
-        reports top log-probs (decode_step)."""
+        reports top log-probs (decode_step). queries > 1 (a draft bucket + 1): the step with the
+        drafts loaded into the state (positions += accepted + 1)."""
         if not self.use_cuda_graph:
             if adjust:
                 self._processors()
-            kind = (mode, logprobs, self.pdl, adjust, top)
+            kind = (mode, logprobs, self.pdl, adjust, top, queries, self.spare_start)
             decode_step(self.model, self._decoded(), self.state.rows(n), *kind)
             return
-        self.prepare(n, mode, logprobs, adjust, top)
-        self._graphs[min(bucket(n), self.max_batch), mode, logprobs, adjust, top].replay()
+        self.prepare(n, mode, logprobs, adjust, top, queries)
+        self._graphs[min(bucket(n), self.max_batch), mode, logprobs, adjust, top, queries].replay()
 
-    def prepare(self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False) -> None:
+    def prepare(
+        self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False, queries: int = 1
+    ) -> None:
         """Capture the graph of n rows' step (its bucket), once per cache allocation: the loop calls
         this before a prefill, so that capture stays out of the decode steps' time."""
         b = min(bucket(n), self.max_batch)
-        key = (b, mode, logprobs, adjust, top)
+        key = (b, mode, logprobs, adjust, top, queries)
         if not self.use_cuda_graph or key in self._graphs:
             return
         if adjust:  # the graph reads the processors' buffers: they exist before it is captured
             self._processors()
         cache = self._decoded()
-        kind = (mode, logprobs, self.pdl, adjust, top)
+        kind = (mode, logprobs, self.pdl, adjust, top, queries, self.spare_start)
         step = functools.partial(decode_step, self.model, cache, self.state.rows(b), *kind)
         idle = DecodeState.zeros(b, self.device)  # the warm-up writes only the spare granule
         idle.starts.fill_(self.spare_start)

@@ -224,11 +224,13 @@ class LLM:
         self.check_context(context, request.allow_extrapolation)
         self.check_fits(context, len(ids))
         eos = frozenset() if request.ignore_eos else frozenset(self.eos_ids)
+        if request.speculate and self.engine.one_sequence:
+            raise UserError("--speculate is not supported with --cp yet", field="speculate")
         return dict(
             prompt_ids=ids, params=params, max_new_tokens=new, context=context, stops=request.stops,
             eos_ids=eos, want_logprobs=bool(request.logprobs or request.top_logprobs),
             reuse_prefix=request.reuse_prefix is not False, stop_ids=frozenset(request.stop_token_ids or ()),
-            want_top=request.top_logprobs or 0,
+            want_top=request.top_logprobs or 0, speculate=request.speculate or 0,
         )  # fmt: skip
 
     def _processor_settings(self, request: Request) -> dict[str, Any]:
@@ -325,7 +327,7 @@ class LLM:
         `messages=`); the keywords are `Request`'s fields (max_new_tokens, temperature, top_k,
         top_p, seed, stop, max_context, allow_extrapolation, logprobs, ignore_eos, reuse_prefix,
         logit_bias, min_tokens, repetition_penalty, presence_penalty, frequency_penalty,
-        stop_token_ids, top_logprobs). Sampling defaults come from the checkpoint's
+        stop_token_ids, top_logprobs, speculate). Sampling defaults come from the checkpoint's
         generation_config.json (greedy when it does not sample); temperature=0 is greedy. A list of
         prompts runs as one batch and returns a list of results in order (see `stream_batch`)."""
         if isinstance(prompt, list | tuple):

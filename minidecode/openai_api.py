@@ -32,10 +32,10 @@ MAX_CHOICES = 128  # n (times the prompts of a completion): OpenAI's limit of n
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 # The Request settings a client sets by the same name. top_k, ignore_eos, repetition_penalty,
-# stop_token_ids and min_tokens are extensions (vLLM's names).
+# stop_token_ids and min_tokens are extensions (vLLM's names), and speculate minidecode's.
 SAMPLING = (
     "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "stop_token_ids", "min_tokens",
+    "repetition_penalty", "logit_bias", "stop_token_ids", "min_tokens", "speculate",
 )  # fmt: skip
 _GENERATE = {"model", "n", "stream", "stream_options", "max_tokens", "logprobs", "user", *SAMPLING}
 FIELDS = {
@@ -245,11 +245,13 @@ def choices(
     chat_cap: int,
     allow_extrapolation: bool,
     check_context: Callable[..., bool],
+    speculate: int = 0,
 ) -> list[Request]:
     """The Call's Requests, choice by choice, each prompt as its token ids: max_tokens' default
     (completions 16, chat the rest of the model's `context` positions up to `chat_cap`), the
     context checked by the runtime's one check (`check_context`: LLM.check_context, naming the
-    client's fields), n choices of each prompt."""
+    client's fields), speculate's default the server's (`serve --speculate`), n choices of each
+    prompt."""
     out = []
     for request, ids in zip(call.prompts, prompt_ids, strict=True):
         new = request.max_new_tokens
@@ -265,6 +267,7 @@ def choices(
         base = dataclasses.replace(
             request, prompt=None, messages=None, token_ids=ids, max_new_tokens=new,
             allow_extrapolation=True if allow_extrapolation else None,
+            speculate=request.speculate if request.speculate is not None else speculate or None,
         )  # fmt: skip
         check(base, call.names)  # min_tokens against the default max_tokens
         for i in range(call.n):

@@ -9,7 +9,8 @@ run it on their shards of the weights and of the cache). Its parts run in this o
 3. `cache`: the admitted sequence's cache work: a resize, a prefix copied between regions, a saved
    cache file read into its region, a release (a failure here fails that sequence only);
 4. `prepare`: decode graphs captured ahead of the step that needs them;
-5. `decode`: one decode step of rows 0..n-1, with the graph kind of those rows;
+5. `decode`: one decode step of rows 0..n-1, with the graph kind of those rows (and speculation's
+   drafts: several tokens a row);
 6. `prefill`: units of work of the one prefill in progress; when its last unit runs, its row starts
    (`RowStart`: region, position, sampling and logits-processor settings, prompt ids) and its first
    token is sampled;
@@ -17,8 +18,10 @@ run it on their shards of the weights and of the cache). Its parts run in this o
 8. `file`: a cache file saved or opened, each rank its own part (`LLM.save_cache` / `load_cache`).
 
 What the engine returns is a `StepOutput`: the decode step's tokens (of the step before it: each
-step's tokens are copied to the host while the next one runs), the first token of a prefill that
-ended, the failure of the admitted sequence, if any, and each rank's answer to `file`.
+step's tokens are copied to the host while the next one runs; a step with drafts also returns its
+own, the drafts it kept and the token after them, since the next drafts follow them), the first
+token of a prefill that ended, the failure of the admitted sequence, if any, and each rank's answer
+to `file`.
 """
 
 from __future__ import annotations
@@ -131,8 +134,15 @@ class Prefill:
 
 @dataclass
 class Decode:
+    """A decode step of rows 0..rows-1. With drafts (speculation): `queries` = 1 + a draft bucket
+    (engine.DRAFT_BUCKETS), and drafts[row] is [lead, d1, .., dk] (k < queries) or [] (none): the
+    token the row is believed to hold, then what is proposed to follow it (made on rank 0 from the
+    tokens on the host, copied into every rank's decode state)."""
+
     rows: int
     kind: DecodeKind
+    queries: int = 1
+    drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -164,6 +174,13 @@ class StepOutput:
     # the decode step's previous tokens of rows 0..n-1 (each row's log p and top ids / log-probs
     # where asked for), on the host
     tokens: list[int] = field(default_factory=list)
+    # a step with drafts, its own results (no lag): each row's drafts kept, and the token after them
+    # (its log p and top ids / log-probs where asked for: rows without drafts)
+    accepted: list[int] | None = None
+    next: list[int] | None = None
+    next_logprobs: list[float] | None = None
+    next_top_ids: Any = None  # [n, 20] int64 (host)
+    next_top_logprobs: Any = None  # [n, 20] float32 (host)
     logprobs: list[float] | None = None
     top_ids: Any = None  # [n, 20] int64 (host)
     top_logprobs: Any = None  # [n, 20] float32 (host)

@@ -22,6 +22,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_MAX_BATCH = 32  # sequences decoded at once (the engine's rows)
 MAX_SEED = 2**63
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token reports (OpenAI's limit)
+MAX_SPECULATE = 16  # the most draft tokens a decode step verifies for one sequence
 
 
 @dataclass
@@ -50,6 +51,12 @@ class Request:
     frequency_penalty: float | None = None  # [-2, 2]; times each generated token's count (OpenAI)
     stop_token_ids: list[int] | None = None  # generation ends when one is sampled (not returned)
     top_logprobs: int | None = None  # [0, 20]: each new token's most likely alternatives (implies logprobs)
+    # [0, 16]: the most draft tokens a decode step verifies (prompt lookup: the tokens that followed
+    # the latest earlier occurrence of the last few, in the prompt or the answer); 0 or unset: off.
+    # Greedy output is unchanged token for token; sampling keeps the model's distribution (a seeded
+    # request's draws are its own in any batch, but not those it draws without speculation). With
+    # log-probs, top log-probs or a logits processor it makes no drafts (one token a step: exact).
+    speculate: int | None = None
 
     @classmethod
     def from_dict(cls, fields: Any, what: str = "request") -> Request:
@@ -145,6 +152,9 @@ class Request:
         if self.top_logprobs is not None:
             with about("top_logprobs"):
                 check_int(name("top_logprobs"), self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.speculate is not None:
+            with about("speculate"):
+                check_int(name("speculate"), self.speculate, 0, MAX_SPECULATE)
 
     @property
     def new_tokens(self) -> int:

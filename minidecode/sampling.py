@@ -101,6 +101,10 @@ class SamplingRows:
         for t in self.tensors():
             t[dst] = t[src]
 
+    def repeat(self, q: int) -> SamplingRows:
+        """Each row's settings q times in a row ([B * q]: a sequence's q query rows; no host sync)."""
+        return SamplingRows(*(t[:, None].expand(-1, q).reshape(-1) for t in self.tensors()))
+
 
 @dataclass
 class ProcessorRows:
@@ -207,16 +211,32 @@ def sample(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, mo
     greedy = argmax(logits)
     if mode == GREEDY:
         return greedy
-    temperature = rows.temperature[:, None]  # [B, 1]
-    scaled = logits / torch.where(temperature > 0, temperature, 1.0)
-    if mode == FILTER:
-        scaled = _cut(scaled, rows.top_k, rows.top_p)
-    probs = scaled.softmax(dim=-1)
+    probs = _probs(logits, rows, mode)
     # Exponential race: argmax(p_i / E_i), E_i ~ Exponential(1) i.i.d., picks i with probability
     # p_i (like torch.multinomial, but with no host sync and with E from the counter-based hash).
     noise = -torch.log(_uniform(rows.seed, positions, logits.shape[-1]))  # [B, V]
     drawn = argmax(probs / noise)
     return torch.where(rows.temperature > 0, drawn, greedy)
+
+
+def _probs(logits: torch.Tensor, rows: SamplingRows, mode: str) -> torch.Tensor:
+    """logits [B, V] float32 -> the distribution [B, V] a sampling row draws from (temperature,
+    then FILTER's top-k / top-p cuts); a greedy row's is its softmax (sample takes its argmax)."""
+    temperature = rows.temperature[:, None]  # [B, 1]
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)
+    if mode == FILTER:
+        scaled = _cut(scaled, rows.top_k, rows.top_p)
+    return scaled.softmax(dim=-1)
+
+
+def probabilities(logits: torch.Tensor, rows: SamplingRows, mode: str) -> torch.Tensor:
+    """logits [B, V] float32 -> the distribution [B, V] float32 `sample` draws each row's token
+    from: a greedy row's (temperature 0, or mode GREEDY) is one-hot at its argmax (what
+    speculation.accept_sampled verifies drafts against)."""
+    one_hot = torch.zeros_like(logits).scatter_(-1, argmax(logits)[:, None], 1.0)  # (no host sync)
+    if mode == GREEDY:
+        return one_hot
+    return torch.where(rows.temperature[:, None] > 0, _probs(logits, rows, mode), one_hot)
 
 
 def _cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,11 @@ Each `schedule()` gives one StepPlan: the rows of sequences that ended, the admi
 of the queue (its region and reused prefix: the cache's resize, copy or file read), one unit of
 the prefill in progress, and a decode step of the running sequences where it is their turn: always
 outside a prefill, and between its units where it started beside them, as the pacer (pacer.py)
-decides from the engine's marks of the last step and unit. Sequences admitted together start
-together (their prefills run back to back, without steps between them). `update()` takes the
-plan's StepOutput back: tokens fed, a prefill ended (its sequence now runs) or failed.
+decides from the engine's marks of the last step and unit. Where running sequences speculate,
+the step carries their drafts (prompt lookup on the tokens the host has: speculation.py).
+Sequences admitted together start together (their prefills run back to back, without steps
+between them). `update()` takes the plan's StepOutput back: tokens fed, a prefill ended (its
+sequence now runs) or failed.
 
 Requests are admitted in order while a decode row and a region of the cache are free. A finished
 sequence's K/V stay in its region as a cached prefix (evicted least-recently-used, only when the
@@ -30,12 +32,13 @@ from dataclasses import dataclass
 
 from .cache import Regions
 from .cache_file import CacheFile
-from .engine import Engine
+from .engine import Engine, draft_bucket
 from .errors import UserError
 from .pacer import Pacer
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
+from .speculation import PromptLookup
 
 
 @dataclass
@@ -140,11 +143,50 @@ class Scheduler:
             self._step_due = False
             if self._kind is None:
                 self._kind = step_kind(self.running)
-            plan.decode = Decode(len(self.running), self._kind)
+            plan.decode = self._decode_step()
         done = self.pending()  # rows freed and cache work, this admission's included
         done.admit, done.prepare = plan.admit, plan.prepare
         done.prefill, done.decode = plan.prefill, plan.decode
         return done
+
+    def _decode_step(self) -> Decode:
+        """The running rows' step: with drafts where a row speculates and one is found."""
+        kind, running = self._kind, self.running
+        plain = Decode(len(running), kind)
+        if not any(s.speculate for s in running):
+            return plain
+        drafts = [self._drafts(seq) for seq in running]
+        most = max(len(d) for d in drafts) - 1  # the most drafts a row has
+        if most < 1:
+            return plain
+        return Decode(len(running), kind, draft_bucket(most), drafts)
+
+    @staticmethod
+    def _drafts(seq: Sequence) -> list[int]:
+        """seq's drafts for the next step: [lead, d1, ..] or [] (it does not speculate, nothing
+        matches, or no room is left). They are proposed from its tokens before the one its row
+        holds (on the host after its prefill and after a step with drafts, else still on the
+        device): the lead is the lookup's guess of that token, verified on the device, then what
+        follows it. So its drafts depend on its own tokens only, whatever ran beside it (a seeded
+        request draws the same tokens in any batch). At most as many drafts as can still be
+        returned (max_new_tokens) and written in its region. None for a sequence with log-probs or
+        a logits processor (those are exact one token a step: it runs its one query row)."""
+        if not seq.speculate or seq.want_logprobs or seq.want_top or seq.params.adjusts:
+            return []
+        prompt = len(seq.prompt_ids)
+        if seq.lookup is None:
+            # (its proposals hold the lead too: one more than the drafts)
+            most = seq.speculate + 1
+            seq.lookup = PromptLookup(seq.prompt_ids, max_draft=most, initial_draft=min(5, most))
+        held = len(seq.sampled) - (1 if seq.skip else 0)  # the row's token: new token `held` (0-based)
+        seq.lookup.extend(seq.sampled[len(seq.lookup) - prompt : held])
+        room = min(seq.max_new_tokens - held - 2, seq.size - 1 - (prompt + held))
+        if room < 1:
+            return []
+        guess = seq.lookup.propose(room + 1)  # the row's token, then what follows it
+        if len(guess) < 2 or (seq.skip and guess[0] != seq.sampled[-1]):  # (known to fail)
+            return []
+        return guess
 
     def _admit(self, plan: StepPlan) -> None:
         """Admit the head of the queue if a row and a region are free: its cache work and its
@@ -197,8 +239,9 @@ class Scheduler:
             self._rebuild_regions(out.capacity)
         if out.step_marks is not None:
             self.pacer.stepped(*out.step_marks)
-            for fed in self.running[: plan.decode.rows]:
-                fed.fed += 1  # the step writes the K/V of the token its row holds
+            kept = out.accepted or [0] * plan.decode.rows
+            for fed, accepted in zip(self.running[: plan.decode.rows], kept, strict=True):
+                fed.fed += 1 + accepted  # the step writes the K/V of its row's token (and of kept drafts)
         if out.unit_mark is not None and self.running:
             self._step_due = self.pacer.unit_done(out.unit_flops, out.unit_mark)
         if self.prefilling is not None and out.file_seconds:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .sampling import SamplingParams
+from .speculation import PromptLookup
 from .tokenizer import StreamDecoder
 
 _ids = itertools.count()
@@ -32,6 +33,9 @@ class GenerationStats:
     kv_cache_dtype: str = ""  # what the KV cache stored: the model's dtype, or "fp8_e4m3"
     weights: str = ""  # which weights ran: the model's dtype, or their FP8 scheme
     prefill_attention: str = ""  # what prefill attention ran: an SDPA backend, or "fp8"
+    decode_steps: int = 0  # decode steps the sequence ran in (with speculation, fewer than its tokens)
+    proposed_tokens: int = 0  # speculation: draft tokens verified, and those kept
+    accepted_tokens: int = 0
 
     def summary(self) -> str:
         """The stats line: `prompt 1,120 tok (1,089 from the cache), prefill 0.01 s (...) ...`."""
@@ -44,6 +48,12 @@ class GenerationStats:
             f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB | KV cache {self.kv_cache_dtype}"
             + (f" | weights {self.weights}" if self.weights.startswith("fp8") else "")
             + (" | FP8 prefill attention" if self.prefill_attention == "fp8" else "")
+            + (
+                f" | drafts {self.accepted_tokens:,} of {self.proposed_tokens:,} accepted, "
+                f"{self.decode_steps:,} steps"
+                if self.proposed_tokens
+                else ""
+            )
         )
 
 
@@ -78,6 +88,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids: end generation (not returned), "stop"
     want_top: int = 0  # top_logprobs: how many most likely alternatives each new token reports
     on_progress: Callable[[int, int], None] | None = None  # prefill progress (done, total)
+    speculate: int = 0  # the most draft tokens a decode step verifies (0: no speculation)
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.perf_counter)
     # the run (the engine loop's thread only)
@@ -98,6 +109,7 @@ class Sequence:
     text: TextStream | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    lookup: PromptLookup | None = None  # speculation's drafter (its prompt indexed once, on first use)
 
     @property
     def cached_ids(self) -> list[int]:

@@ -68,6 +68,7 @@ class ServerSettings:
     max_waiting: int = 256  # queued requests beyond this get a 503
     api_key: str | None = None  # every endpoint but /health needs `Authorization: Bearer <it>`
     allow_extrapolation: bool = False  # contexts past the model's trained positions
+    speculate: int = 0  # a request's speculate unless it sets its own (0: off)
     access_log: bool = True  # one line per request on stderr
 
 
@@ -107,6 +108,9 @@ class Metrics:
             "minidecode_prompt_tokens": ("Prompt tokens of admitted requests", stats.prompt_tokens),
             "minidecode_generation_tokens": ("Tokens generated", stats.generation_tokens),
             "minidecode_requests_finished": ("Requests that ended", stats.requests_finished),
+            "minidecode_decode_steps": ("Decode steps of each sequence, summed", stats.decode_steps),
+            "minidecode_proposed_tokens": ("Speculation's draft tokens verified", stats.proposed_tokens),
+            "minidecode_accepted_tokens": ("Speculation's draft tokens kept", stats.accepted_tokens),
             "minidecode_prefix_cache_queries": ("Requests that looked up a cached prefix", scheduler.queries),
             "minidecode_prefix_cache_hits": ("Requests that reused a cached prefix", scheduler.hits),
             "minidecode_cache_reallocations": ("KV cache reallocations", engine.resizes),
@@ -248,8 +252,8 @@ class Service:
         settings = self.settings
         return openai_api.choices(
             call, ids, self.context, settings.max_tokens_default, settings.allow_extrapolation,
-            self.llm.check_context,
-        )
+            self.llm.check_context, settings.speculate,
+        )  # fmt: skip
 
     def relay(self) -> EventRelay:
         loop = asyncio.get_running_loop()

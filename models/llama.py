@@ -183,12 +183,17 @@ class Attention(nn.Module):
         pdl: bool,
         then: NormAfter,
         starts: torch.Tensor | None = None,
+        q_lens: torch.Tensor | None = None,
     ) -> torch.Tensor | QuantizedRows:
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
         in place -> then(x). cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to
         (region start + position in a batch); lengths [B] int32 = positions + 1 (0: an idle batch
         slot); starts [B] int64: where each sequence's region begins in a cache of one shared row
-        (kv [1, Hkv, S, D]); pdl chains the kernels (ops.py)."""
+        (kv [1, Hkv, S, D]); pdl chains the kernels (ops.py).
+
+        q_lens [S] int32 (verifying drafts): the B rows are S sequences' Q = B / S query positions
+        each, sequence-major; sequence s has q_lens[s] of them and lengths, starts are [S]
+        (decode_attention's multi-query contract)."""
         B = x.shape[0]
         k_cache, v_cache, kv_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S, 2]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
@@ -197,9 +202,16 @@ class Attention(nn.Module):
             qkv, cos, sin, written, k_cache, v_cache, self.num_heads, *norms, self.norm_eps, pdl=pdl,
             kv_scale=kv_scale, static_scales=self.kv_static_scales,
         )  # fmt: skip
-        out = self.attend(
-            q, k_cache, v_cache, lengths, self.scale, pdl=pdl, kv_scale=kv_scale, starts=starts
-        )  # [B, Hq, D]
+        if q_lens is None:
+            out = self.attend(
+                q, k_cache, v_cache, lengths, self.scale, pdl=pdl, kv_scale=kv_scale, starts=starts
+            )  # [B, Hq, D]
+        else:
+            queries = q.view(q_lens.shape[0], -1, *q.shape[1:])  # [S, Q, Hq, D]
+            out = self.attend(
+                queries, k_cache, v_cache, lengths, self.scale, pdl=pdl, kv_scale=kv_scale, starts=starts,
+                q_lens=q_lens,
+            )  # fmt: skip
         return self.o_proj.add_to(x, out.view(B, -1), pdl, then)
 
 
@@ -529,7 +541,45 @@ class Transformer(nn.Module):
         lengths = (positions + 1).to(torch.int32)  # [B] context after this token
         if active is not None:
             lengths = lengths * active
-        return self.decode_layers(tokens, positions, positions, lengths, cache, pdl, starts)
+        # once a step, not once a layer: cache positions in the shared row
+        written = positions if starts is None else starts + positions
+        return self.decode_layers(tokens, positions, written, lengths, cache, pdl, starts)
+
+    def decode_drafts(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        q_lens: torch.Tensor,
+        cache: KVCache,
+        spare: int,
+        pdl: bool = False,
+        starts: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decode step with several tokens a sequence (verifying speculative drafts): tokens
+        [B, Q] on the device, sequence b's first q_lens[b] ([B] int32, 1..Q) of them at positions
+        positions[b] ([B] int64) + 0, 1, ... -> final-normed hidden [B, Q, hidden].
+
+        As `decode` (starts, active) for the B * Q rows, run as one batch: each real row's K/V is
+        written at its position, each query attends causally to its sequence's cache up to its
+        own position (decode_attention with q_lens), and RoPE's length for dynamic NTK / LongRoPE
+        is each row's own position + 1, as decoding them one at a time would. Padding rows (j >=
+        q_lens[b], and every row of an idle sequence) write their ignored K/V at cache position
+        `spare` (the engine's spare granule), so no region beyond a sequence's real rows is
+        touched. Fixed shapes, no host sync: graph-capturable like `decode`."""
+        B, Q = tokens.shape
+        at = positions[:, None] + torch.arange(Q, device=tokens.device)  # [B, Q] sequence positions
+        real = at < (positions + q_lens)[:, None]  # [B, Q]
+        lengths = (positions + q_lens).to(torch.int32)  # [B] context after the last real row
+        if active is not None:
+            lengths = lengths * active
+            real = real & (active[:, None] > 0)
+        written = at if starts is None else starts[:, None] + at
+        written = torch.where(real, written, spare)  # [B, Q] cache positions in the shared row
+        hidden = self.decode_layers(
+            tokens.reshape(-1), at.reshape(-1), written.reshape(-1), lengths, cache, pdl, starts, q_lens
+        )  # [B * Q, hidden]
+        return hidden.view(B, Q, -1)
 
     def decode_layers(
         self,
@@ -540,12 +590,13 @@ class Transformer(nn.Module):
         cache: KVCache,
         pdl: bool,
         starts: torch.Tensor | None = None,
+        q_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layers of a decode step: RoPE at `positions` [B], the new K/V written at cache
-        positions `written` [B] (+ starts), attention over `lengths` [B] -> final-normed hidden."""
+        positions `written` [B] (in the cache's row: region starts included), attention over
+        `lengths` [B] (from `starts`) -> final-normed hidden. q_lens [S]: the B rows are S
+        sequences' queries (Attention.decode)."""
         cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
-        if starts is not None:  # once a step, not once a layer: cache positions in the shared row
-            written = starts + written
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         layers = self.model.layers
 
@@ -560,7 +611,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             then = NormAfter(layer.post_attention_layernorm, mlp.gate_up_weight)
-            h = attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, then, starts)
+            h = attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, then, starts, q_lens)
             h = mlp.decode(x, h, pdl, input_norm(i + 1))
         return h  # the final norm's
 
