@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -90,6 +91,49 @@ class DecodeState:
         self.sampling.move(src, dst)
         if self.processors is not None:
             self.processors.move(src, dst)
+
+
+@dataclass
+class HostRows:
+    """Pinned host copies of the first rows of a DecodeState's results, [B] each (the copies run
+    beside the device's work): the tokens, their log p and top log-probs, and (a step with drafts)
+    how many drafts each row kept."""
+
+    tokens: torch.Tensor  # int64
+    logprob: torch.Tensor  # float32
+    top_ids: torch.Tensor  # [B, MAX_TOP_LOGPROBS] int64
+    top_logprob: torch.Tensor  # [B, MAX_TOP_LOGPROBS] float32
+    accepted: torch.Tensor  # int64
+
+    @classmethod
+    def empty(cls, batch: int, pin: bool) -> HostRows:
+        def new(dtype, *shape):
+            return torch.empty(batch, *shape, dtype=dtype, pin_memory=pin)
+
+        top = MAX_TOP_LOGPROBS
+        tokens, logprob, accepted = new(torch.long), new(torch.float32), new(torch.long)
+        return cls(tokens, logprob, new(torch.long, top), new(torch.float32, top), accepted)
+
+    def copy_from(
+        self, state: DecodeState, n: int, logprobs: bool, top: bool, accepted: bool = False
+    ) -> None:
+        """Queue the copies of rows 0..n-1 (what the step's kind holds) after the queued work."""
+        pairs = [(self.tokens, state.tokens)]
+        if logprobs:
+            pairs.append((self.logprob, state.logprob))
+        if top:
+            pairs += [(self.top_ids, state.top_ids), (self.top_logprob, state.top_logprob)]
+        if accepted:
+            pairs.append((self.accepted, state.accepted))
+        for host, device in pairs:
+            host[:n].copy_(device[:n], non_blocking=True)
+
+    def read(self, n: int, logprobs: bool, top: bool) -> tuple[list[int], list[float] | None, Any, Any]:
+        """(tokens, log p or None, top ids [n, 20] or None, their log p or None) of rows 0..n-1,
+        once the copies have landed."""
+        if not top:
+            return self.tokens[:n].tolist(), self.logprob[:n].tolist() if logprobs else None, None, None
+        return self.tokens[:n].tolist(), self.logprob[:n].tolist(), self.top_ids[:n], self.top_logprob[:n]
 
 
 def decode_step(

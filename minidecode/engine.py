@@ -38,13 +38,13 @@ from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
 from .cache_parts import CacheParts
-from .decode import DecodeState, ProcessorRows, capture, decode_step
+from .decode import DecodeState, HostRows, ProcessorRows, capture, decode_step
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
 from .pacer import STEP_END, STEP_START, DeviceClock
 from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, StepOutput, StepPlan
-from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE, MAX_TOP_LOGPROBS, check_int
+from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE, check_int
 from .sampling import SamplingParams, process, sample, top_logprobs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
@@ -119,17 +119,10 @@ class Engine:
         self._prefilling: Generator[float, None, torch.Tensor] | None = None  # the prefill in progress
         self._prefill_prompt: list[int] = []  # ... and its prompt ids
         self.clock = DeviceClock(device)  # marks of the steps and units, for the scheduler's pacer
-        cuda, top = device.type == "cuda", MAX_TOP_LOGPROBS  # pinned: the copies run beside the step
-        self._host_tokens = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
-        self._host_logprobs = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
-        self._host_top_ids = torch.empty(self.max_batch, top, dtype=torch.long, pin_memory=cuda)
-        self._host_top_logprobs = torch.empty(self.max_batch, top, dtype=torch.float32, pin_memory=cuda)
-        # a step with drafts: its own results (accepted drafts, the token after them), no lag
-        self._host_accepted = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
-        self._host_next = torch.empty(self.max_batch, dtype=torch.long, pin_memory=cuda)
-        self._host_next_logprobs = torch.empty(self.max_batch, dtype=torch.float32, pin_memory=cuda)
-        self._host_next_top_ids = torch.empty(self.max_batch, top, dtype=torch.long, pin_memory=cuda)
-        self._host_next_top_logprobs = torch.empty(self.max_batch, top, dtype=torch.float32, pin_memory=cuda)
+        # Pinned host copies, run beside the device's work: each step's tokens (of the step before:
+        # the plain step's lag), and a step with drafts' own results (no lag: the next drafts follow them)
+        cuda = device.type == "cuda"
+        self._lagged, self._own = HostRows.empty(self.max_batch, cuda), HostRows.empty(self.max_batch, cuda)
         # ... and its drafts on their way in, [rows, (lead, count, drafts...)]: one buffer serves, since
         # a step with drafts is waited for (its results), its copy from here with it
         self._host_drafts = torch.zeros(self.max_batch, 2 + MAX_SPECULATE, dtype=torch.long, pin_memory=cuda)
@@ -304,22 +297,11 @@ class Engine:
         n, kind, state = decode.rows, decode.kind, self.state
         if decode.queries > 1:
             self._load_drafts(decode)
-        self._host_tokens[:n].copy_(state.tokens[:n], non_blocking=True)
-        if kind.logprobs:
-            self._host_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
-        if kind.top:
-            self._host_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
-            self._host_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
+        self._lagged.copy_from(state, n, kind.logprobs, kind.top)
         copied = self.clock.mark(STEP_START)
         self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries)
         if decode.queries > 1:
-            self._host_accepted[:n].copy_(state.accepted[:n], non_blocking=True)
-            self._host_next[:n].copy_(state.tokens[:n], non_blocking=True)
-            if kind.logprobs:
-                self._host_next_logprobs[:n].copy_(state.logprob[:n], non_blocking=True)
-            if kind.top:
-                self._host_next_top_ids[:n].copy_(state.top_ids[:n], non_blocking=True)
-                self._host_next_top_logprobs[:n].copy_(state.top_logprob[:n], non_blocking=True)
+            self._own.copy_from(state, n, kind.logprobs, kind.top, accepted=True)
         out.step_marks = (copied, self.clock.mark(STEP_END))
         return copied if decode.queries == 1 else out.step_marks[1]
 
@@ -340,18 +322,11 @@ class Engine:
     def _hand_back(self, decode: Decode, copied, out: StepOutput) -> None:
         n, kind = decode.rows, decode.kind
         self.clock.wait(copied)
-        out.tokens = self._host_tokens[:n].tolist()
-        if kind.logprobs:
-            out.logprobs = self._host_logprobs[:n].tolist()
-        if kind.top:
-            out.top_ids, out.top_logprobs = self._host_top_ids[:n], self._host_top_logprobs[:n]
+        want = (n, kind.logprobs, kind.top)
+        out.tokens, out.logprobs, out.top_ids, out.top_logprobs = self._lagged.read(*want)
         if decode.queries > 1:
-            out.accepted, out.next = self._host_accepted[:n].tolist(), self._host_next[:n].tolist()
-            if kind.logprobs:
-                out.next_logprobs = self._host_next_logprobs[:n].tolist()
-            if kind.top:
-                out.next_top_ids = self._host_next_top_ids[:n]
-                out.next_top_logprobs = self._host_next_top_logprobs[:n]
+            out.next, out.next_logprobs, out.next_top_ids, out.next_top_logprobs = self._own.read(*want)
+            out.accepted = self._own.accepted[:n].tolist()
 
     def _run_prefill(self, p: Prefill, out: StepOutput, on_progress) -> None:
         """Run p.units units of the prefill in progress (starting it if p.begin); once its last unit
