@@ -311,7 +311,14 @@ class Reply:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model}
 
     def text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        """A token's text in log-prob entries: its bytes as UTF-8, or, where they are part of a
+        character that spans tokens, "bytes:" and their escapes (as vLLM writes them), so that
+        different partial tokens stay different keys of a top-log-probs dict."""
+        raw = self.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def response(self, results: list[GenerationResult]) -> dict[str, Any]:
         choices = [self.choice(i, r) for i, r in enumerate(results)]
@@ -417,8 +424,8 @@ class ChatReply(Reply):
         return entry
 
     def _one(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        raw = list(self.tokenizer.token_bytes(token))
+        return {"token": self.text(token), "logprob": logprob, "bytes": raw}
 
 
 REPLIES: dict[str, type[Reply]] = {"completions": CompletionReply, "chat": ChatReply}

@@ -15,6 +15,20 @@ from .errors import UserError
 # A newline between two non-space characters: GPT-2's and Llama 3's byte-level regexes both end a
 # pre-token right after it (whitespace before it could join it into one pre-token, e.g. " \n").
 _NEWLINE_THEN_TEXT = re.compile(r"(?<=\S)\n(?=\S)")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback vocabulary's single byte
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: the printable Latin-1 bytes stand for
+    themselves, the other 68 (controls, space, ...) for the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1)]
+    printable += range(ord("\xae"), ord("\xff") + 1)
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -42,9 +56,26 @@ class Tokenizer:
             and not any(t.get("lstrip") for t in spec.get("added_tokens") or [])
         )
 
+        decoder = json.dumps(spec.get("decoder"))
+        self._byte_level, self._byte_fallback = '"ByteLevel"' in decoder, '"ByteFallback"' in decoder
+        self._added = set(self.backend.get_added_tokens_decoder())
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for, which need not be UTF-8 by themselves (a character's
+        bytes may span tokens): a byte-level vocabulary spells each byte as one character, a
+        byte-fallback one a lone byte as <0xNN>; other tokens (added ones, whole pieces of other
+        vocabularies) are their decoded text."""
+        piece = self.backend.id_to_token(token)
+        if piece is not None and token not in self._added:
+            if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            if self._byte_fallback and (byte := _BYTE_PIECE.fullmatch(piece)):
+                return bytes([int(byte[1], 16)])
+        return self.decode([token]).encode()
 
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.backend.token_to_id(text)
@@ -193,6 +224,9 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     encode_long = encode
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if token < 256 else f"<{token}>".encode()
 
     def decode(self, ids: list[int]) -> str:
         out, run = [], bytearray()

@@ -574,3 +574,38 @@ def test_a_closed_or_abandoned_stream_frees_the_model(llama, prompt_ids):
     assert llm.generate(token_ids=ids, max_new_tokens=8, temperature=0).token_ids == ref
     llm.stream(token_ids=ids, max_new_tokens=8, temperature=0)  # never iterated, dropped at once
     assert llm.generate(token_ids=ids, max_new_tokens=8, temperature=0).token_ids == ref
+
+
+def test_token_bytes_spell_the_text_in_byte_level_and_byte_fallback_vocabularies(tiny_llama, tmp_path):
+    """Each token's bytes, concatenated, are the text's UTF-8 bytes, characters split over tokens
+    included: a byte-level BPE (the test checkpoints'), and a byte-fallback BPE that spells an
+    unknown character's bytes as <0xNN> tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from minidecode.tokenizer import Tokenizer
+
+    text = "Ünïcödé, emoji 🙂🙃 and CJK 漢字 in a row"
+    byte_level = Tokenizer(tiny_llama)
+    ids = byte_level.encode(text, add_special_tokens=False)
+    assert b"".join(byte_level.token_bytes(t) for t in ids) == text.encode()
+    assert any(not _utf8(byte_level.token_bytes(t)) for t in ids)  # some token is part of a character
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {c: 256 + i for i, c in enumerate("▁abcdemojiwt,")}
+    fallback = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    fallback.decoder = decoders.Sequence(steps)
+    fallback.save(str(tmp_path / "tokenizer.json"))
+    ours = Tokenizer(tmp_path)
+    word = "émoji🙂"
+    ids = ours.encode(word, add_special_tokens=False)
+    assert len(ids) > len(word)  # é and 🙂 went to bytes
+    assert b"".join(ours.token_bytes(t) for t in ids) == word.encode()
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -224,6 +224,28 @@ def test_chat_top_logprobs_shape(chat):
         assert values == sorted(values, reverse=True)
 
 
+def test_a_partial_character_token_keeps_its_bytes_in_log_probs(chat, chat_model):
+    """A token that is the first byte of a 4-byte character (forced by logit_bias): its log-prob
+    entry names its byte, not U+FFFD (which every partial token would share as a dict key), and
+    `bytes` holds exactly it; completions' legacy tokens and top-log-probs keys say the same."""
+    from minidecode.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(chat_model)
+    lead = tokenizer.token_id("ð")  # byte 0xF0 in the byte-level alphabet: it stands for itself
+    assert tokenizer.token_bytes(lead) == b"\xf0"
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "temperature": 0,
+            "logit_bias": {str(lead): 100}, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    status, answer = post(chat, "/v1/chat/completions", body)
+    assert status == 200, answer
+    entry = answer["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"] == "bytes:\\xf0" and entry["bytes"] == [0xF0]
+    assert answer["choices"][0]["message"]["content"] == "\ufffd"  # the text itself: replaced
+    body = {"prompt": "x", "max_tokens": 1, "temperature": 0, "logit_bias": {str(lead): 100}, "logprobs": 2}
+    status, answer = post(chat, "/v1/completions", body)
+    logprobs = answer["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["bytes:\\xf0"] and "bytes:\\xf0" in logprobs["top_logprobs"][0]
+
+
 def test_logit_bias_removes_the_greedy_token(shipped, reference):
     prompt = "def fibonacci(n):"
     ids = reference.encode(Request(prompt=prompt).check())
