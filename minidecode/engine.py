@@ -66,8 +66,9 @@ def draft_bucket(k: int) -> int:
 
 
 def step_queries(speculate: int) -> list[int]:
-    """The query rows a sequence that a step may take where its rows draft at most `speculate`
-    tokens: 1 (a plain step), then draft_bucket(k) for each k in 1..speculate (a graph each)."""
+    """The query rows a sequence (1 + draft slots) that a step can take where its rows draft at
+    most `speculate` tokens: 1 (a plain step), then draft_bucket(k) for k in 1..speculate; each is
+    a graph of its own."""
     return [1, *sorted({draft_bucket(k) for k in range(1, speculate + 1)})]
 
 
