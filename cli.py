@@ -893,7 +893,7 @@ def info(
 BATCH_ONLY = ("batch_peer",)  # bench's options of --batch alone, and of the prompt-length table alone:
 LENGTHS_ONLY = (
     "prompt_tokens", "prefill_repeat_max_tokens", "compare", "peer", "peer_max_tokens", "compiled_max_tokens",
-    "json_output", "plot_file", "quantization", "prefill_attention",
+    "json_output", "plot_file", "quantization", "prefill_attention", "speculate",
 )  # fmt: skip
 
 
@@ -948,13 +948,17 @@ def bench(
     batch_peer: Annotated[
         str, typer.Option(help="Peers for --batch, comma-separated: transformers, or none")
     ] = "transformers",
+    speculate: Annotated[
+        int, typer.Option(help="Speculate: the most draft tokens a step of the timed generations (0..16)")
+    ] = 0,
     *,
     runtime: Runtime,
 ) -> None:
     """Prefill and decode speed per prompt length against the read roofline, with the median and
-    range over repeats (and transformers' eager and compiled settings with --compare). With
-    --batch: aggregate decode speed of batches against the batched roofline and peers. Every
-    setting is checked, and every peer imported, before the model loads."""
+    range over repeats (and transformers' eager and compiled settings with --compare); with
+    --speculate K, the drafts kept and the tokens a step. With --batch: aggregate decode speed
+    of batches against the batched roofline and peers. Every setting is checked, and every peer
+    imported, before the model loads."""
     try:
         runtime.check()
         if batch:
@@ -969,9 +973,10 @@ def bench(
             prefill_repeat_max_tokens=prefill_repeat_max_tokens,
             peers=[p.strip() for p in peer.split(",") if p.strip()] if compare else [],
             peer_max_tokens=peer_max_tokens, compiled_max_tokens=compiled_max_tokens,
-            allow_extrapolation=allow_extrapolation,
+            allow_extrapolation=allow_extrapolation, speculate=speculate,
         )  # fmt: skip
         check_bench_args(settings, runtime, compare, out, plot_file)
+        check_speculate(runtime, speculate)
     except UserError as e:
         fail(str(e))
     bench_lengths(model, runtime, settings, command_line(ctx), json_output, out, plot_file)

@@ -4,8 +4,8 @@
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
 #   STAGES       which of: tests attention fp8 fp8w fp8gemv fp8prefill profile bench demo prefix
-#                suffix batch integ multi ab serve (default "tests profile bench"; multi needs 2 or 4
-#                GPUs)
+#                suffix batch integ multi ab serve speculate (default "tests profile bench"; multi
+#                needs 2 or 4 GPUs)
 #   MULTI_PARTS  what multi runs: tests and/or bench (default "tests bench")
 #   FP8P_PARTS   which parts of fp8prefill: tests kernel accuracy probe (default: all four)
 #   SKIP_INSTALL set: minidecode is installed already (two runs side by side, one GPU each)
@@ -233,6 +233,16 @@ if [[ $STAGES == *serve* ]]; then
   timeout 480 python3 bench/serve.py --out "$RESULTS_DIR/serve" >"$LOG_DIR/serve.log" 2>&1
   summary+=("serve exit $?")
   tail -15 "$LOG_DIR/serve.log"
+fi
+if [[ $STAGES == *speculate* ]]; then
+  # Speculative decoding end to end (bench/speculate.py, about 3 minutes on an H200): the shipped model
+  # re-emitting code its prompt holds and repeating a 3k-token document, and random ids on the
+  # synthetic 8B at 32k (nothing to match; its 32k prefill, ~1.2 s, runs 12 times), 512 new tokens
+  # each with and without --speculate 8, alternated, 5 timed pairs a task, the outputs checked
+  # equal -> speculate.{md,json}.
+  timeout 360 python3 bench/speculate.py --new-tokens 512 --repeats 5 --out "$RESULTS_DIR/speculate" 2>&1 \
+    | tee "$LOG_DIR/speculate.log" | tail -8
+  summary+=("speculate exit ${PIPESTATUS[0]}")
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

@@ -159,9 +159,18 @@ class BatchReport:
 
 
 def batch_stats_line(progress, seconds: float) -> str:
-    """The summary of a finished batch run."""
+    """The summary of a finished batch run; where speculation ran, its drafts: how many were kept
+    of those proposed, and the tokens a decode step made (1 + its kept drafts), on average."""
     rate = progress.new_tokens / max(seconds, 1e-9)
-    return (
+    line = (
         f"{progress.done:,} done, {progress.failed:,} failed of {progress.total:,} requests | "
         f"{progress.new_tokens:,} new tok in {seconds:.2f} s ({rate:,.1f} tok/s)"
     )
+    if progress.proposed_tokens:
+        steps = progress.decode_steps
+        per_step = (steps + progress.accepted_tokens) / max(steps, 1)
+        line += (
+            f" | drafts {progress.accepted_tokens:,} of {progress.proposed_tokens:,} accepted, "
+            f"{per_step:.2f} tok/step"
+        )
+    return line

@@ -65,6 +65,13 @@ def draft_bucket(k: int) -> int:
     return 1 + next(b for b in DRAFT_BUCKETS if b >= k)
 
 
+def step_queries(speculate: int) -> list[int]:
+    """The query rows a sequence (1 + draft slots) that a step can take where its rows draft at
+    most `speculate` tokens: 1 (a plain step), then draft_bucket(k) for k in 1..speculate; each is
+    a graph of its own."""
+    return [1, *sorted({draft_bucket(k) for k in range(1, speculate + 1)})]
+
+
 def check_max_batch(max_batch: int) -> int:
     check_int("max_batch", max_batch, 1)
     if max_batch > BUCKETS[-1]:
@@ -236,8 +243,8 @@ class Engine:
         if plan.cancel:
             self._prefilling = None
         admitted = self._cache_work(plan, out)
-        for rows, kind in plan.prepare:
-            self.prepare(rows, kind.mode, kind.logprobs, kind.adjust, kind.top)
+        for rows, kind, queries in plan.prepare:
+            self.prepare(rows, kind.mode, kind.logprobs, kind.adjust, kind.top, queries)
         copied = self._decode(plan.decode, out) if plan.decode is not None else None
         if plan.prefill is not None and (admitted or plan.prefill.begin is None):
             try:

@@ -8,7 +8,7 @@ run it on their shards of the weights and of the cache). Its parts run in this o
 2. `cancel`: drop the prefill in progress (its caller has gone);
 3. `cache`: the admitted sequence's cache work: a resize, a prefix copied between regions, a saved
    cache file read into its region, a release (a failure here fails that sequence only);
-4. `prepare`: decode graphs captured ahead of the step that needs them;
+4. `prepare`: decode graphs captured ahead of the step that needs them (a step with drafts' too);
 5. `decode`: one decode step of rows 0..n-1, with the graph kind of those rows (and speculation's
    drafts: several tokens a row);
 6. `prefill`: units of work of the one prefill in progress; when its last unit runs, its row starts
@@ -152,7 +152,7 @@ class StepPlan:
     cancel: bool = False
     admit: int | None = None  # the Sequence.id whose cache work `cache` is
     cache: list[Resize | Copy | FileRead | Release] = field(default_factory=list)
-    prepare: list[tuple[int, DecodeKind]] = field(default_factory=list)  # (rows, kind)
+    prepare: list[tuple[int, DecodeKind, int]] = field(default_factory=list)  # (rows, kind, queries)
     decode: Decode | None = None
     prefill: Prefill | None = None
     score: list[int] | None = None

@@ -32,13 +32,12 @@ from dataclasses import dataclass
 
 from .cache import Regions
 from .cache_file import CacheFile
-from .engine import Engine, draft_bucket
+from .engine import Engine, draft_bucket, step_queries
 from .errors import UserError
 from .pacer import Pacer
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
-from .speculation import PromptLookup
 
 
 @dataclass
@@ -169,15 +168,12 @@ class Scheduler:
         device): the lead is the lookup's guess of that token, verified on the device, then what
         follows it. So its drafts depend on its own tokens only, whatever ran beside it (a seeded
         request draws the same tokens in any batch). At most as many drafts as can still be
-        returned (max_new_tokens) and written in its region. None for a sequence with log-probs or
-        a logits processor (those are exact one token a step: it runs its one query row)."""
-        if not seq.speculate or seq.want_logprobs or seq.want_top or seq.params.adjusts:
+        returned (max_new_tokens) and written in its region. None for a sequence without a drafter
+        (Sequence.lookup: one with log-probs or a logits processor is exact one token a step, it
+        runs its one query row)."""
+        if seq.lookup is None:
             return []
         prompt = len(seq.prompt_ids)
-        if seq.lookup is None:
-            # (its proposals hold the lead too: one more than the drafts)
-            most = seq.speculate + 1
-            seq.lookup = PromptLookup(seq.prompt_ids, max_draft=most, initial_draft=min(5, most))
         held = len(seq.sampled) - (1 if seq.skip else 0)  # the row's token: new token `held` (0-based)
         seq.lookup.extend(seq.sampled[len(seq.lookup) - prompt : held])
         room = min(seq.max_new_tokens - held - 2, seq.size - 1 - (prompt + held))
@@ -207,8 +203,11 @@ class Scheduler:
             self.waiting.popleft()
             self.prefilling = seq
             plan.admit = seq.id
-            # The step graph it will decode in, captured before its prefill (not in its decoding).
-            plan.prepare.append((len(self.running) + 1, step_kind([*self.running, seq])))
+            # The step graphs it will decode in, captured before its prefill (not in its decoding):
+            # the plain step's, and where a row can speculate each draft bucket its steps may take.
+            rows, together = len(self.running) + 1, [*self.running, seq]
+            most = max((s.speculate for s in together if s.lookup is not None), default=0)
+            plan.prepare += [(rows, step_kind(together), queries) for queries in step_queries(most)]
             plan.prefill = self._prefill_work(seq, begin=True)
             return
         self._round = False

@@ -109,7 +109,16 @@ class Sequence:
     text: TextStream | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    lookup: PromptLookup | None = None  # speculation's drafter (its prompt indexed once, on first use)
+    lookup: PromptLookup | None = None  # speculation's drafter: its prompt indexed once, as it is made
+
+    def __post_init__(self) -> None:
+        # The drafter of a sequence that may get drafts (a row with log-probs or a logits processor
+        # runs one query row), its prompt indexed here, on the submitting caller's thread (a 512k
+        # prompt takes a fraction of a second): never inside a step of the engine loop. Its
+        # proposals hold the row's token too (the lead): one more than the drafts.
+        if self.speculate and not (self.want_logprobs or self.want_top or self.params.adjusts):
+            most = self.speculate + 1
+            self.lookup = PromptLookup(self.prompt_ids, max_draft=most, initial_draft=min(5, most))
 
     @property
     def cached_ids(self) -> list[int]:

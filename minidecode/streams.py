@@ -69,6 +69,10 @@ class BatchProgress:
     running: int = 0
     waiting: int = 0
     new_tokens: int = 0
+    # the ended requests' decode steps and speculation's drafts (proposed, kept), summed
+    decode_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -129,6 +133,11 @@ class BatchStream:
     def _ended(self, event: Event) -> None:
         p, i = self.progress, event.index
         self.results[i] = event.result
+        if event.result is not None:
+            stats = event.result.stats
+            p.decode_steps += stats.decode_steps
+            p.proposed_tokens += stats.proposed_tokens
+            p.accepted_tokens += stats.accepted_tokens
         if i in self._started:
             p.running -= 1
         else:

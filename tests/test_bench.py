@@ -177,6 +177,34 @@ def test_bench_on_cpu_writes_strict_json(tiny_llama, tmp_path):
     assert "| TTFT - prefill s |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_with_speculate_reports_each_lengths_drafts(tmp_path):
+    """--speculate K: the timed generation speculates; the JSON and a table hold its decode steps,
+    the drafts verified and kept and the tokens a step (none of it without --speculate). The shipped
+    model's answer to random ids repeats itself: drafts are kept."""
+    out = tmp_path / "e2e"
+    args = ["bench", DEFAULT_MODEL, "--device", "cpu", "--dtype", "float32", "--prompt-tokens", 64]
+    args += ["--new-tokens", 16, "--repeats", 2, "--out", out]
+    result = invoke(*args, "--speculate", 4)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["settings"]["speculate"] == 4
+    (row,) = data["results"]
+    drafts = row["drafts"]
+    steps, proposed, accepted = drafts["decode_steps"], drafts["proposed_tokens"], drafts["accepted_tokens"]
+    assert drafts["speculate"] == 4 and 0 < accepted <= proposed
+    assert steps < 32 <= steps + accepted  # the decode steps made every token after the first (2 x 16)
+    assert drafts["tokens_per_step"] == pytest.approx((steps + accepted) / steps)
+    assert drafts["acceptance"] == (pytest.approx(accepted / proposed) if proposed else None)
+    markdown = out.with_suffix(".md").read_text()
+    assert (
+        f"| 64 | 4 | {steps:,} | {(steps + accepted) / steps:.2f} | {accepted:,} / {proposed:,} |" in markdown
+    )
+    plain = invoke(*args)
+    assert plain.exit_code == 0, plain.output
+    assert json.loads(out.with_suffix(".json").read_text())["results"][0]["drafts"] is None
+    assert "| speculate |" not in out.with_suffix(".md").read_text()
+
+
 def test_batch_bench_writes_its_table_and_json(tiny_llama, tmp_path):
     out = tmp_path / "batch"
     result = invoke("bench", tiny_llama, "--batch", "2x16", "--new-tokens", 2, "--repeats", 1, "--out", out)
@@ -324,6 +352,8 @@ def test_allow_extrapolation_warns_and_shows_the_prefill(checkpoint_factory):
         (["--batch-peer", "none"], "--batch-peer does not apply without --batch"),
         (["--batch", "2x16", "--batch-peer", "vllm"], "unknown batch peer 'vllm'; known: transformers, none"),
         (["--compare", "vllm"], "unknown --compare 'vllm'; only 'transformers' is supported"),
+        (["--speculate", "17"], "--speculate must be <= 16, got 17"),
+        (["--batch", "2x16", "--speculate", "4"], "--speculate does not apply to bench --batch"),
     ],
 )
 def test_options_that_do_not_apply_are_refused_before_loading(args, message):

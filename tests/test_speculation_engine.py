@@ -8,6 +8,7 @@ are one line in the API, the CLI and the server."""
 from __future__ import annotations
 
 import json
+import queue
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,9 @@ from conftest import random_ids
 from typer.testing import CliRunner
 
 from minidecode import LLM, Request
+from minidecode.engine import bucket
 from minidecode.errors import UserError
+from minidecode.sequence import Sequence
 from minidecode_cli.cli import app
 
 # The shipped model repeats what it was shown: its answer copies the prompt's lines, so drafts match.
@@ -85,6 +88,55 @@ def test_a_row_near_its_end_writes_nothing_past_its_region(llm):
     assert batch[0].token_ids == greedy(llm, REPEATS, max_new_tokens=6).token_ids
     assert batch[0].stats.accepted_tokens > 0
     assert batch[1].token_ids == greedy(llm, CODE, max_new_tokens=30).token_ids
+
+
+def test_the_prompt_is_indexed_when_the_request_is_made_not_in_a_step(llm):
+    """A speculating sequence's drafter exists, its prompt indexed, before the engine loop sees it
+    (the caller's thread pays for a long prompt's index, never a step), and the steps use that one
+    index, extended by its tokens; a sequence that cannot draft (log-probs) gets none."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    ids = llm.tokenizer.encode(REPEATS)[:12] * 2  # its last tokens occurred before
+    request = Request(token_ids=ids, max_new_tokens=24, temperature=0, speculate=8, reuse_prefix=False)
+    seq = Sequence(**llm._resolve(request.check()), sink=events.put)
+    lookup = seq.lookup
+    assert lookup is not None and lookup.tokens == seq.prompt_ids == ids
+    assert lookup.match() == (4, 12)  # the prompt's n-grams are in it: the repeat is found
+    llm.loop.submit([seq])
+    while (event := events.get()).result is None:
+        pass
+    assert event.result.token_ids == greedy(llm, None, token_ids=ids, max_new_tokens=24).token_ids
+    assert event.result.stats.accepted_tokens > 0
+    assert seq.lookup is lookup and lookup.tokens[: len(seq.prompt_ids)] == seq.prompt_ids
+    assert len(lookup) > len(seq.prompt_ids)  # the tokens it made went into the same index
+    logprobs = Sequence(**llm._resolve(replace(request, logprobs=True).check()), sink=events.put)
+    assert logprobs.lookup is None
+
+
+def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, monkeypatch):
+    """The plans' prepare lists hold every (bucket, kind, queries) a later step runs, each added with
+    the admission of a sequence that can speculate: no step captures a graph (on the CPU nothing
+    captures, so the plans are what is checked)."""
+    plans = []
+    execute = llm.loop.execute
+
+    def recorded(plan, *args):
+        plans.append(plan)
+        return execute(plan, *args)
+
+    monkeypatch.setattr(llm.loop, "execute", recorded)
+    requests = [Request(prompt=REPEATS, speculate=16), Request(prompt=CODE, speculate=3)]
+    requests.append(Request(prompt=CLASS))
+    llm.generate(requests, temperature=0, max_new_tokens=40, reuse_prefix=False)
+    admissions = [plan.prepare for plan in plans if plan.admit is not None]
+    assert [q for _, _, q in admissions[0]] == [1, 2, 3, 5, 9, 17]  # speculate 16: every draft bucket
+    assert {rows for rows, _, _ in admissions[1]} == {2} and len(admissions[1]) == 6  # (16 still runs)
+    prepared, drafted = set(), 0
+    for plan in plans:
+        prepared |= {(bucket(rows), kind, queries) for rows, kind, queries in plan.prepare}
+        if plan.decode is not None:
+            assert (bucket(plan.decode.rows), plan.decode.kind, plan.decode.queries) in prepared
+            drafted += plan.decode.queries > 1
+    assert drafted > 0
 
 
 def test_stop_strings_end_where_they_would(llm):
@@ -204,6 +256,31 @@ def test_the_cli_option(llm):
     assert json.loads(ok.stdout)["token_ids"] == greedy(llm, REPEATS, max_new_tokens=24).token_ids
     bad = runner.invoke(app, [*args, "--speculate", "99"])
     assert bad.exit_code != 0 and "speculate must be <= 16" in bad.output
+
+
+def test_the_batch_summary_shows_the_drafts(tmp_path):
+    """`minidecode batch`'s last line: the drafts kept of those proposed and the tokens a step made,
+    summed over the results' stats, where speculation ran; nothing of drafts where it did not."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(
+        "".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate([REPEATS, CODE]))
+    )
+    args = ["batch", str(requests), "--device", "cpu", "--dtype", "float32", "-n", "32", "--temperature", "0"]
+    summaries, results = [], []
+    for extra in (["--speculate", "8"], []):
+        done = CliRunner().invoke(app, [*args, "--no-progress", *extra])
+        assert done.exit_code == 0, done.output
+        summaries.append(done.stderr.strip().splitlines()[-1])
+        results.append([json.loads(line)["stats"] for line in done.stdout.splitlines()])
+    stats = results[0]
+    proposed, accepted = (sum(s[key] for s in stats) for key in ("proposed_tokens", "accepted_tokens"))
+    steps = sum(s["decode_steps"] for s in stats)
+    assert 0 < accepted <= proposed
+    assert summaries[0].startswith("2 done, 0 failed of 2 requests | ")
+    assert summaries[0].endswith(
+        f" | drafts {accepted:,} of {proposed:,} accepted, {(steps + accepted) / steps:.2f} tok/step"
+    )
+    assert "drafts" not in summaries[1] and summaries[1].startswith("2 done, 0 failed of 2 requests | ")
 
 
 def test_the_server_default_and_the_extension_field(llm):

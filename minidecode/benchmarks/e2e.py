@@ -11,6 +11,9 @@ Method (the results files repeat it):
 - Peers (transformers, sharing our weight tensors): eager (SDPA, dynamic cache) and static cache
   + torch.compile; same prompt, an all-ones attention mask, a pad id that is not in the prompt,
   a warm-up first; the compiled peer's warm-up (compilation) time is reported on its own.
+- Speculation (--speculate K): the timed generations speculate (prompt lookup; random prompts
+  hold little to match), and a table gives their decode steps, tokens a step and drafts kept.
+  The roofline stays one token a step's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from minidecode.errors import UserError
 from minidecode.llm import LLM
 from minidecode.models.config import ModelConfig
 from minidecode.models.llama import step_weight_bytes
+from minidecode.request import Request
 from minidecode.sequence import GenerationStats
 
 FORMULA = (
@@ -199,6 +203,26 @@ class PeerResult:
 
 
 @dataclass
+class Drafts:
+    """Speculation in a length's timed generation (bench --speculate K): its decode steps, the
+    draft tokens verified and those kept; tokens_per_step = (decode_steps + accepted_tokens) /
+    decode_steps (1.0: one token a step), acceptance = accepted / proposed (None: none proposed)."""
+
+    speculate: int
+    decode_steps: int
+    proposed_tokens: int
+    accepted_tokens: int
+    tokens_per_step: float
+    acceptance: float | None
+
+    @classmethod
+    def of(cls, speculate: int, stats: GenerationStats) -> Drafts:
+        steps, proposed, accepted = stats.decode_steps, stats.proposed_tokens, stats.accepted_tokens
+        per_step = (steps + accepted) / max(steps, 1)
+        return cls(speculate, steps, proposed, accepted, per_step, accepted / proposed if proposed else None)
+
+
+@dataclass
 class LengthResult:
     prompt_tokens: int
     window: int
@@ -212,6 +236,7 @@ class LengthResult:
     percent_of_read_ceiling: Spread
     peak_memory_gib: float | None
     peers: list[PeerResult] = field(default_factory=list)
+    drafts: Drafts | None = None  # with --speculate
 
 
 @dataclass
@@ -225,8 +250,10 @@ class BenchSettings:
     compiled_max_tokens: int | None = None  # the compiled peer: only up to this length
     ceiling_gib: float = 2.0
     allow_extrapolation: bool = False  # prompts past the model's trained positions (--allow-extrapolation)
+    speculate: int = 0  # the most draft tokens a decode step (Request.speculate; --speculate)
 
     def validate(self) -> None:
+        Request(speculate=self.speculate).check(need_prompt=False, names={"speculate": "--speculate"})
         if not self.prompt_lengths or any(n < 1 for n in self.prompt_lengths):
             raise UserError("--prompt-tokens must be >= 1")
         if self.window < 2:
@@ -252,10 +279,11 @@ def timed_generation(
     max_context: int,
     allow_extrapolation: bool = True,
     on_prefill_progress: Callable[[int, int], None] | None = None,
+    speculate: int = 0,
 ) -> tuple[GenerationStats, list[float]]:
     """Greedy generation of exactly new_tokens (eos ignored): its stats and the host time at which
     each token was yielded. allow_extrapolation: as the request's (the bench passes the user's;
-    other scripts time any length)."""
+    other scripts time any length); speculate: as the request's (0: off)."""
     times = []
     stream = llm.stream(
         token_ids=ids,
@@ -266,6 +294,7 @@ def timed_generation(
         allow_extrapolation=allow_extrapolation,
         reuse_prefix=False,  # every measured prefill runs in full, even on a repeated prompt
         on_prefill_progress=on_prefill_progress,
+        speculate=speculate,
     )
     for event in stream.events():
         if event.token is not None:
@@ -316,12 +345,13 @@ def run_bench(
     pad_id = pad_id_for(special)
     excluded = special | {pad_id}
     warm_ids = benchmark_prompt(llm.config.vocab_size, min(settings.prompt_lengths), 1, excluded)
-    timed_generation(llm, warm_ids, min(8, new_tokens), max_context, allow)
+    speculate = settings.speculate
+    timed_generation(llm, warm_ids, min(8, new_tokens), max_context, allow, speculate=speculate)
     results = []
     for length in settings.prompt_lengths:
         ids = benchmark_prompt(llm.config.vocab_size, length, length, excluded)
         shown = progress() if progress is not None else None
-        stats, times = timed_generation(llm, ids, new_tokens, max_context, allow, shown)
+        stats, times = timed_generation(llm, ids, new_tokens, max_context, allow, shown, speculate)
         firsts = [stats]
         if length <= settings.prefill_repeat_max_tokens:
             firsts += [timed_generation(llm, ids, 1, max_context, allow)[0] for _ in range(repeats - 1)]
@@ -347,6 +377,7 @@ def run_bench(
                     [100 * r / f for r, f in zip(rates, roofline, strict=True)]
                 ),
                 peak_memory_gib=peak,
+                drafts=Drafts.of(speculate, stats) if speculate else None,
             )
         )
         r = results[-1]
@@ -354,6 +385,7 @@ def run_bench(
             f"minidecode {length:>9,} tok: prefill {r.prefill_seconds.format(2)} s, "
             f"decode {r.decode_tokens_per_s.format()} tok/s, {r.percent_of_read_ceiling.median:.0f}% of "
             f"the read roofline ({r.roofline_tokens_per_s.median:.0f} tok/s)"
+            + (f", {r.drafts.tokens_per_step:.2f} tok/step" if r.drafts is not None else "")
         )
     if transformers is not None:
         llm.release_cache()  # give the peer the memory
@@ -573,6 +605,20 @@ def format_tables(results: list[LengthResult], ceilings: Ceilings) -> str:
             f"{r.roofline_tokens_per_s.median:,.0f} | {r.percent_of_read_ceiling.format(0)} | "
             f"{r.achieved_gb_per_s.median:,.0f} | {peak} |"
         )
+    drafted = [r for r in results if r.drafts is not None]
+    if drafted:  # --speculate: the decode windows above ran with drafts
+        lines += [
+            "",
+            "| prompt | speculate | decode steps | tokens / step | drafts accepted / proposed | acceptance |",
+            "|" + " --- |" * 6,
+        ]
+        for r in drafted:
+            d = r.drafts
+            acceptance = "-" if d.acceptance is None else f"{d.acceptance:.2f}"
+            lines.append(
+                f"| {r.prompt_tokens:,} | {d.speculate} | {d.decode_steps:,} | {d.tokens_per_step:.2f} | "
+                f"{d.accepted_tokens:,} / {d.proposed_tokens:,} | {acceptance} |"
+            )
     for peer, title in PEERS.items():
         rows = [(r, p) for r in results for p in r.peers if p.peer == peer]
         if not rows:
