@@ -8,7 +8,10 @@ inside a mixed step ends alone."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -352,3 +355,58 @@ def test_a_request_that_fails_in_a_mixed_step_ends_alone(llama, greedy, failure,
 def test_step_tokens_is_checked():
     with pytest.raises(UserError, match="step_tokens must be >= 1"):
         LLM(device="cpu", step_tokens=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_and_long_prompt(llm: LLM) -> dict:
+    """A running stream, then a 300-token prompt beside it (mixed steps) -> their tokens and the
+    mixed steps run."""
+    mixed = []
+    real = Engine.run
+
+    def run(self, plan, on_progress=None):
+        mixed.append(plan.prefill is not None and plan.prefill.chunk is not None and plan.decode is not None)
+        return real(self, plan, on_progress)
+
+    Engine.run = run
+    try:
+        a = Submitted(llm, token_ids=random_ids(12, seed=14), max_new_tokens=40)
+        wait_for(a.started, "the stream's first token")
+        b = Submitted(llm, token_ids=random_ids(300, seed=15), max_new_tokens=5)
+        results = results_of([a, b])
+    finally:
+        Engine.run = real
+    return {"tokens": [r.token_ids for r in results], "mixed": sum(mixed)}
+
+
+def _tp_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+    """One tensor-parallel rank: rank 0 runs the stream and the prompt, the other its plans."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    llm = LLM(model, device="cpu", dtype="float32", tp=world, step_tokens=BUDGET)
+    if llm.rank != 0:  # every plan of rank 0's, its tokens checked against rank 0's each step
+        torch.save({"plans": llm.serve_plans()}, Path(out) / f"{rank}.pt")
+        return
+    result = stream_and_long_prompt(llm)
+    llm.loop.close()
+    torch.save(result, Path(out) / f"{rank}.pt")
+
+
+def test_mixed_steps_under_tensor_parallel(llama, tmp_path):
+    """Under tp 2 both ranks run rank 0's mixed steps (the chunk and the decode rows plain data in
+    the plan): the stream's and the prompt's tokens are one process's."""
+    from ranks import run_ranks
+
+    run_ranks(_tp_rank, (2, _free_port(), str(llama), str(tmp_path)), 2)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    alone = stream_and_long_prompt(load(llama))
+    assert ranks[0]["tokens"] == alone["tokens"] and ranks[0]["mixed"] >= 300 // BUDGET
+    assert ranks[1]["plans"] > ranks[0]["mixed"]
