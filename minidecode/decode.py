@@ -1,6 +1,7 @@
 """The decode step: the device buffers of every decode row (`DecodeState`), one token for every
-row through the model, the logits processors and the sampler (`decode_step`), and its capture as a
-CUDA graph (`capture`). The engine (engine.py) owns one DecodeState and replays the graphs.
+row through the model, the logits processors and the sampler (`decode_step`; its sampling,
+`sample_rows`, also samples a mixed step's decode rows: engine.py), and its capture as a CUDA graph
+(`capture`). The engine (engine.py) owns one DecodeState and replays the graphs.
 
 With speculation the same step takes Q = k + 1 tokens a row: the row's last token and up to k
 drafts (prompt lookup, made on the host: speculation.py), all through the model at once, and keeps

@@ -21,9 +21,10 @@ bucket); such a step returns its own tokens, since the next drafts follow them.
 A prompt that prefills beside running sequences goes chunk by chunk, each chunk in one mixed step
 with the running rows (Transformer.mixed: one forward, the weights read once for both; eager, its
 shapes vary): the chunk's rows attend as a prefill's do, the decode rows as the decode step's, and
-the decode rows are sampled by the decode step's own sampling (decode.sample_rows). A prefill
-beside no running rows runs as the model's generator of units of work (Transformer.prefill_units:
-layer by layer over the whole prompt, its fastest form), held here between plans.
+the decode rows are sampled by the decode step's own sampling (decode.sample_rows); a step with
+drafts runs as its own graph, and the chunk alone after it. A prefill beside no running rows runs
+as the model's generator of units of work (Transformer.prefill_units: layer by layer over the
+whole prompt, its fastest form), held here between plans.
 
 The engine decides nothing: each turn it runs one step plan (plan.py, made by scheduler.py) with
 `run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py).
@@ -567,11 +568,11 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile every kernel a request will run before one arrives (its TTFT then pays none):
-        the prefill's on a short prompt, the FP8 prefill attention kernel (when it is the user's
-        choice) on a problem it takes, and the decode step at each cache size where the decode
-        kernel changes its launch config (warm_up_sizes: an FP8 cache has up to three, which a
-        request's cache grows into). Each cache is freed after; a size that does not fit beside
-        the weights is left to its first use."""
+        the prefill's on a short prompt, a mixed step's (warm_up_mixed), the FP8 prefill attention
+        kernel (when it is the user's choice) on a problem it takes, and the decode step at each
+        cache size where the decode kernel changes its launch config (warm_up_sizes: an FP8 cache
+        has up to three, which a request's cache grows into). Each cache is freed after; a size
+        that does not fit beside the weights is left to its first use."""
         if self.device.type != "cuda":
             return
         for i, capacity in enumerate(self.warm_up_sizes()):
@@ -579,6 +580,8 @@ class Engine:
                 self.resize(capacity)
                 if i == 0:
                     self.prefill(list(range(1, 17)), 0, capacity, 0)
+                    if not self.one_sequence:  # (context parallelism runs no mixed steps)
+                        self.warm_up_mixed()
                 self.prepare(1, SamplingParams().mode, False)
                 torch.cuda.synchronize(self.device)
             except torch.OutOfMemoryError:
@@ -591,6 +594,17 @@ class Engine:
             k, v = (torch.randn(1, cfg.num_kv_heads, FP8_MIN_KEYS, cfg.head_dim, **like) for _ in range(2))
             causal_attention(q, k, v, cfg.head_dim**-0.5, "fp8")
             torch.cuda.synchronize(self.device)
+
+    def warm_up_mixed(self) -> None:
+        """A mixed step's eager kernels run once (their compiles, and the chunk attention's first
+        call and imports, kept out of the first one beside running streams): a chunk of positions
+        16..31 after a 16-position prefill at the cache's start, beside one decode row that writes
+        only the spare granule."""
+        region, row = self.region(0, 32), DecodeState.zeros(1, self.device)
+        row.starts.fill_(self.spare_start)
+        ids, staging = torch.arange(17, 33, device=self.device), self.model.chunk_staging(region, 32)
+        chunk = PromptChunk(ids, 16, 32, region, self._chunk_backend(), self.prefill_chunk, staging)
+        self.model.logits(self.model.mixed(chunk, row.tokens, row.positions, row.starts, self.cache))
 
     def warm_up_sizes(self) -> list[int]:
         """Cache capacities (region positions, whole granules) at which the decode step runs each

@@ -168,7 +168,8 @@ class Scheduler:
             plan.decode = self._decode_step()
         if mixed:
             lo, room = self._next, self.engine.step_tokens - len(self.running)
-            self._next = chunk_end(lo, len(self.prefilling.prompt_ids), room, self._key_rows)
+            end = min(len(self.prefilling.prompt_ids), lo + self.engine.prefill_chunk)  # (its temporaries)
+            self._next = chunk_end(lo, end, room, self._key_rows)
             plan.prefill.chunk = (lo, self._next)
         done = self.pending()  # rows freed and cache work, this admission's included
         done.admit, done.prepare = plan.admit, plan.prepare

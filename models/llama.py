@@ -1,12 +1,14 @@
 """One decoder for Llama, Mistral, Qwen2 and Qwen3, switched by config flags.
 
 Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so checkpoint
-tensors load by name with no renaming. Two entry points, both writing K/V into the runtime's
+tensors load by name with no renaming. Three entry points, each writing K/V into the runtime's
 contiguous cache:
 - `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA (a rank's rows of
   it and how its attention runs are the model's `context`: every position here, a
   context-parallel rank's share in models/parallel.py);
-- `decode`: one new token per sequence, attention through the lean decode kernel.
+- `decode`: one new token per sequence, attention through the lean decode kernel;
+- `mixed`: a chunk of a prompt and decode rows in one forward (their projections and MLP in one
+  matmul per weight), each part attending as the two above do.
 
 FP8 weights (a checkpoint's, or quantized on load: minidecode/loading.py) live in FP8Linear layers
 whose tensors carry the checkpoint's names; their projections run through the same ops, which take

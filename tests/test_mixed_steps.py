@@ -410,3 +410,53 @@ def test_mixed_steps_under_tensor_parallel(llama, tmp_path):
     alone = stream_and_long_prompt(load(llama))
     assert ranks[0]["tokens"] == alone["tokens"] and ranks[0]["mixed"] >= 300 // BUDGET
     assert ranks[1]["plans"] > ranks[0]["mixed"]
+
+
+def test_a_speculating_stream_beside_a_prefill(monkeypatch):
+    """A stream that speculates (the shipped model copies its prompt: drafts match) beside a long
+    prefill: a step that verifies drafts runs as its own step and the chunk alone after it, a step
+    without rides in the chunk; the stream's tokens are its tokens without speculation, and the
+    prompt's are its tokens alone."""
+    llm, plans = LLM(device="cpu", dtype="float32", step_tokens=BUDGET), []
+    repeats = llm.tokenizer.encode("def add(a, b):\n    return a + b\n\n\n" * 3 + "def add(a, b):\n")
+    long = random_ids(300, seed=16)
+    settings = dict(temperature=0, ignore_eos=True, reuse_prefix=False)
+    plain = llm.generate(token_ids=repeats, max_new_tokens=60, **settings)
+    alone = llm.generate(token_ids=long, max_new_tokens=5, **settings)
+    record_plans(monkeypatch, plans)
+    a = Submitted(llm, token_ids=repeats, max_new_tokens=60, speculate=8, reuse_prefix=False)
+    wait_for(a.started, "the stream's first token")
+    b = Submitted(llm, token_ids=long, max_new_tokens=5, reuse_prefix=False)
+    spec, result = results_of([a, b])
+    assert spec.token_ids == plain.token_ids and result.token_ids == alone.token_ids
+    beside = [p.decode.queries for p in plans if p.prefill is not None and p.prefill.chunk and p.decode]
+    assert min(beside) == 1 and max(beside) > 1 and spec.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_the_warm_up_mixed_step_writes_its_chunk_and_the_spare_granule(llama, kv):
+    """Engine.warm_up_mixed (run on a GPU before the first request) after the warm-up's prefill
+    of ids 1..16: the K/V of positions 16..31 are a whole prefill's of ids 1..32, and nothing is
+    written but them and the spare granule (its decode row's)."""
+    engine = LLM(llama, device="cpu", dtype="float32", kv_cache_dtype=kv).engine
+    capacity = -(-64 // engine.granule) * engine.granule
+    engine.resize(capacity)
+    for t in engine.cache.tensors().values():
+        t.zero_()
+    with torch.inference_mode():
+        engine.prefill(list(range(1, 17)), 0, capacity, 0)
+        before = {name: t.clone() for name, t in engine.cache.tensors().items()}
+        engine.warm_up_mixed()
+        mixed = {name: t.clone() for name, t in engine.cache.tensors().items()}
+        engine.prefill(list(range(1, 33)), 0, capacity, 0)
+    k = mixed["k"] != before["k"]  # [layers, 1, Hkv, positions, D]
+    written = k.any(-1).any(0).any(0).any(0).nonzero()[:, 0].tolist()
+    spare = list(range(engine.spare_start, engine.spare_start + engine.granule))
+    assert set(range(16, 32)) <= set(written) <= set(range(16, 32)) | set(spare)
+    if kv == "auto":
+        torch.testing.assert_close(
+            mixed["k"][:, :, :, 16:32], engine.cache.k[:, :, :, 16:32], rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            mixed["v"][:, :, :, 16:32], engine.cache.v[:, :, :, 16:32], rtol=1e-5, atol=1e-6
+        )
