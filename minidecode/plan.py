@@ -14,11 +14,10 @@ run it on their shards of the weights and of the cache). Its parts run in this o
    its prompt (`Prefill.chunk`) run with the decode rows as one mixed step (one forward: their
    projections and MLP in one matmul per weight; a step with drafts runs on its own first, the
    chunk alone after it), or, with no decode rows, units of work of its prompt's rest as a whole
-   prefill; when its last position has run, its row starts (`RowStart`:
-   region, position, sampling and logits-processor settings, prompt ids) and its first token is
-   sampled;
-7. `score`: logits of every position of some token ids (`LLM.logits`);
-8. `file`: a cache file saved or opened, each rank its own part (`LLM.save_cache` / `load_cache`).
+   prefill; when its last position has run, its row starts (`RowStart`: region, position, sampling
+   and logits-processor settings, prompt ids) and its first token is sampled;
+6. `score`: logits of every position of some token ids (`LLM.logits`);
+7. `file`: a cache file saved or opened, each rank its own part (`LLM.save_cache` / `load_cache`).
 
 What the engine returns is a `StepOutput`: the decode step's tokens (of the step before it: each
 step's tokens are copied to the host while the next one runs; a step with drafts also returns its

@@ -14,8 +14,8 @@ plan, its fastest form. Sequences admitted together start together (their prefil
 back, without steps between them). Where running sequences speculate, the step carries their
 drafts (prompt lookup on the tokens the host has: speculation.py); a step with drafts runs as its
 own graph (the engine then runs the chunk alone after it), one without rides in the chunk.
-`update()` takes the plan's StepOutput back: tokens fed, a prefill
-ended (its sequence now runs) or failed.
+`update()` takes the plan's StepOutput back: tokens fed, a prefill ended (its sequence now runs)
+or failed.
 
 Requests are admitted in order while a decode row and a region of the cache are free. A finished
 sequence's K/V stay in its region as a cached prefix (evicted least-recently-used, only when the
