@@ -460,3 +460,24 @@ def test_the_warm_up_mixed_step_writes_its_chunk_and_the_spare_granule(llama, kv
         torch.testing.assert_close(
             mixed["v"][:, :, :, 16:32], engine.cache.v[:, :, :, 16:32], rtol=1e-5, atol=1e-6
         )
+
+
+def test_a_length_dependent_rope_prompt_in_mixed_steps(checkpoint_factory, hf, monkeypatch):
+    """Dynamic NTK (angles rescaled past 64 positions): a 120-token prompt prefilled chunk by chunk
+    beside a stream rotates every chunk by the whole prompt's length, as transformers' one pass
+    does: its tokens and the stream's are transformers', its first token's log p that of
+    transformers' pass over the prompt."""
+    model_dir = checkpoint_factory("llama", "dynamic", max_positions=64)
+    llm, plans = load(model_dir), []
+    record_plans(monkeypatch, plans)
+    short, long = random_ids(12, seed=17), random_ids(120, seed=18)
+    a = Submitted(llm, token_ids=short, max_new_tokens=40)
+    wait_for(a.started, "the stream's first token")
+    b = Submitted(llm, token_ids=long, max_new_tokens=4, allow_extrapolation=True, logprobs=True)
+    result_a, result_b = results_of([a, b])
+    chunks = [p.prefill.chunk for p in plans if p.prefill is not None and p.prefill.seq == b.seq.id]
+    assert len(chunks) >= 4 and None not in chunks and chunks[0][1] < 64
+    assert result_b.token_ids == hf.greedy(model_dir, long, 4)
+    assert result_a.token_ids == hf.greedy(model_dir, short, 40)
+    want = hf.logits(model_dir, long)[-1].log_softmax(-1)[result_b.token_ids[0]]  # (one pass of 120)
+    assert abs(result_b.logprobs[0] - float(want)) < 1e-4
