@@ -244,6 +244,15 @@ RUNTIME_OPTIONS = {  # Runtime's fields: the LLM's settings
         ],
         1,
     ),
+    "step_tokens": Opt(
+        Annotated[
+            int | None,
+            typer.Option(
+                help="Rows a step takes through the weights while a prompt prefills beside running "
+                "requests (its chunk beside their decode rows; default: the device's)"
+            ),
+        ]
+    ),
     "cp": Opt(
         Annotated[
             int,
@@ -355,6 +364,7 @@ class Runtime:
     prefill_attention: str = PREFILL_ATTENTION[0]
     tp: int = 1
     cp: int = 1
+    step_tokens: int | None = None
 
     def check(self) -> Runtime:
         """Every value that can be checked without the model, and without torch (UserError)."""
@@ -365,6 +375,8 @@ class Runtime:
         check_choice("--prefill-attention", self.prefill_attention, PREFILL_ATTENTION)
         check_int("--tp", self.tp, 1)
         check_int("--cp", self.cp, 1)
+        if self.step_tokens is not None:
+            check_int("--step-tokens", self.step_tokens, 1)
         if self.max_batch != DEFAULT_MAX_BATCH:  # the engine's limit (the default needs no torch import)
             from minidecode.engine import check_max_batch
 
@@ -380,7 +392,7 @@ class Runtime:
         llm = LLM(
             model, device=self.device, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization, prefill_attention=self.prefill_attention, cuda_graph=self.graph,
-            max_batch=self.max_batch, tp=self.tp, cp=self.cp,
+            max_batch=self.max_batch, tp=self.tp, cp=self.cp, step_tokens=self.step_tokens,
         )  # fmt: skip
         if llm.synthetic and rank() == 0:
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
@@ -679,7 +691,8 @@ def generate(
 # ---- batch -------------------------------------------------------------------------------------
 # the runtime options of the commands that run an engine loop (batch, serve)
 SERVE_RUNTIME = (
-    "max_batch", "graph", "device", "dtype", "kv_cache_dtype", "quantization", "prefill_attention", "tp", "cp"
+    "max_batch", "graph", "device", "dtype", "kv_cache_dtype", "quantization", "prefill_attention", "tp",
+    "cp", "step_tokens",
 )  # fmt: skip
 
 

@@ -16,13 +16,6 @@ each streaming every past key while the rest of the GPU idles. There the past ke
 chunks stacked on the batch axis of one call, and the chunks' outputs merged by log-sum-exp too
 (`past_attention`, bench/prefill_blocks.py --suffix).
 
-A prompt prefilled beside decoding sequences goes in units of work (`attention_units`). On cuDNN,
-which builds a graph for every new shape and stride of a call (~0.4 s each: the running streams
-wait that long), its units have shapes that do not depend on the prompt: one KV head's queries in
-tiles of TILE_ROWS positions aligned to absolute positions, each a square causal call over its
-own tile's keys (padded) plus full calls over 1, 2, 4 or 8 earlier tiles at a time (stacked on the
-batch axis), merged by log-sum-exp. After the first few calls no new graph is built for any prompt.
-
 Backend "fp8" (opt-in: `check_prefill_attention`) runs the FP8 flash-attention kernel
 (kernels/fp8_prefill.py, on Hopper kernels/fp8_prefill_hopper.py: Q, K, V and P rounded to e4m3,
 float32 softmax and accumulation) where it beats SDPA: a call over at least FP8_MIN_KEYS keys with
@@ -35,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,14 +48,6 @@ CPU_BLOCK = 4096
 # output and log-sum-exp stay a few percent of streaming its 2 x 4096 x D keys and values.
 ROW_TILE = 128
 SPLIT_MIN_KEYS = 4096
-# Interleaved prefill on cuDNN: positions per tile (for one KV head of Llama-3-8B a call of
-# 4 x 64 CTAs, two waves of 132 SMs, and 1.4e11 FLOPs against one earlier tile: few enough calls
-# that the host keeps ahead of them), and the most earlier tiles one call reads (8: 1.1e12 FLOPs,
-# within a unit; temporaries of 8 x G x TILE x D x 8 bytes, 268 MB). Shapes: causal [1, G, TILE, D]
-# (or the power of two above a shorter prompt), full [n, G, TILE, D] for n = 1, 2, 4, 8.
-TILE_ROWS = 8192
-TILES_A_CALL = 8
-
 CHOICE_ROUNDS = 5  # choose_backend's interleaved timing rounds
 
 # attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
@@ -157,81 +142,6 @@ def blocked_causal_attention(
         o_past, lse_past = past_attention(q[:, :, s:e], k[:, :, : past + s], v[:, :, : past + s], attend, sms)
         out[:, :, s:e] = merge(o_diag, lse_diag, o_past, lse_past)[0]
     return out
-
-
-def attention_units(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    start: int,
-    scale: float,
-    backend: str | None,
-    unit_flops: float,
-) -> Iterator[float]:
-    """Causal attention of one KV head in units of at most about `unit_flops`: q [B, G, T, D] are
-    positions start..start+T-1 of k/v [B, 1, >= start + T, D]; each unit's output overwrites its
-    rows of q. Yields each unit's FLOPs once it is queued (the caller may run other work there).
-
-    cuDNN (and the CPU, its stand-in in tests): fixed-shape tiles (`tiled_units`). Other backends
-    (flash, which builds nothing per shape; the FP8 kernel): blocks of query rows, each one call
-    against every earlier key."""
-    B, G, T, D = q.shape
-    end = start + T
-    if backend == "cudnn" or (backend is None and q.device.type == "cpu"):
-        attend = cpu_flash_with_lse if backend is None else cudnn_with_lse
-        fits = _power_of_two_at_most(int((unit_flops / (4 * G * D)) ** 0.5))  # one past tile a unit
-        tile = max(16, min(TILE_ROWS, fits, 1 << (end - 1).bit_length()))
-        most = min(TILES_A_CALL, _power_of_two_at_most(int(unit_flops // (4 * G * D * tile * tile))))
-        yield from tiled_units(q, k, v, start, functools.partial(attend, scale=scale), tile, most)
-        return
-    block = max(64, int(unit_flops / (4 * G * D * end)))
-    for s in range(0, T, block):  # queries s..e-1 see keys 0..start+e-1, causally
-        e = min(s + block, T)
-        rows = q[:, :, s:e]
-        causal_attention(rows, k[:, :, : start + e], v[:, :, : start + e], scale, backend, out=rows)
-        yield 4 * B * G * D * (e - s) * (start + e)
-
-
-def _power_of_two_at_most(n: int) -> int:
-    return 1 << max(n, 1).bit_length() - 1
-
-
-def tiled_units(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, attend: Attend, tile: int, most: int
-) -> Iterator[float]:
-    """attention_units in tiles of `tile` positions aligned to multiples of it: per tile, a square
-    causal call over the tile's own keys, then full calls over earlier tiles, `most` or fewer (a
-    power of two) at a time, merged by log-sum-exp. Every call's operands are copies or views of
-    fixed shape and strides, whatever T, start or the cache's size: the tile's queries and keys go
-    into zeroed [1, G, tile, D] buffers (rows outside the prompt's new positions are padding: a
-    padded query's output is dropped, and a padded key lies after every real query of its tile,
-    so the causal mask hides it), earlier tiles are [n, 1, tile, D] views of the cache."""
-    B, G, T, D = q.shape
-    end = start + T
-    for b in range(B):
-        for a in range(start // tile, -(-end // tile)):
-            lo, hi = a * tile, min((a + 1) * tile, end)  # the tile's positions in the cache
-            first, last = max(lo, start), hi  # ... of which these are new (queries)
-            rows = slice(first - start, last - start)  # their rows in q
-            q_t = q.new_zeros(1, G, tile, D)
-            q_t[:, :, first - lo : last - lo] = q[b : b + 1, :, rows]
-            k_t, v_t = q.new_zeros(1, 1, tile, D), q.new_zeros(1, 1, tile, D)
-            k_t[:, :, : hi - lo], v_t[:, :, : hi - lo] = k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]
-            out, lse = attend(q_t, k_t, v_t, True)
-            out = out.float()
-            yield 2 * G * D * tile * tile  # (half of the square: causal)
-            done = 0
-            while done < a:  # earlier tiles, the largest power-of-two groups first
-                n = min(most, _power_of_two_at_most(a - done))
-                keys = slice(done * tile, (done + n) * tile)
-                k_n, v_n = k[b, :, keys].view(n, 1, tile, D), v[b, :, keys].view(n, 1, tile, D)
-                o_n, lse_n = attend(q_t.expand(n, G, tile, D).contiguous(), k_n, v_n, False)
-                lse_past = torch.logsumexp(lse_n, 0, keepdim=True)  # [1, G, tile, 1]
-                o_past = o_n.float().mul_(torch.exp(lse_n - lse_past)).sum(0, keepdim=True)
-                out, lse = merge(out, lse, o_past, lse_past)
-                yield 4 * G * D * tile * tile * n
-                done += n
-            q[b : b + 1, :, rows] = out[:, :, first - lo : last - lo]
 
 
 def merge(

@@ -1,6 +1,7 @@
 """The decode step: the device buffers of every decode row (`DecodeState`), one token for every
-row through the model, the logits processors and the sampler (`decode_step`), and its capture as a
-CUDA graph (`capture`). The engine (engine.py) owns one DecodeState and replays the graphs.
+row through the model, the logits processors and the sampler (`decode_step`; its sampling,
+`sample_rows`, also samples a mixed step's decode rows: engine.py), and its capture as a CUDA graph
+(`capture`). The engine (engine.py) owns one DecodeState and replays the graphs.
 
 With speculation the same step takes Q = k + 1 tokens a row: the row's last token and up to k
 drafts (prompt lookup, made on the host: speculation.py), all through the model at once, and keeps
@@ -97,13 +98,15 @@ class DecodeState:
 class HostRows:
     """Pinned host copies of the first rows of a DecodeState's results, [B] each (the copies run
     beside the device's work): the tokens, their log p and top log-probs, and (a step with drafts)
-    how many drafts each row kept."""
+    how many drafts each row kept; `copied`, the CUDA event after the last copies (None on the CPU,
+    where a copy is done when it returns)."""
 
     tokens: torch.Tensor  # int64
     logprob: torch.Tensor  # float32
     top_ids: torch.Tensor  # [B, MAX_TOP_LOGPROBS] int64
     top_logprob: torch.Tensor  # [B, MAX_TOP_LOGPROBS] float32
     accepted: torch.Tensor  # int64
+    copied: torch.cuda.Event | None = None
 
     @classmethod
     def empty(cls, batch: int, pin: bool) -> HostRows:
@@ -112,7 +115,8 @@ class HostRows:
 
         top = MAX_TOP_LOGPROBS
         tokens, logprob, accepted = new(torch.long), new(torch.float32), new(torch.long)
-        return cls(tokens, logprob, new(torch.long, top), new(torch.float32, top), accepted)
+        event = torch.cuda.Event() if pin else None
+        return cls(tokens, logprob, new(torch.long, top), new(torch.float32, top), accepted, event)
 
     def copy_from(
         self, state: DecodeState, n: int, logprobs: bool, top: bool, accepted: bool = False
@@ -127,10 +131,14 @@ class HostRows:
             pairs.append((self.accepted, state.accepted))
         for host, device in pairs:
             host[:n].copy_(device[:n], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
     def read(self, n: int, logprobs: bool, top: bool) -> tuple[list[int], list[float] | None, Any, Any]:
         """(tokens, log p or None, top ids [n, 20] or None, their log p or None) of rows 0..n-1,
-        once the copies have landed."""
+        once the copies have landed (waited for here)."""
+        if self.copied is not None:
+            self.copied.synchronize()
         if not top:
             return self.tokens[:n].tolist(), self.logprob[:n].tolist() if logprobs else None, None, None
         return self.tokens[:n].tolist(), self.logprob[:n].tolist(), self.top_ids[:n], self.top_logprob[:n]
@@ -159,7 +167,20 @@ def decode_step(
         draft_step(model, cache, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
         return
     hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active)
-    logits = model.logits(hidden)  # [B, V] float32
+    sample_rows(model.logits(hidden), state, mode, want_logprobs, adjust, top)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    state: DecodeState,
+    mode: str,
+    want_logprobs: bool,
+    adjust: bool = False,
+    top: bool = False,
+) -> None:
+    """The decode step's sampling of each row's next token from its logits [B, V] float32 (the
+    decode step's, or a mixed step's decode rows': engine.py): the logits processors, the sampler,
+    the log-probs asked for; then tokens <- the next tokens, positions += 1 (active rows)."""
     if adjust:  # rows that use no processor have neutral state: their logits pass unchanged
         positions = state.positions + 1
         nxt = sample(process(logits, state.processors, positions), state.sampling, positions, mode)  # [B]

@@ -18,10 +18,16 @@ With speculation (Request.speculate) a step takes several query rows a sequence:
 the drafts the plan carries, verified in the same step (decode.py's draft_step, one graph per draft
 bucket); such a step returns its own tokens, since the next drafts follow them.
 
+A prompt that prefills beside running sequences goes chunk by chunk, each chunk in one mixed step
+with the running rows (Transformer.mixed: one forward, the weights read once for both; eager, its
+shapes vary): the chunk's rows attend as a prefill's do, the decode rows as the decode step's, and
+the decode rows are sampled by the decode step's own sampling (decode.sample_rows); a step with
+drafts runs as its own graph, and the chunk alone after it. A prefill beside no running rows runs
+as the model's generator of units of work (Transformer.prefill_units: layer by layer over the
+whole prompt, its fastest form), held here between plans.
+
 The engine decides nothing: each turn it runs one step plan (plan.py, made by scheduler.py) with
-`run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py). The prefill in
-progress is the model's generator of units of work (Transformer.prefill_units), held here between
-plans, each plan running as many units as it says.
+`run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py).
 """
 
 from __future__ import annotations
@@ -29,30 +35,37 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import torch
 
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention, choose_backend
 from minidecode.models.cache import KVCache
-from minidecode.models.llama import Transformer, weight_bytes, weights_description
+from minidecode.models.llama import PromptChunk, Transformer, weight_bytes, weights_description
 
 from .cache_parts import CacheParts
-from .decode import DecodeState, HostRows, ProcessorRows, capture, decode_step
+from .decode import DecodeState, HostRows, ProcessorRows, capture, decode_step, sample_rows
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
-from .pacer import STEP_END, STEP_START, DeviceClock
 from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, StepOutput, StepPlan
 from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE, check_int
 from .sampling import SamplingParams, process, sample, top_logprobs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1) a graph is captured for
-# The most work (FLOPs) in one unit of a prefill that runs beside decoding sequences: they may
-# step after any unit (pacer.py decides when). About 3 ms of bf16 tensor-core work at a prefill's
-# ~500 TFLOP/s on an H100 or H200, short against a step's 4-8 ms; on the CPU, a few milliseconds.
-PREFILL_UNIT_FLOPS = {"cuda": 1.5e12, "cpu": 5e8}
+# A mixed step's work, in rows through the weights: its decode rows plus its chunk's prompt rows,
+# each prompt row's attention to its earlier positions counted as the rows of projections it
+# costs (scheduler.chunk_end), so that a step's time stays the same as the prefill advances. A
+# decode step of a few rows is bound by reading the weights (p bytes a parameter), in which time a
+# GPU multiplies about p F / (2 BW) rows: 125 on an H200 (~600 TFLOP/s achieved of bf16 against
+# 4.8 TB/s; FP8 weights: half the bytes, twice the rate, the same rows), 180 on an H100. So 384
+# rows keep a mixed step within about three steady steps (two on an H100), the streams' gap, while
+# the chunk's matmuls have rows enough (M >= 256) to run near the tensor cores' rate, which the
+# prefill's share of the device needs. On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32
+# weights: ~10 rows a read) 32 rows are about three steps.
+STEP_TOKENS = {"cuda": 384, "cpu": 32}
 
 
 def bucket(n: int) -> int:
@@ -79,6 +92,20 @@ def check_max_batch(max_batch: int) -> int:
     return max_batch
 
 
+@dataclass
+class Prefilling:
+    """The prefill in progress, held by the engine between plans: its prompt and region, and how
+    far it has run."""
+
+    prompt: list[int]
+    start: int
+    size: int
+    done: int  # prompt positions whose K/V its region holds: the reused prefix, then each chunk run
+    ids: torch.Tensor | None = None  # [T] int64 on the device, from its first chunk on
+    staging: tuple[torch.Tensor, torch.Tensor] | None = None  # its chunks' FP8 staging (chunk_staging)
+    units: Generator[float, None, torch.Tensor] | None = None  # the rest as a whole prefill, once begun
+
+
 class Engine:
     """Runs the model on one device: the cache and its regions' contents, prefill, the decode
     step. Every method runs on the thread that owns the device (the engine loop, loop.py)."""
@@ -93,7 +120,7 @@ class Engine:
         use_cuda_graph: bool = True,
         pdl: bool = True,
         max_batch: int = DEFAULT_MAX_BATCH,
-        prefill_unit_flops: float | None = None,
+        step_tokens: int | None = None,
         one_sequence: bool = False,
         prefill_attention: str = "auto",
     ):
@@ -110,7 +137,7 @@ class Engine:
         self.one_sequence = one_sequence
         self.prefill_attention = prefill_attention  # "auto": SDPA's faster backend; "fp8": the e4m3 kernel
         self.max_batch = 1 if one_sequence else check_max_batch(max_batch)
-        self.prefill_unit_flops = prefill_unit_flops or PREFILL_UNIT_FLOPS[device.type]
+        self.step_tokens = step_tokens or STEP_TOKENS[device.type]  # a mixed step's budget (rows)
         self.weights = weights_description(model)  # "bfloat16", or the FP8 scheme that runs
         self.planner = Planner(
             self.config, dtype, self.kv_dtype, device, self.prefill_chunk, weight_bytes(model), self.max_batch
@@ -123,9 +150,7 @@ class Engine:
         # cache reallocations (each also drops the decode graphs), and graph captures with their time.
         self.resizes, self.captures, self.capture_seconds = 0, 0, 0.0
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._prefilling: Generator[float, None, torch.Tensor] | None = None  # the prefill in progress
-        self._prefill_prompt: list[int] = []  # ... and its prompt ids
-        self.clock = DeviceClock(device)  # marks of the steps and units, for the scheduler's pacer
+        self._prefilling: Prefilling | None = None  # the prefill in progress
         # Pinned host copies, run beside the device's work: each step's tokens (of the step before:
         # the plain step's lag), and a step with drafts' own results (no lag: the next drafts follow them)
         cuda = device.type == "cuda"
@@ -232,9 +257,9 @@ class Engine:
     # ---- a step plan -------------------------------------------------------------------------
     def run(self, plan: StepPlan, on_progress: Callable[[int, int], None] | None = None) -> StepOutput:
         """Run one step plan (plan.py: its parts in their order) -> its StepOutput. The admitted
-        sequence's cache work, and the prefill's units, fail that sequence only (UserError, out of
-        memory: `failed`); anything else raises (the loop dies). `on_progress(done, total)`: the
-        prefill's progress (rank 0's caller)."""
+        sequence's cache work, and its prefill, fail that sequence only (UserError, out of memory:
+        `failed`; the plan's decode rows step all the same); anything else raises (the loop dies).
+        `on_progress(done, total)`: the prefill's progress (rank 0's caller)."""
         out = StepOutput()
         for src, dst in plan.moves:
             self.move_row(src, dst)
@@ -245,22 +270,25 @@ class Engine:
         admitted = self._cache_work(plan, out)
         for rows, kind, queries in plan.prepare:
             self.prepare(rows, kind.mode, kind.logprobs, kind.adjust, kind.top, queries)
-        copied = self._decode(plan.decode, out) if plan.decode is not None else None
-        if plan.prefill is not None and (admitted or plan.prefill.begin is None):
-            try:
-                self._run_prefill(plan.prefill, out, on_progress)
-            except (UserError, torch.OutOfMemoryError) as e:
-                self._prefilling = None
-                message = str(e) if isinstance(e, UserError) else (
-                    f"out of memory on {self.device} in prefill: lower the prompt length"
-                )  # fmt: skip
-                out.failed = (plan.prefill.seq, message)
+        p = plan.prefill if plan.prefill is not None and (admitted or plan.prefill.begin is None) else None
+        if p is not None and p.begin is not None:
+            out.prefill_began = time.perf_counter()
+            self._prefilling = Prefilling(p.begin, p.start, p.size, p.reused)
+        # The decode rows ride in the prefill's chunk, unless they verify drafts (their graph's step)
+        chunked, decode = p is not None and p.chunk is not None, plan.decode
+        riding = chunked and decode is not None and decode.queries == 1
+        if plan.decode is not None and not riding:
+            self._decode(plan.decode)
+        if chunked:
+            self._mixed_step(decode if riding else None, p, out, on_progress)
+        elif p is not None:
+            self._prefill_units(p, out, on_progress)
         if plan.score is not None:
             out.logits = self.score(plan.score)
         if plan.file is not None:
             self._file_work(plan.file, out)
-        if copied is not None:
-            self._hand_back(plan.decode, copied, out)
+        if plan.decode is not None:
+            self._hand_back(plan.decode, out)
         out.capacity = self.capacity
         return out
 
@@ -297,20 +325,17 @@ class Engine:
         except UserError as e:
             out.file_error = str(e)
 
-    def _decode(self, decode: Decode, out: StepOutput):
+    def _decode(self, decode: Decode) -> None:
         """Copy the rows' previous tokens to the host, then queue the step (it runs while they are
-        handed out) -> the copy's mark. A step with drafts loads them first, and copies its own
-        results after it (-> the mark after that copy: it is waited for, no lag)."""
+        handed out). A step with drafts loads them first, and copies its own results after it
+        (waited for: no lag)."""
         n, kind, state = decode.rows, decode.kind, self.state
         if decode.queries > 1:
             self._load_drafts(decode)
         self._lagged.copy_from(state, n, kind.logprobs, kind.top)
-        copied = self.clock.mark(STEP_START)
         self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries)
         if decode.queries > 1:
             self._own.copy_from(state, n, kind.logprobs, kind.top, accepted=True)
-        out.step_marks = (copied, self.clock.mark(STEP_END))
-        return copied if decode.queries == 1 else out.step_marks[1]
 
     def _load_drafts(self, decode: Decode) -> None:
         """The plan's drafts into the decode state's buffers (rows 0..n-1: lead, draft_lens, drafts)."""
@@ -326,65 +351,142 @@ class Engine:
         state.draft_lens[:n].copy_(table[:, 1])
         state.drafts[:n, :k].copy_(table[:, 2:])
 
-    def _hand_back(self, decode: Decode, copied, out: StepOutput) -> None:
+    def _hand_back(self, decode: Decode, out: StepOutput) -> None:
         n, kind = decode.rows, decode.kind
-        self.clock.wait(copied)
         want = (n, kind.logprobs, kind.top)
         out.tokens, out.logprobs, out.top_ids, out.top_logprobs = self._lagged.read(*want)
         if decode.queries > 1:
             out.next, out.next_logprobs, out.next_top_ids, out.next_top_logprobs = self._own.read(*want)
             out.accepted = self._own.accepted[:n].tolist()
 
-    def _run_prefill(self, p: Prefill, out: StepOutput, on_progress) -> None:
-        """Run p.units units of the prefill in progress (starting it if p.begin); once its last unit
-        has run, start its row and sample its first token into out.first."""
-        if p.begin is not None:
-            out.prefill_began = time.perf_counter()
-            args = (p.begin, p.start, p.size, p.reused, p.interleave, on_progress)
-            self._prefilling, self._prefill_prompt = self.prefill_units(*args), p.begin
-        units = self._prefilling
-        ran = 0
-        while p.units is None or ran < p.units:
+    def _mixed_step(self, decode: Decode | None, p: Prefill, out: StepOutput, on_progress) -> None:
+        """The chunk p.chunk of the prefill in progress and the decode rows (if any) in one forward
+        (Transformer.mixed), eagerly; the decode rows' previous tokens are copied to the host first
+        and their logits sampled as the decode step samples (sample_rows: the same tokens). A
+        failure of the chunk (UserError, out of memory) fails its sequence only: the decode rows
+        then step on their own. Once the chunk is the prompt's last, the prefill ends (its first
+        token)."""
+        n, work = (0 if decode is None else decode.rows), self._prefilling
+        if n:
+            kind = decode.kind
+            self._lagged.copy_from(self.state, n, kind.logprobs, kind.top)
+        try:
+            logits = self._mixed_logits(work, p.chunk, n)  # [1 + n, V]: the chunk's last row, the decode rows
+        except (UserError, torch.OutOfMemoryError) as e:
+            self._prefill_failed(p, e, out)
+            if n:
+                self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top)
+            return
+        if n:
+            if kind.adjust:
+                self._processors()
+            sample_rows(logits[1:], self.state.rows(n), kind.mode, kind.logprobs, kind.adjust, kind.top)
+        work.done = p.chunk[1]
+        total = len(work.prompt) - p.reused
+        if on_progress is not None:
+            on_progress(work.done - p.reused, total)
+        if work.done == len(work.prompt):
             try:
-                out.unit_flops += next(units)
-            except StopIteration as done:
-                self._prefilling = None
-                row = p.row
-                self.start_row(row.row, row.start, row.position, row.params, self._prefill_prompt)
-                first = self.sample_first(row.row, done.value, row.params, p.logprobs, p.top)
-                logprob = float(self.state.logprob[row.row]) if p.logprobs else None
-                top = (self.state.top_ids[row.row], self.state.top_logprob[row.row]) if p.top else None
-                out.first = (first, logprob, top)
+                self._check_finite(logits[:1], work.prompt, work.start, work.size, p.reused)
+            except UserError as e:
+                self._prefill_failed(p, e, out)
                 return
-            ran += 1
-        if p.interleave:
-            out.unit_mark = self.clock.unit()
+            self._end_prefill(p, logits[:1], out)
+
+    def _mixed_logits(self, work: Prefilling, chunk: tuple[int, int], n: int) -> torch.Tensor:
+        """The mixed step's forward -> float32 logits [1 + n, V] (the chunk's last position, then
+        decode rows 0..n-1)."""
+        region = self.region(work.start, work.size)
+        if work.ids is None:  # the prefill's first chunk
+            work.ids = torch.tensor(work.prompt, device=self.device)
+            work.staging = self.model.chunk_staging(region, len(work.prompt))
+        lo, hi = chunk
+        args = (lo, len(work.prompt), region, self._chunk_backend(), self.prefill_chunk, work.staging)
+        rows, chunk = self.state.rows(n), PromptChunk(work.ids[lo:hi], *args)
+        hidden = self.model.mixed(chunk, rows.tokens, rows.positions, rows.starts, self.cache)
+        return self.model.logits(hidden)
+
+    def _chunk_backend(self) -> str | None:
+        """A chunk's prefill attention: on a GPU SDPA's flash backend, whatever the prefill's choice:
+        each chunk is a call of a new shape (its rows after a longer past), for which cuDNN would
+        build a new graph (~0.4 s), and the FP8 kernel's few query blocks would not fill the GPU.
+        float32 (no flash kernel) and the CPU: PyTorch's choice."""
+        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
+            return "flash"
+        return None
+
+    def _prefill_units(self, p: Prefill, out: StepOutput, on_progress) -> None:
+        """Run p.units units of the prefill in progress as a whole prefill of the positions not yet
+        run (begun here at its first such plan); once its last unit has run, end it."""
+        work = self._prefilling
+        try:
+            if work.units is None:
+                report = on_progress
+                if on_progress is not None and work.done > p.reused:  # after chunks: the count goes on
+                    done, total = work.done - p.reused, len(work.prompt) - p.reused
+                    report = lambda d, t: on_progress(done + d, total)  # noqa: E731
+                work.units = self.prefill_units(work.prompt, work.start, work.size, work.done, report)
+            ran = 0
+            while p.units is None or ran < p.units:
+                try:
+                    next(work.units)
+                except StopIteration as done:
+                    self._end_prefill(p, done.value, out)
+                    return
+                ran += 1
+        except (UserError, torch.OutOfMemoryError) as e:
+            self._prefill_failed(p, e, out)
+
+    def _prefill_failed(self, p: Prefill, error: Exception, out: StepOutput) -> None:
+        self._prefilling = None
+        message = str(error) if isinstance(error, UserError) else (
+            f"out of memory on {self.device} in prefill: lower the prompt length"
+        )  # fmt: skip
+        out.failed = (p.seq, message)
+
+    def _end_prefill(self, p: Prefill, logits: torch.Tensor, out: StepOutput) -> None:
+        """The prefill's last position has run (its logits [1, V]): its row starts and its first
+        token is sampled into out.first."""
+        prompt, row = self._prefilling.prompt, p.row
+        self._prefilling = None
+        self.start_row(row.row, row.start, row.position, row.params, prompt)
+        first = self.sample_first(row.row, logits, row.params, p.logprobs, p.top)
+        logprob = float(self.state.logprob[row.row]) if p.logprobs else None
+        top = (self.state.top_ids[row.row], self.state.top_logprob[row.row]) if p.top else None
+        out.first = (first, logprob, top)
 
     def prefill_units(
-        self, prompt_ids: list[int], start: int, size: int, reused: int, interleave: bool, on_progress
+        self, prompt_ids: list[int], start: int, size: int, reused: int, on_progress
     ) -> Generator[float, None, torch.Tensor]:
         """The prefill of prompt positions reused.. into the region [start, start + size) as units
-        (Transformer.prefill_units; within prefill_unit_flops when `interleave`) -> float32 logits
-        [1, V] of the last position. NaN / inf logits are one UserError naming the first layer that
-        made them."""
+        (Transformer.prefill_units) -> float32 logits [1, V] of the last position. NaN / inf logits
+        are one UserError naming the first layer that made them."""
         region = self.region(start, size)
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)  # [1, T - reused]
         new = len(prompt_ids) - reused
         report = None if on_progress is None else (lambda done, total: on_progress(new * done // total, new))
-        unit_flops = self.prefill_unit_flops if interleave else None
         args = (tokens, region, self.prefill_chunk, self._backend())
-        units = self.model.prefill_units(*args, on_progress=report, start=reused, unit_flops=unit_flops)
-        hidden = yield from units
+        hidden = yield from self.model.prefill_units(*args, on_progress=report, start=reused)
         logits = self.model.logits(hidden)
-        # One check per request (its first token is a host sync anyway); decode steps are not checked.
-        if not bool(torch.isfinite(logits).all()):
-            rerun = lambda: self.model.logits(self.model.prefill(*args, start=reused))  # noqa: E731
-            raise nonfinite_logits_error(self.model, rerun)
+        self._check_finite(logits, prompt_ids, start, size, reused)
         return logits
+
+    def _check_finite(
+        self, logits: torch.Tensor, prompt_ids: list[int], start: int, size: int, reused: int
+    ) -> None:
+        """One check per request (its first token is a host sync anyway; decode steps are not
+        checked): NaN / inf in a prefill's last logits [1, V] are a UserError naming the first layer
+        that made them (found by the prompt's whole prefill again, with hooks)."""
+        if bool(torch.isfinite(logits).all()):
+            return
+        tokens = torch.tensor([prompt_ids[reused:]], device=self.device)
+        args = (tokens, self.region(start, size), self.prefill_chunk, self._backend())
+        rerun = lambda: self.model.logits(self.model.prefill(*args, start=reused))  # noqa: E731
+        raise nonfinite_logits_error(self.model, rerun)
 
     def prefill(self, prompt_ids: list[int], start: int, size: int, reused: int) -> torch.Tensor:
         """A whole prefill at once (as a plan's units would run it) -> float32 logits [1, V]."""
-        units = self.prefill_units(prompt_ids, start, size, reused, False, None)
+        units = self.prefill_units(prompt_ids, start, size, reused, None)
         while True:
             try:
                 next(units)
@@ -473,11 +575,11 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile every kernel a request will run before one arrives (its TTFT then pays none):
-        the prefill's on a short prompt, the FP8 prefill attention kernel (when it is the user's
-        choice) on a problem it takes, and the decode step at each cache size where the decode
-        kernel changes its launch config (warm_up_sizes: an FP8 cache has up to three, which a
-        request's cache grows into). Each cache is freed after; a size that does not fit beside
-        the weights is left to its first use."""
+        the prefill's on a short prompt, a mixed step's (warm_up_mixed), the FP8 prefill attention
+        kernel (when it is the user's choice) on a problem it takes, and the decode step at each
+        cache size where the decode kernel changes its launch config (warm_up_sizes: an FP8 cache
+        has up to three, which a request's cache grows into). Each cache is freed after; a size
+        that does not fit beside the weights is left to its first use."""
         if self.device.type != "cuda":
             return
         for i, capacity in enumerate(self.warm_up_sizes()):
@@ -485,6 +587,8 @@ class Engine:
                 self.resize(capacity)
                 if i == 0:
                     self.prefill(list(range(1, 17)), 0, capacity, 0)
+                    if not self.one_sequence:  # (context parallelism runs no mixed steps)
+                        self.warm_up_mixed()
                 self.prepare(1, SamplingParams().mode, False)
                 torch.cuda.synchronize(self.device)
             except torch.OutOfMemoryError:
@@ -497,6 +601,17 @@ class Engine:
             k, v = (torch.randn(1, cfg.num_kv_heads, FP8_MIN_KEYS, cfg.head_dim, **like) for _ in range(2))
             causal_attention(q, k, v, cfg.head_dim**-0.5, "fp8")
             torch.cuda.synchronize(self.device)
+
+    def warm_up_mixed(self) -> None:
+        """A mixed step's eager kernels run once (their compiles, and the chunk attention's first
+        call and imports, kept out of the first one beside running streams): a chunk of positions
+        16..31 after a 16-position prefill at the cache's start, beside one decode row that writes
+        only the spare granule."""
+        region, row = self.region(0, 32), DecodeState.zeros(1, self.device)
+        row.starts.fill_(self.spare_start)
+        ids, staging = torch.arange(17, 33, device=self.device), self.model.chunk_staging(region, 32)
+        chunk = PromptChunk(ids, 16, 32, region, self._chunk_backend(), self.prefill_chunk, staging)
+        self.model.logits(self.model.mixed(chunk, row.tokens, row.positions, row.starts, self.cache))
 
     def warm_up_sizes(self) -> list[int]:
         """Cache capacities (region positions, whole granules) at which the decode step runs each

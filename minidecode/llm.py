@@ -31,6 +31,7 @@ from .request import (
     Request,
     about,
     check_in_vocab,
+    check_int,
     check_known,
     check_token_ids,
     logit_bias_ids,
@@ -55,7 +56,9 @@ class LLM:
     """A loaded model. `LLM()` with no model uses the small model shipped with minidecode.
 
     max_batch: the most sequences decoded at once (requests beyond it wait their turn).
-    prefix_reuse: keep finished sequences' K/V and reuse the longest cached prefix of a new prompt."""
+    prefix_reuse: keep finished sequences' K/V and reuse the longest cached prefix of a new prompt.
+    step_tokens: the rows a step takes through the weights while a prompt prefills beside running
+    requests (a chunk of it beside their decode rows: engine.STEP_TOKENS; None, the device's)."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class LLM:
         cp: int = 1,
         quantization: str | None = None,
         prefill_attention: str = "auto",
+        step_tokens: int | None = None,
     ):
         # tp x cp > 1: one rank of a torchrun launch (minidecode/distributed.py); each rank loads
         # its share of the weights. Rank 0 runs the engine loop and the API; every step's plan goes
@@ -90,6 +94,8 @@ class LLM:
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.device, self.dtype)
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
             raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if step_tokens is not None:
+            check_int("step_tokens", step_tokens, 1)
         for name, value in (("cuda_graph", cuda_graph), ("prefix_reuse", prefix_reuse)):
             if not isinstance(value, bool):
                 raise UserError(f"{name} must be True or False, got {value!r}")
@@ -117,7 +123,8 @@ class LLM:
         # Context-parallel ranks split one sequence's positions: one at a time, no prefix reuse.
         self.engine = Engine(
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,
-            max_batch=max_batch, one_sequence=cp_ranks > 1, prefill_attention=prefill_attention,
+            max_batch=max_batch, step_tokens=step_tokens, one_sequence=cp_ranks > 1,
+            prefill_attention=prefill_attention,
         )  # fmt: skip
         if self.parallel is not None:  # its part of a cache file (cache_file.part_path)
             self.engine.files.place = (self.parallel.tp, self.parallel.cp, self.parallel.rank)

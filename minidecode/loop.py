@@ -5,9 +5,9 @@ only its own events from its own queue.
 Each turn of the loop takes what arrived (new sequences, aborts, calls), asks the scheduler for
 the next step's plan (scheduler.py, plan.py), has the engine run it (under torchrun: every rank,
 fanout.py) and hands out what it gave: each sequence's tokens as events with their
-text (stop strings are matched here), its result and stats at its end. While a prompt prefills,
-each plan runs one unit of it, and the running sequences step between units when the scheduler's
-pacer says so (pacer.py), so a running stream waits about two steps between tokens.
+text (stop strings are matched here), its result and stats at its end. A prompt that prefills
+beside running sequences goes a chunk a plan, each in one mixed step with their decode rows, so a
+running stream gets a token every step; alone, a plan runs one unit of its prefill.
 
 Each step's tokens are copied to pinned host memory and the next step is launched before the host
 waits for that copy: the device never idles while the host detokenizes and hands out. A request's

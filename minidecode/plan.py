@@ -9,19 +9,21 @@ run it on their shards of the weights and of the cache). Its parts run in this o
 3. `cache`: the admitted sequence's cache work: a resize, a prefix copied between regions, a saved
    cache file read into its region, a release (a failure here fails that sequence only);
 4. `prepare`: decode graphs captured ahead of the step that needs them (a step with drafts' too);
-5. `decode`: one decode step of rows 0..n-1, with the graph kind of those rows (and speculation's
-   drafts: several tokens a row);
-6. `prefill`: units of work of the one prefill in progress; when its last unit runs, its row starts
-   (`RowStart`: region, position, sampling and logits-processor settings, prompt ids) and its first
-   token is sampled;
-7. `score`: logits of every position of some token ids (`LLM.logits`);
-8. `file`: a cache file saved or opened, each rank its own part (`LLM.save_cache` / `load_cache`).
+5. `decode` and `prefill`: one decode step of rows 0..n-1, with the graph kind of those rows (and
+   speculation's drafts: several tokens a row), and the one prefill in progress: either a chunk of
+   its prompt (`Prefill.chunk`) run with the decode rows as one mixed step (one forward: their
+   projections and MLP in one matmul per weight; a step with drafts runs on its own first, the
+   chunk alone after it), or, with no decode rows, units of work of its prompt's rest as a whole
+   prefill; when its last position has run, its row starts (`RowStart`: region, position, sampling
+   and logits-processor settings, prompt ids) and its first token is sampled;
+6. `score`: logits of every position of some token ids (`LLM.logits`);
+7. `file`: a cache file saved or opened, each rank its own part (`LLM.save_cache` / `load_cache`).
 
 What the engine returns is a `StepOutput`: the decode step's tokens (of the step before it: each
 step's tokens are copied to the host while the next one runs; a step with drafts also returns its
 own, the drafts it kept and the token after them, since the next drafts follow them), the first
-token of a prefill that ended, the failure of the admitted sequence, if any, and each rank's answer
-to `file`.
+token of a prefill that ended, the failure of the admitted or prefilling sequence, if any (the
+decode rows step all the same), and each rank's answer to `file`.
 """
 
 from __future__ import annotations
@@ -114,11 +116,12 @@ class RowStart:
 
 @dataclass
 class Prefill:
-    """Units of one sequence's prefill into its region [start, start + size), whose first `reused`
-    positions already hold its prompt's K/V. The first plan of a prefill carries the prompt
-    (`begin`); later ones continue the engine's units. `interleave`: units within the engine's
-    prefill_unit_flops (running sequences step between them). `units`: how many this plan runs
-    (None: to the end)."""
+    """This plan's part of one sequence's prefill into its region [start, start + size), whose
+    first `reused` positions already hold its prompt's K/V. The first plan of a prefill carries
+    the prompt (`begin`). `chunk` (lo, hi): prompt positions lo..hi-1, run in this plan's mixed
+    step with its decode rows (the chunks follow one another from `reused`); None: `units` units of
+    work (None: to the end) of a whole prefill of the positions not yet run (begun by the first
+    such plan, continued by the next: a prefill beside no decode rows)."""
 
     seq: int  # Sequence.id
     start: int
@@ -127,7 +130,7 @@ class Prefill:
     row: RowStart
     logprobs: bool = False  # the first token's log-prob (and `top`: its top log-probs)
     top: bool = False
-    interleave: bool = False
+    chunk: tuple[int, int] | None = None
     units: int | None = 1
     begin: list[int] | None = None  # the prompt ids, in the prefill's first plan
 
@@ -184,9 +187,6 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_ids: Any = None  # [n, 20] int64 (host)
     top_logprobs: Any = None  # [n, 20] float32 (host)
-    step_marks: tuple | None = None  # (start, end) of the decode step on the device clock (pacer.py)
-    unit_flops: float = 0.0  # the prefill units run, their FLOPs and the device mark after the last
-    unit_mark: Any = None
     prefill_began: float = 0.0  # host time the prefill's first unit was queued (its prefill_seconds)
     first: tuple[int, float | None, Any] | None = None  # a prefill that ended: (token, log p, top rows)
     file_seconds: float = 0.0  # reading a cache file (within the sequence's TTFT)

@@ -3,14 +3,19 @@ prefix cache of finished ones, and each engine step as one plan (plan.py) that t
 every rank alike.
 
 Each `schedule()` gives one StepPlan: the rows of sequences that ended, the admission of the head
-of the queue (its region and reused prefix: the cache's resize, copy or file read), one unit of
-the prefill in progress, and a decode step of the running sequences where it is their turn: always
-outside a prefill, and between its units where it started beside them, as the pacer (pacer.py)
-decides from the engine's marks of the last step and unit. Where running sequences speculate,
-the step carries their drafts (prompt lookup on the tokens the host has: speculation.py).
-Sequences admitted together start together (their prefills run back to back, without steps
-between them). `update()` takes the plan's StepOutput back: tokens fed, a prefill ended (its
-sequence now runs) or failed.
+of the queue (its region and reused prefix: the cache's resize, copy or file read), the prefill in
+progress, and a decode step of the running sequences. A prefill beside running sequences goes in
+chunks, one a step, each run with the running rows' decode step as one mixed step: its chunk is
+as long as the step's budget (Engine.step_tokens, rows through the weights) leaves beside the
+decode rows, its rows' attention to their past counted in (`chunk_end`), so that the prefill
+advances every step and the streams get a token every step, each step about as long. A prefill
+beside none (or once the running sequences have all ended) runs as one unit of a whole prefill a
+plan, its fastest form. Sequences admitted together start together (their prefills run back to
+back, without steps between them). Where running sequences speculate, the step carries their
+drafts (prompt lookup on the tokens the host has: speculation.py); a step with drafts runs as its
+own graph (the engine then runs the chunk alone after it), one without rides in the chunk.
+`update()` takes the plan's StepOutput back: tokens fed, a prefill ended (its sequence now runs)
+or failed.
 
 Requests are admitted in order while a decode row and a region of the cache are free. A finished
 sequence's K/V stay in its region as a cached prefix (evicted least-recently-used, only when the
@@ -26,6 +31,7 @@ API's up-front refusal uses too."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +40,6 @@ from .cache import Regions
 from .cache_file import CacheFile
 from .engine import Engine, draft_bucket, step_queries
 from .errors import UserError
-from .pacer import Pacer
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
@@ -79,6 +84,21 @@ def check_fits(engine: Engine, size: int, prompt_len: int, context: int, free: i
     return room
 
 
+# The fewest prompt rows a mixed step's chunk takes, whatever its budget: a tensor-core tile of rows
+# (fewer cost a GPU's matmuls as much), so that the prefill always advances.
+MIN_CHUNK = 16
+
+
+def chunk_end(lo: int, end: int, room: int, key_rows: float) -> int:
+    """The end of a mixed step's chunk of prompt positions lo.. (at most `end`): the most rows c
+    whose work fits `room` rows through the weights, each row counting 1 and key_rows (its
+    attention to one key, in rows: Transformer.key_flops / flops_per_row) for each of the lo + j + 1
+    keys it reads: c + key_rows (c lo + c (c + 1) / 2) <= room; at least MIN_CHUNK rows."""
+    b = 1 + key_rows * (lo + 0.5)
+    c = int(2 * room / (b + math.sqrt(b * b + 2 * key_rows * room))) if room > 0 else 0  # the root
+    return min(end, lo + max(MIN_CHUNK, c))
+
+
 def step_kind(seqs: list[Sequence]) -> DecodeKind:
     """The decode step these sequences need: each part on if any sequence needs it."""
     return DecodeKind(
@@ -115,10 +135,11 @@ class Scheduler:
         self._cancel = False
         self.dropped: list[tuple[Sequence, str | None]] = []  # ended unrun: (seq, error or None: aborted)
         self._round = False  # admitting sequences back to back
-        self._interleave = False  # ... beside running ones, which step between the prefills' units
-        self._step_due = False  # the pacer's word: the next plan steps the running sequences
+        self._beside = False  # ... beside running ones: the prefills go in mixed steps with them
+        self._next = 0  # the prefill in progress's next prompt position to plan (mixed steps' chunks)
         self._kind: DecodeKind | None = None  # the running rows' step (changes when a row starts or ends)
-        self.pacer = Pacer(engine.clock)
+        qkv, out = engine.model.flops_per_row()
+        self._key_rows = engine.model.key_flops() / (qkv + out)  # a prompt row's attention to a key, in rows
 
     # ---- plans -------------------------------------------------------------------------------
     @property
@@ -137,12 +158,18 @@ class Scheduler:
         if self.prefilling is not None and plan.prefill is None:
             seq = self.prefilling
             plan.prefill = self._prefill_work(seq, begin=False)
-        stepping = self.prefilling is None or (self._interleave and self._step_due)
-        if self.running and stepping:
-            self._step_due = False
+        # A prefill beside running rows: a mixed step (running sequences cannot start during it, so
+        # once they have all ended the rest of it runs as a whole prefill's units)
+        mixed = self.prefilling is not None and self._beside and bool(self.running)
+        if self.running and (self.prefilling is None or mixed):
             if self._kind is None:
                 self._kind = step_kind(self.running)
             plan.decode = self._decode_step()
+        if mixed:
+            lo, room = self._next, self.engine.step_tokens - len(self.running)
+            end = min(len(self.prefilling.prompt_ids), lo + self.engine.prefill_chunk)  # (its temporaries)
+            self._next = chunk_end(lo, end, room, self._key_rows)
+            plan.prefill.chunk = (lo, self._next)
         done = self.pending()  # rows freed and cache work, this admission's included
         done.admit, done.prepare = plan.admit, plan.prepare
         done.prefill, done.decode = plan.prefill, plan.decode
@@ -189,7 +216,7 @@ class Scheduler:
         prefill's first unit go into `plan`. A round of admissions starts beside running sequences
         (they step between its prefills' units) or not (its sequences start together)."""
         if not self._round:
-            self._round, self._interleave = True, bool(self.running)
+            self._round, self._beside = True, bool(self.running)
         while self.waiting and len(self.running) < self.engine.max_batch:
             seq = self.waiting[0]
             try:
@@ -201,7 +228,7 @@ class Scheduler:
             if not placed:
                 break  # in order: the head waits for room (no request overtakes it for ever)
             self.waiting.popleft()
-            self.prefilling = seq
+            self.prefilling, self._next = seq, seq.reused
             plan.admit = seq.id
             # The step graphs it will decode in, captured before its prefill (not in its decoding):
             # the plain step's, and where a row can speculate each draft bucket its steps may take.
@@ -216,7 +243,7 @@ class Scheduler:
         row = RowStart(len(self.running), seq.start, len(seq.prompt_ids), seq.params)
         return Prefill(
             seq.id, seq.start, seq.size, seq.reused, row, seq.want_logprobs, seq.want_top > 0,
-            interleave=self._interleave, begin=seq.prompt_ids if begin else None,
+            begin=seq.prompt_ids if begin else None,
         )  # fmt: skip
 
     def cancel_prefill(self) -> None:
@@ -227,7 +254,7 @@ class Scheduler:
         self.dropped.append((seq, None))
 
     def update(self, plan: StepPlan, out: StepOutput) -> Sequence | None:
-        """A plan has run: the running sequences were fed a token, the prefill's units timed;
+        """A plan has run: the running sequences were fed a token (or more: kept drafts);
         -> the sequence whose prefill ended (its first token in out.first, its row the last)."""
         seq = self.prefilling
         if out.failed is not None and seq is not None and out.failed[0] == seq.id:
@@ -236,13 +263,10 @@ class Scheduler:
             self.dropped.append((seq, out.failed[1]))
         if out.resized and out.capacity != self.capacity:  # a resize failed (out of memory)
             self._rebuild_regions(out.capacity)
-        if out.step_marks is not None:
-            self.pacer.stepped(*out.step_marks)
+        if plan.decode is not None:
             kept = out.accepted or [0] * plan.decode.rows
             for fed, accepted in zip(self.running[: plan.decode.rows], kept, strict=True):
                 fed.fed += 1 + accepted  # the step writes the K/V of its row's token (and of kept drafts)
-        if out.unit_mark is not None and self.running:
-            self._step_due = self.pacer.unit_done(out.unit_flops, out.unit_mark)
         if self.prefilling is not None and out.file_seconds:
             seq.stats.cache_load_seconds = out.file_seconds
         if self.prefilling is None or out.first is None:

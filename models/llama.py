@@ -1,12 +1,14 @@
 """One decoder for Llama, Mistral, Qwen2 and Qwen3, switched by config flags.
 
 Module names mirror Hugging Face's (`model.layers.0.self_attn.q_proj`, ...) so checkpoint
-tensors load by name with no renaming. Two entry points, both writing K/V into the runtime's
+tensors load by name with no renaming. Three entry points, each writing K/V into the runtime's
 contiguous cache:
 - `prefill`: the whole prompt, layer by layer, attention through PyTorch SDPA (a rank's rows of
   it and how its attention runs are the model's `context`: every position here, a
   context-parallel rank's share in models/parallel.py);
-- `decode`: one new token per sequence, attention through the lean decode kernel.
+- `decode`: one new token per sequence, attention through the lean decode kernel;
+- `mixed`: a chunk of a prompt and decode rows in one forward (their projections and MLP in one
+  matmul per weight), each part attending as the two above do.
 
 FP8 weights (a checkpoint's, or quantized on load: minidecode/loading.py) live in FP8Linear layers
 whose tensors carry the checkpoint's names; their projections run through the same ops, which take
@@ -26,7 +28,7 @@ from torch import nn
 
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8
-from minidecode.kernels.prefill import attention_units, causal_attention
+from minidecode.kernels.prefill import causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 
 from .cache import KVCache, LayerKV
@@ -322,6 +324,23 @@ class PromptRows:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+@dataclass
+class PromptChunk:
+    """A prompt chunk of a mixed step (Transformer.mixed): `ids` [c] int64 on the device are
+    positions lo..lo+c-1 of a prompt of `length` positions (RoPE's length), prefilled into
+    `region` (the sequence's region: position p at its cache position p). backend: the prefill
+    attention's; copy_rows: rows an FP8 staging copy takes at a time (bounded temporaries);
+    staging: Transformer.chunk_staging's buffers (an FP8 cache), else None."""
+
+    ids: torch.Tensor
+    lo: int
+    length: int
+    region: KVCache
+    backend: str | None
+    copy_rows: int
+    staging: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 class WholeContext:
     """The prefill context of a model that holds every position (one process, or tensor-parallel
     ranks): its rows are the prompt's positions in order, at cache positions start..start+T-1,
@@ -343,7 +362,6 @@ class WholeContext:
         rows: PromptRows,
         scale: float,
         backend: str | None,
-        unit_flops: float | None,
         chunk: int,
     ) -> Iterator[float]:
         """A layer's causal attention of the rows' queries q [B, Hq, T, D] over the cache's keys
@@ -353,16 +371,9 @@ class WholeContext:
         many KV heads a call as its temporaries fit in one chunk's (temporaries.
         prefill_attention_kv_heads: a whole layer in one GQA call up to long prompts, else
         fewer). Calls per KV head would be most of a short prompt's time (each too small to fill
-        the GPU; bench/NOTES-prefill.md). Under `unit_flops`: one KV head at a time, in the units
-        of kernels/prefill.py's attention_units (on cuDNN, calls of fixed shapes, so that no
-        unit waits for a new cuDNN graph)."""
+        the GPU; bench/NOTES-prefill.md)."""
         cfg, (B, _, T, D) = self.config, q.shape
-        G, Hkv, start, end = cfg.group_size, cfg.num_kv_heads, rows.first_slot, rows.end
-        if unit_flops is not None:
-            for h in range(Hkv):  # queries [B, G, T, D] of KV head h, overwritten unit by unit
-                group, kv = q[:, h * G : (h + 1) * G], slice(h, h + 1)
-                yield from attention_units(group, k[:, kv], v[:, kv], start, scale, backend, unit_flops)
-            return
+        G, Hkv, end = cfg.group_size, cfg.num_kv_heads, rows.end
         heads = prefill_attention_kv_heads(cfg, B, T, end, chunk, q.dtype, backend == "fp8")
         for h in range(0, Hkv, heads):
             kv = slice(h, min(h + heads, Hkv))  # these KV heads and their query heads, in one call
@@ -420,7 +431,6 @@ class Transformer(nn.Module):
         last_only: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
         start: int = 0,
-        unit_flops: float | None = None,
     ) -> Generator[float, None, torch.Tensor]:
         """tokens [B, T] at positions start..start+T-1 -> (the generator's value) final-normed
         hidden [B, hidden] (last position) or [B, T, hidden]; fills this rank's cache positions of
@@ -434,10 +444,8 @@ class Transformer(nn.Module):
 
         A resumable prefill: it yields each unit of work's FLOPs (about) once the unit is queued (a
         chunk of projections, an attention call, a chunk of o_proj + MLP), so its owner (the
-        engine, running a step plan) can run other work between units or drop it. `unit_flops`
-        bounds a unit's work so that other sequences' decode steps can come often: projection
-        chunks shrink below `chunk`, and attention goes one KV head at a time in the units of
-        kernels/prefill.py's attention_units; None keeps whole-prompt attention calls.
+        engine, running a step plan) can return to its loop between units or drop it. (A prompt
+        prefilled beside running sequences goes chunk by chunk through `mixed` instead.)
 
         Layer-major: each layer runs over the whole prompt before the next starts. Projections
         and the MLP go `chunk` rows at a time (bounded temporaries); attention is the context's
@@ -465,9 +473,8 @@ class Transformer(nn.Module):
             shape = (B, Hkv, first + n, D)
             staging = [torch.empty(shape, dtype=x.dtype, device=x.device) for _ in "kv"]
         qkv_row, out_row = self.flops_per_row()  # a row through q/k/v; through o_proj and the MLP
-        per = chunk if unit_flops is None else max(16, min(chunk, int(unit_flops / out_row)))
         # The projection chunks (rows), over the rows every rank runs (rows.padded: empty past n)
-        spans = [(min(s, n), min(s + per, n)) for s in range(0, rows.padded, per)]
+        spans = [(min(s, n), min(s + chunk, n)) for s in range(0, rows.padded, chunk)]
         positions = rows.positions(x.device)  # [n] int64
 
         def angles(s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [B, e - s, D] float32
@@ -491,8 +498,8 @@ class Transformer(nn.Module):
                         normed, cos, sin, q_all[:, :, s:e], k_cache[:, :, at], v_cache[:, :, at]
                     )
                 yield B * (e - s) * qkv_row
-            # q_all's heads overwritten by their attention output, unit by unit
-            context = (rows, attn.scale, backend, unit_flops, chunk)
+            # q_all's heads overwritten by their attention output, call by call
+            context = (rows, attn.scale, backend, chunk)
             yield from self.context.attention(q_all, k_cache, v_cache, *context)
             if quantized:
                 _quantize_into(cache.layer(i), staging, first, chunk, attn.kv_static_scales)
@@ -506,15 +513,95 @@ class Transformer(nn.Module):
                 yield B * (e - s) * out_row
         return self.model.norm(self.context.output(x, rows, last_only))
 
+    def chunk_staging(self, region: KVCache, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What `mixed` reads a prompt chunk's attention from in an FP8 cache: one layer's K and V
+        of a `length`-position prompt, [1, Hkv, length, D] each in the model dtype, reused by every
+        layer and chunk (the one the whole prefill holds); None for a model-dtype cache."""
+        if region.kv_scale is None:
+            return None
+        cfg, like = self.config, self.model.embed_tokens.weight
+        shape = (1, cfg.num_kv_heads, length, cfg.head_dim)
+        return tuple(torch.empty(shape, dtype=like.dtype, device=like.device) for _ in "kv")
+
+    def mixed(
+        self,
+        chunk: PromptChunk,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        starts: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """One forward of a mixed step: a prompt chunk's c rows and B decode rows together ->
+        final-normed hidden [1 + B, hidden]: the chunk's last position, then the decode rows.
+
+        The decode rows are `decode`'s batch: tokens, positions, starts [B] int64 on the device, each
+        sequence's region at starts[b].. of the cache's one shared row (every row active). Each layer
+        normalises every row, projects them in one matmul per weight (q/k/v, o_proj, gate/up, down:
+        the weights read once for both parts), and attends each part its own way: the chunk as
+        `prefill_units` attends a suffix after its past (its positions causally, the region's
+        earlier positions fully: WholeContext.attention), its K/V into the region; the decode rows
+        through the decode attention op over their regions, their K/V at their positions (as
+        decode_layers). RoPE per row at its own position: the chunk's with the whole prompt's
+        length (dynamic NTK / LongRoPE as its prefill in one pass), a decode row's with its own
+        position + 1. So each part gets what it gets alone, up to rounding (the matmuls' row
+        counts differ). FP8 cache: the chunk's attention reads chunk.staging, the past dequantized
+        into it each layer (as a reused prefix enters a prefill), and its new positions are then
+        quantized into the region. Eager (the chunk's shape varies), one process or tensor-parallel
+        ranks (context parallelism runs one sequence at a time: never beside decode rows)."""
+        cfg, region, lo = self.config, chunk.region, chunk.lo
+        c, B, hi = chunk.ids.shape[0], tokens.shape[0], chunk.lo + chunk.ids.shape[0]
+        device = tokens.device
+        x = self.model.embed_tokens(torch.cat((chunk.ids, tokens)))  # [c + B, hidden]: the residual stream
+        at = torch.arange(lo, hi, device=device)[None]  # [1, c]
+        cos_c, sin_c = self.rope.cos_sin(at, torch.tensor(chunk.length, device=device))  # [1, c, D]
+        cos_d, sin_d = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
+        written, lengths = starts + positions, (positions + 1).to(torch.int32)  # [B]
+        rows = PromptRows(((lo, hi),), lo, hi, c)  # the chunk's attention reads keys 0..hi-1
+        q_c = x.new_empty(1, cfg.num_heads, c, cfg.head_dim)  # heads-major, as prefill's
+        for i, layer in enumerate(self.model.layers):
+            attn, kv = layer.self_attn, cache.layer(i)
+            norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+            k_c, v_c = chunk.staging if chunk.staging is not None else region.layer(i)[:2]
+            if chunk.staging is not None and lo:
+                _dequantize_prefix(region.layer(i), chunk.staging, lo, chunk.copy_rows)
+            h = layer.input_layernorm(x)
+            qkv = ops.linear(h, attn.qkv_weight, attn.qkv_bias)  # [c + B, (Hq + 2 Hkv) D]
+            ops.rope_into(
+                qkv[None, :c], cos_c, sin_c, q_c, k_c[:, :, lo:hi], v_c[:, :, lo:hi], *norms, attn.norm_eps
+            )
+            if B:  # q [B, Hq, D]; the rows' K/V written at their positions
+                q_d = ops.rope_and_cache(
+                    qkv[c:], cos_d, sin_d, written, kv.k, kv.v, attn.num_heads, *norms, attn.norm_eps,
+                    kv_scale=kv.kv_scale, static_scales=attn.kv_static_scales,
+                )  # fmt: skip
+            for _ in self.context.attention(q_c, k_c, v_c, rows, attn.scale, chunk.backend, chunk.copy_rows):
+                pass  # (q_c's heads overwritten by their output, call by call)
+            if chunk.staging is not None:
+                staged = [t[:, :, :hi] for t in chunk.staging]
+                _quantize_into(region.layer(i), staged, lo, chunk.copy_rows, attn.kv_static_scales)
+            out = [q_c[0].transpose(0, 1).reshape(c, -1)]  # [c, Hq D]
+            if B:
+                o_d = attn.attend(q_d, kv.k, kv.v, lengths, attn.scale, kv_scale=kv.kv_scale, starts=starts)
+                out.append(o_d.reshape(B, -1))  # [B, Hq D]
+            x += attn.o_proj(torch.cat(out))
+            x += layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x[c - 1 :])
+
     def flops_per_row(self) -> tuple[float, float]:
         """Multiply-adds x 2 of one prompt row through one layer's q/k/v projection, and through its
         o_proj and MLP: a prefill's two passes over each chunk, weighed apart (8B: 50 and 386
-        MFLOP), so that an interleaved unit's count is its work (attention is weighed by its own
-        blocks)."""
+        MFLOP; attention is weighed by its own calls, `key_flops` a key)."""
         cfg = self.config
         qkv = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         out = cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
         return 2.0 * qkv, 2.0 * out
+
+    def key_flops(self) -> float:
+        """Multiply-adds x 2 of one query row's attention to one key in one layer (q.k and the
+        weighted sum of v, each query head): what a prompt row pays per earlier position (8B:
+        16 kFLOP, so at 128k keys 2.1 GFLOP a layer, 5x its projections and MLP)."""
+        cfg = self.config
+        return 4.0 * cfg.num_heads * cfg.head_dim
 
     def decode(
         self,

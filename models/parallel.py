@@ -205,7 +205,6 @@ class ContextParallelAttention:
         rows: PromptRows,
         scale: float,
         backend: str | None,
-        unit_flops: float | None,
         chunk: int,
     ) -> Iterator[float]:
         """A layer's causal attention of this rank's queries q [B, Hq, n, D] (its rows, in their
@@ -214,27 +213,24 @@ class ContextParallelAttention:
 
         One KV head at a time: its keys and values gathered in position order [B, 1, T, D] (every
         rank takes part in every gather), then per run [lo, hi) of the rank's rows a causal call
-        with past lo: one unit each, or under unit_flops blocks of the run's rows small enough
-        that a block against the whole prompt stays within it. Every rank yields as many units
-        per head (the most any rank has; the others pad with empty units), so that the gathers
-        of every head fall in the same unit on every rank. `chunk` (the one-process grouping of
+        with past lo, one unit each. Every rank yields as many units per head (the most any rank
+        has; the others pad with empty units), so that the gathers of every head fall in the same
+        unit on every rank. `chunk` (the one-process grouping of
         KV heads) is not needed: the gathered head is each call's whole operand."""
         B, Hq, n, D = q.shape
         Hkv, T = k.shape[1], rows.end
         G = Hq // Hkv
-        block = T if unit_flops is None else max(64, int(unit_flops / (4 * B * G * D * T)))
         shares = deal(T, self.parallel.cp)
-        units = max(sum(-(-(hi - lo) // block) for lo, hi in runs) for runs in shares)
+        units = max(sum(hi > lo for lo, hi in runs) for runs in shares)
         for h in range(Hkv):
             keys = self._gather_in_order(k[:, h : h + 1, :n], T)  # [B, 1, T, D]
             values = self._gather_in_order(v[:, h : h + 1, :n], T)
             group, row, ran = q[:, h * G : (h + 1) * G], 0, 0  # group [B, G, n, D]
             for lo, hi in rows.runs:
-                for s in range(lo, hi, block):  # positions s..e-1, rows row + s - lo..
-                    e = min(s + block, hi)
-                    part = group[:, :, row + s - lo : row + e - lo]  # overwritten by its output
-                    causal_attention(part, keys[:, :, :e], values[:, :, :e], scale, backend, out=part)
-                    yield 4 * B * G * D * (e - s) * e
+                if hi > lo:  # positions lo..hi-1, rows row..
+                    part = group[:, :, row : row + hi - lo]  # overwritten by its output
+                    causal_attention(part, keys[:, :, :hi], values[:, :, :hi], scale, backend, out=part)
+                    yield 4 * B * G * D * (hi - lo) * hi
                     ran += 1
                 row += hi - lo
             for _ in range(units - ran):

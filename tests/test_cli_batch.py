@@ -156,6 +156,7 @@ def test_options_are_the_defaults(model_dir, references, tmp_path):
         (["--output", "no/such/folder/out.jsonl"], "folder no/such/folder does not exist"),
         (["--top-p", "2"], "top_p must be in"),
         (["--max-batch", "1000"], "max_batch must be in"),  # refused by the API, after the load
+        (["--step-tokens", "0"], "--step-tokens must be >= 1"),
     ],
 )
 def test_usage_errors_leave_an_existing_output_as_it_was(model_dir, tmp_path, extra, message):

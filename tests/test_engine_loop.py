@@ -2,7 +2,7 @@
 batch and each gets exactly its tokens alone (transformers' greedy ones); a closed stream frees
 its row at the next step; an error in one request ends only that request; a dying loop reaches
 every waiting caller and the next call starts a new one; a long prefill lets running streams
-decode between its units. Overlaps are made certain by gates, not by timing; every wait has a
+decode beside its chunks. Overlaps are made certain by gates, not by timing; every wait has a
 timeout, so a deadlock fails instead of hanging."""
 
 from __future__ import annotations
@@ -233,10 +233,9 @@ def test_a_dying_loop_reaches_every_caller_and_the_next_call_restarts(llama, gre
 
 
 def test_a_long_prefill_lets_running_streams_decode(llama, greedy, prompt_ids):
-    """While a long prompt prefills (in units of a few MFLOPs here), the running stream keeps
+    """While a long prompt prefills (in mixed steps of 32 rows here), the running stream keeps
     getting tokens; both results equal transformers'."""
-    llm = load(llama)
-    llm.engine.prefill_unit_flops = 1e6
+    llm = load(llama, step_tokens=32)
     short, long = prompt_ids(10, seed=96), prompt_ids(1500, seed=97)
     events: queue.SimpleQueue = queue.SimpleQueue()
     a = llm.submit(

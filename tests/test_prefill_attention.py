@@ -74,21 +74,6 @@ def test_suffix_attention_on_each_gpu_backend():
 
 
 @pytest.mark.gpu
-def test_interleaved_units_on_each_gpu_backend():
-    """attention_units of a suffix after a cached prefix that ends inside a tile: on cuDNN tiles of
-    8192 positions (the first starts in the prefix, the last is partial; calls over 1 and 2 earlier
-    tiles), on flash blocks of rows; both against float64."""
-    from minidecode.kernels.prefill import CANDIDATES, attention_units
-
-    past, D = 5000, 128
-    q, k, v, exact = gpu_suffix(past, 12000, D=D)
-    for backend in CANDIDATES:
-        out = q.clone()
-        units = list(attention_units(out, k, v, past, D**-0.5, backend, 1.5e12))
-        assert rel_err(out, exact) < 1e-2 and max(units) <= 1.5e12, backend
-
-
-@pytest.mark.gpu
 def test_blocked_cudnn_equals_one_causal_call():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

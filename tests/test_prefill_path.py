@@ -1,8 +1,8 @@
 """Transformer.prefill's attention over several KV heads a call, and its RoPE angles made once for
 every layer: the result of one attention call per KV head with the angles made per layer, bit for
-bit on the CPU (a whole prompt in one or more chunks, interleaved units, a suffix after a cached
-prefix), and a float64 forward pass's within rounding; the calls a prompt makes; and the memory
-rule that picks the KV heads per call."""
+bit on the CPU (a whole prompt in one or more chunks, a suffix after a cached prefix), and a
+float64 forward pass's within rounding; the calls a prompt makes; and the memory rule that picks
+the KV heads per call."""
 
 from __future__ import annotations
 
@@ -30,11 +30,6 @@ CFG = ModelConfig(
     head_dim=16,
     max_position_embeddings=4096,
 )
-# Interleaved units (attention_units on the CPU): one KV head's tile of t positions against t earlier
-# keys is 4 x G x D x t x t = 128 t^2 FLOPs. Units of 25 MFLOP make tiles of 256 positions; 5 MFLOP,
-# tiles of 128 read by calls of up to 2 earlier tiles; 1 MFLOP, tiles of 64 and one earlier tile a
-# call; 40 MFLOP at 400 positions, one tile of 512.
-TILES_256, TILES_128, TILES_64, ONE_TILE = 25e6, 5e6, 1e6, 40e6
 
 
 @pytest.fixture(scope="module")
@@ -131,18 +126,16 @@ def counted(monkeypatch: pytest.MonkeyPatch, model, events: list | None = None) 
 
 
 @pytest.mark.parametrize(
-    "prefix, T, chunk, unit_flops",
+    "prefix, T, chunk",
     [
-        (0, 90, 2048, None),  # one chunk: a whole layer a call, angles once
-        (0, 75, 40, None),  # two chunks: angles still made once
-        (0, 90, 40, None),  # three chunks: angles per layer
-        (0, 300, 2048, TILES_256),  # interleaved: per KV head in tiles
-        (0, 300, 2048, TILES_64),
-        (100, 40, 32, None),  # a suffix after a cached prefix
-        (100, 300, 2048, TILES_64),
+        (0, 90, 2048),  # one chunk: a whole layer a call, angles once
+        (0, 75, 40),  # two chunks: angles still made once
+        (0, 90, 40),  # three chunks: angles per layer
+        (100, 40, 32),  # a suffix after a cached prefix
+        (100, 300, 2048),
     ],
 )
-def test_several_kv_heads_a_call_equal_one_call_per_kv_head(model, monkeypatch, prefix, T, chunk, unit_flops):
+def test_several_kv_heads_a_call_equal_one_call_per_kv_head(model, monkeypatch, prefix, T, chunk):
     ids = tokens(prefix + T, seed=T)
     results = []
     for reference in (False, True):
@@ -152,9 +145,7 @@ def test_several_kv_heads_a_call_equal_one_call_per_kv_head(model, monkeypatch, 
             cache = new_cache(prefix + T)
             if prefix:
                 prefill(model, ids[:, :prefix], cache, chunk)
-            hidden, pauses = prefill(
-                model, ids[:, prefix:], cache, chunk, start=prefix, unit_flops=unit_flops
-            )
+            hidden, pauses = prefill(model, ids[:, prefix:], cache, chunk, start=prefix)
         results.append((hidden, cache.k.clone(), cache.v.clone(), sum(pauses)))
     (hidden, k, v, flops), (ref_hidden, ref_k, ref_v, ref_flops) = results
     assert torch.equal(hidden, ref_hidden)
@@ -162,25 +153,15 @@ def test_several_kv_heads_a_call_equal_one_call_per_kv_head(model, monkeypatch, 
     assert flops == pytest.approx(ref_flops)  # the same attention FLOPs, however grouped
 
 
-@pytest.mark.parametrize(
-    "prefix, T, chunk, unit_flops",
-    [
-        (0, 90, 2048, None),
-        (0, 75, 40, None),
-        (0, 300, 2048, TILES_256),
-        (100, 300, 2048, TILES_64),
-        (100, 300, 2048, ONE_TILE),
-    ],
-)
-def test_prefill_against_float64(model, prefix, T, chunk, unit_flops):
-    """A whole layer a call, angles once (one chunk, two chunks), interleaved tiles (a whole prompt,
-    a suffix after a cached prefix: tiles that start inside the prefix, one tile for all):
+@pytest.mark.parametrize("prefix, T, chunk", [(0, 90, 2048), (0, 75, 40), (100, 300, 2048), (100, 30, 16)])
+def test_prefill_against_float64(model, prefix, T, chunk):
+    """A whole layer a call, angles once (one chunk, two chunks), a suffix after a cached prefix:
     every position against the float64 forward pass."""
     ids = tokens(prefix + T, seed=4)
     cache = new_cache(prefix + T)
     if prefix:
         prefill(model, ids[:, :prefix], cache, chunk)
-    hidden, _ = prefill(model, ids[:, prefix:], cache, chunk, start=prefix, unit_flops=unit_flops)
+    hidden, _ = prefill(model, ids[:, prefix:], cache, chunk, start=prefix)
     ref = float64_forward(model, ids)[:, prefix:]
     assert rel_err(hidden, ref) < 1e-5
 
@@ -199,42 +180,6 @@ def test_the_calls_a_prompt_makes(model, monkeypatch, T, chunk, chunks, angles):
     ref, _ = prefill(model, ids, new_cache(T), chunk)
     assert calls == {"attention": CFG.num_layers * CFG.num_kv_heads, "angles": CFG.num_layers * chunks}
     assert torch.equal(hidden, ref)
-
-
-@pytest.mark.parametrize(
-    "prefix, unit_flops, past_calls", [(0, TILES_128, {1, 2}), (0, TILES_64, {1}), (100, TILES_128, {1, 2})]
-)
-def test_interleaved_units_in_calls_of_fixed_shapes(model, monkeypatch, prefix, unit_flops, past_calls):
-    """Units of tiles (each tile's causal square over its own keys, earlier tiles in calls of 1, 2,
-    4 .. of them, merged by log-sum-exp) give the whole pass's result within rounding; every call's
-    operands have the tile's shapes and strides, so a prompt of another length, after another
-    prefix, in a cache of another size makes no call of a new shape (on cuDNN: no new graph); and
-    no unit exceeds unit_flops."""
-    from minidecode.kernels import prefill as kernels
-
-    ids = tokens(prefix + 300, seed=2)
-    whole, _ = prefill(model, ids, new_cache(prefix + 300), 2048)
-    calls: list[set] = []
-    attend = kernels.cpu_flash_with_lse
-
-    def recorded(q, k, v, causal, scale):
-        calls[-1].add((q.shape, q.stride(), k.shape, k.stride(), v.stride(), causal))
-        return attend(q, k, v, causal, scale=scale)
-
-    monkeypatch.setattr(kernels, "cpu_flash_with_lse", recorded)
-    for start, T, room in ((prefix, 300, 0), (prefix // 2 + 7, 229, 50)):  # another prompt, prefix, cache
-        calls.append(set())
-        cache = new_cache(start + T + room)
-        if start:
-            prefill(model, ids[:, :start], cache, 2048)
-        new = ids[:, start : start + T]
-        split, pauses = prefill(model, new, cache, 2048, start=start, unit_flops=unit_flops)
-        if start == prefix:
-            torch.testing.assert_close(split, whole[:, prefix:], rtol=1e-5, atol=1e-5)
-        assert max(pauses) <= unit_flops
-    tile = {q_shape[2] for q_shape, *_ in calls[0]}
-    assert len(tile) == 1 and {q_shape[0] for q_shape, *_, causal in calls[0] if not causal} == past_calls
-    assert calls[1] <= calls[0]
 
 
 def test_kv_heads_a_call_stay_within_the_chunk_temporaries_the_plan_counts():
