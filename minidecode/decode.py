@@ -24,6 +24,26 @@ from .request import MAX_SPECULATE, MAX_TOP_LOGPROBS
 from .sampling import GREEDY, ProcessorRows, SamplingRows, probabilities, process, sample, top_logprobs
 from .speculation import accept_greedy, accept_sampled
 
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
+DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1) a graph is captured for
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket that holds n running sequences."""
+    return next(b for b in BUCKETS if b >= n)
+
+
+def draft_bucket(k: int) -> int:
+    """The step's query rows a sequence for k drafts (k >= 1): 1 + the smallest draft bucket >= k."""
+    return 1 + next(b for b in DRAFT_BUCKETS if b >= k)
+
+
+def step_queries(speculate: int) -> list[int]:
+    """The query rows a sequence (1 + draft slots) that a step can take where its rows draft at
+    most `speculate` tokens: 1 (a plain step), then draft_bucket(k) for k in 1..speculate; each is
+    a graph of its own."""
+    return [1, *sorted({draft_bucket(k) for k in range(1, speculate + 1)})]
+
 
 @dataclass
 class DecodeState:
@@ -84,6 +104,21 @@ class DecodeState:
     def _columns(self) -> tuple[torch.Tensor, ...]:
         rows = self.tokens, self.positions, self.logprob, self.starts, self.active
         return (*rows, self.top_ids, self.top_logprob, self.lead, self.drafts, self.draft_lens, self.accepted)
+
+    def load_drafts(self, drafts: list[list[int]], k: int, host: torch.Tensor) -> None:
+        """A plan's drafts (a row's [lead, d1, ...], [] for none) into rows 0..len-1's lead,
+        draft_lens and first k drafts, through `host` (pinned [B, 2 + MAX_SPECULATE] int64:
+        one copy to the device)."""
+        n, table = len(drafts), []
+        for row in drafts:
+            lead, own = (row[0], row[1:]) if row else (0, [])
+            table.append([lead, len(own), *own, *[0] * (k - len(own))])
+        rows = host[:n, : 2 + k]
+        rows.copy_(torch.tensor(table, dtype=torch.long))
+        on_device = rows.to(self.tokens.device, non_blocking=True)
+        self.lead[:n].copy_(on_device[:, 0])
+        self.draft_lens[:n].copy_(on_device[:, 1])
+        self.drafts[:n, :k].copy_(on_device[:, 2:])
 
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import torch
 
 from minidecode.kernels import ops
-from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention, choose_backend
+from minidecode.kernels.prefill import choose_backend
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import PromptChunk, Transformer, weight_bytes, weights_description
 
 from .cache_parts import CacheParts
-from .decode import DecodeState, HostRows, ProcessorRows, capture, decode_step, sample_rows
+from .decode import BUCKETS, DecodeState, HostRows, ProcessorRows, bucket, capture, decode_step, sample_rows
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
@@ -53,8 +53,6 @@ from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, S
 from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE, check_int
 from .sampling import SamplingParams, process, sample, top_logprobs
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
-DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1) a graph is captured for
 # A mixed step's work, in rows through the weights: its decode rows plus its chunk's prompt rows,
 # each prompt row's attention to its earlier positions counted as the rows of projections it
 # costs (scheduler.chunk_end), so that a step's time stays the same as the prefill advances. A
@@ -66,23 +64,6 @@ DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1
 # prefill's share of the device needs. On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32
 # weights: ~10 rows a read) 32 rows are about three steps.
 STEP_TOKENS = {"cuda": 384, "cpu": 32}
-
-
-def bucket(n: int) -> int:
-    """The smallest bucket that holds n running sequences."""
-    return next(b for b in BUCKETS if b >= n)
-
-
-def draft_bucket(k: int) -> int:
-    """The step's query rows a sequence for k drafts (k >= 1): 1 + the smallest draft bucket >= k."""
-    return 1 + next(b for b in DRAFT_BUCKETS if b >= k)
-
-
-def step_queries(speculate: int) -> list[int]:
-    """The query rows a sequence (1 + draft slots) that a step can take where its rows draft at
-    most `speculate` tokens: 1 (a plain step), then draft_bucket(k) for k in 1..speculate; each is
-    a graph of its own."""
-    return [1, *sorted({draft_bucket(k) for k in range(1, speculate + 1)})]
 
 
 def check_max_batch(max_batch: int) -> int:
@@ -164,9 +145,9 @@ class Engine:
     def prefill_backend(self) -> str:
         """What prefill attention runs: "fp8" (the e4m3 kernel where it pays, fp8_kernel_applies in
         kernels/prefill.py), else the SDPA backend ("default": PyTorch chooses)."""
-        return self._backend() or "default"
+        return self.attention_backend() or "default"
 
-    def _backend(self) -> str | None:
+    def attention_backend(self) -> str | None:
         if self.prefill_attention == "fp8":
             return "fp8"
         return choose_backend(self.device, self.config.head_dim, self.config.group_size, self.dtype)
@@ -331,25 +312,11 @@ class Engine:
         (waited for: no lag)."""
         n, kind, state = decode.rows, decode.kind, self.state
         if decode.queries > 1:
-            self._load_drafts(decode)
+            state.load_drafts(decode.drafts, decode.queries - 1, self._host_drafts)
         self._lagged.copy_from(state, n, kind.logprobs, kind.top)
         self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries)
         if decode.queries > 1:
             self._own.copy_from(state, n, kind.logprobs, kind.top, accepted=True)
-
-    def _load_drafts(self, decode: Decode) -> None:
-        """The plan's drafts into the decode state's buffers (rows 0..n-1: lead, draft_lens, drafts)."""
-        n, k, state = decode.rows, decode.queries - 1, self.state
-        rows = []
-        for row in decode.drafts:
-            lead, drafts = (row[0], row[1:]) if row else (0, [])
-            rows.append([lead, len(drafts), *drafts, *[0] * (k - len(drafts))])
-        host = self._host_drafts[:n, : 2 + k]
-        host.copy_(torch.tensor(rows, dtype=torch.long))
-        table = host.to(self.device, non_blocking=True)
-        state.lead[:n].copy_(table[:, 0])
-        state.draft_lens[:n].copy_(table[:, 1])
-        state.drafts[:n, :k].copy_(table[:, 2:])
 
     def _hand_back(self, decode: Decode, out: StepOutput) -> None:
         n, kind = decode.rows, decode.kind
@@ -401,12 +368,12 @@ class Engine:
             work.ids = torch.tensor(work.prompt, device=self.device)
             work.staging = self.model.chunk_staging(region, len(work.prompt))
         lo, hi = chunk
-        args = (lo, len(work.prompt), region, self._chunk_backend(), self.prefill_chunk, work.staging)
+        args = (lo, len(work.prompt), region, self.chunk_backend(), self.prefill_chunk, work.staging)
         rows, chunk = self.state.rows(n), PromptChunk(work.ids[lo:hi], *args)
         hidden = self.model.mixed(chunk, rows.tokens, rows.positions, rows.starts, self.cache)
         return self.model.logits(hidden)
 
-    def _chunk_backend(self) -> str | None:
+    def chunk_backend(self) -> str | None:
         """A chunk's prefill attention: on a GPU SDPA's flash backend, whatever the prefill's choice:
         each chunk is a call of a new shape (its rows after a longer past), for which cuDNN would
         build a new graph (~0.4 s), and the FP8 kernel's few query blocks would not fill the GPU.
@@ -465,7 +432,7 @@ class Engine:
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)  # [1, T - reused]
         new = len(prompt_ids) - reused
         report = None if on_progress is None else (lambda done, total: on_progress(new * done // total, new))
-        args = (tokens, region, self.prefill_chunk, self._backend())
+        args = (tokens, region, self.prefill_chunk, self.attention_backend())
         hidden = yield from self.model.prefill_units(*args, on_progress=report, start=reused)
         logits = self.model.logits(hidden)
         self._check_finite(logits, prompt_ids, start, size, reused)
@@ -480,7 +447,7 @@ class Engine:
         if bool(torch.isfinite(logits).all()):
             return
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)
-        args = (tokens, self.region(start, size), self.prefill_chunk, self._backend())
+        args = (tokens, self.region(start, size), self.prefill_chunk, self.attention_backend())
         rerun = lambda: self.model.logits(self.model.prefill(*args, start=reused))  # noqa: E731
         raise nonfinite_logits_error(self.model, rerun)
 
@@ -524,7 +491,7 @@ class Engine:
             cfg.num_layers, 1, cfg.num_kv_heads, positions, cfg.head_dim, self.kv_dtype, self.device
         )
         hidden = self.model.prefill(
-            tokens, cache, self.prefill_chunk, backend=self._backend(), last_only=False
+            tokens, cache, self.prefill_chunk, backend=self.attention_backend(), last_only=False
         )
         return self.model.logits(hidden[0])
 
@@ -572,55 +539,3 @@ class Engine:
     def _decoded(self) -> KVCache:
         """What the decode step reads: the whole cache row, or (one_sequence) the one region."""
         return self.region(0, self.capacity) if self.one_sequence else self.cache
-
-    def warm_up(self) -> None:
-        """Compile every kernel a request will run before one arrives (its TTFT then pays none):
-        the prefill's on a short prompt, a mixed step's (warm_up_mixed), the FP8 prefill attention
-        kernel (when it is the user's choice) on a problem it takes, and the decode step at each
-        cache size where the decode kernel changes its launch config (warm_up_sizes: an FP8 cache
-        has up to three, which a request's cache grows into). Each cache is freed after; a size
-        that does not fit beside the weights is left to its first use."""
-        if self.device.type != "cuda":
-            return
-        for i, capacity in enumerate(self.warm_up_sizes()):
-            try:
-                self.resize(capacity)
-                if i == 0:
-                    self.prefill(list(range(1, 17)), 0, capacity, 0)
-                    if not self.one_sequence:  # (context parallelism runs no mixed steps)
-                        self.warm_up_mixed()
-                self.prepare(1, SamplingParams().mode, False)
-                torch.cuda.synchronize(self.device)
-            except torch.OutOfMemoryError:
-                pass
-            finally:
-                self.release()
-        if self._backend() == "fp8":
-            cfg, like = self.config, {"device": self.device, "dtype": self.dtype}
-            q = torch.randn(1, cfg.num_heads, FP8_MIN_KEYS, cfg.head_dim, **like)  # [1, Hq, T, D]
-            k, v = (torch.randn(1, cfg.num_kv_heads, FP8_MIN_KEYS, cfg.head_dim, **like) for _ in range(2))
-            causal_attention(q, k, v, cfg.head_dim**-0.5, "fp8")
-            torch.cuda.synchronize(self.device)
-
-    def warm_up_mixed(self) -> None:
-        """A mixed step's eager kernels run once (their compiles, and the chunk attention's first
-        call and imports, kept out of the first one beside running streams): a chunk of positions
-        16..31 after a 16-position prefill at the cache's start, beside one decode row that writes
-        only the spare granule."""
-        region, row = self.region(0, 32), DecodeState.zeros(1, self.device)
-        row.starts.fill_(self.spare_start)
-        ids, staging = torch.arange(17, 33, device=self.device), self.model.chunk_staging(region, 32)
-        chunk = PromptChunk(ids, 16, 32, region, self._chunk_backend(), self.prefill_chunk, staging)
-        self.model.logits(self.model.mixed(chunk, row.tokens, row.positions, row.starts, self.cache))
-
-    def warm_up_sizes(self) -> list[int]:
-        """Cache capacities (region positions, whole granules) at which the decode step runs each
-        launch config the decode kernel takes for this cache (ops.decode_cache_sizes: the positions
-        it reads decide, the regions and the spare granule after them), smallest first; the first
-        also holds a short prompt's prefill."""
-        cfg, granule = self.config, self.granule
-        spare = 0 if self.one_sequence else granule  # one_sequence reads its region only
-        fp8 = self.kv_dtype == torch.float8_e4m3fn
-        sizes = ops.decode_cache_sizes(cfg.head_dim, self.dtype, fp8, cfg.num_kv_heads)
-        capacities = [-(-max(size - spare, 1) // granule) * granule for size in sizes]
-        return [max(capacities[0], self.region_size(64)), *capacities[1:]]

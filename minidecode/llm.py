@@ -42,6 +42,7 @@ from .sequence import Event, GenerationResult, GenerationStats, Sequence
 from .streams import BatchProgress, BatchStream, Stream
 from .tokenizer import ByteTokenizer, Tokenizer
 from .validate import check_vocab
+from .warm_up import warm_up
 
 if TYPE_CHECKING:
     from .distributed import Parallel
@@ -140,10 +141,10 @@ class LLM:
         # Kernels compiled now, not in the first request's wait: under torchrun every rank at once,
         # before rank 0's loop starts (a script may also drive the engines in step itself).
         if self.parallel is None:
-            self.loop.call(self.engine.warm_up)
+            self.loop.call(lambda: warm_up(self.engine))
         else:
             with torch.inference_mode():
-                self.engine.warm_up()
+                warm_up(self.engine)
         self._identity: dict[str, str] | None = None  # computed on the first save / load
 
     @property

@@ -138,7 +138,7 @@ class Prefill:
 @dataclass
 class Decode:
     """A decode step of rows 0..rows-1. With drafts (speculation): `queries` = 1 + a draft bucket
-    (engine.DRAFT_BUCKETS), and drafts[row] is [lead, d1, .., dk] (k < queries) or [] (none): the
+    (decode.DRAFT_BUCKETS), and drafts[row] is [lead, d1, .., dk] (k < queries) or [] (none): the
     token the row is believed to hold, then what is proposed to follow it (made on rank 0 from the
     tokens on the host, copied into every rank's decode state)."""
 

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 from .cache import Regions
 from .cache_file import CacheFile
-from .engine import Engine, draft_bucket, step_queries
+from .decode import draft_bucket, step_queries
+from .engine import Engine
 from .errors import UserError
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode

@@ -171,11 +171,12 @@ def test_warm_up_steps_at_every_decode_config_of_its_cache(kv_cache_dtype):
     reach each launch config the decode kernel takes for this model's cache, one each, the first
     big enough for the warm-up prompt's prefill."""
     from minidecode.kernels.lean_attention import default_config
+    from minidecode.warm_up import warm_up_sizes
 
     engine = LLM(device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype).engine
     cfg, fp8 = engine.config, kv_cache_dtype == "fp8"
     config = lambda positions: default_config(cfg.head_dim, engine.dtype, fp8, positions, cfg.num_kv_heads)  # noqa: E731
-    capacities = engine.warm_up_sizes()
+    capacities = warm_up_sizes(engine)
     assert all(c % engine.granule == 0 for c in capacities) and capacities[0] >= engine.region_size(64)
     reached = [config(c + engine.granule) for c in capacities]
     every = {config(n) for n in range(1, 70_000, engine.granule)}

@@ -444,9 +444,11 @@ def test_a_speculating_stream_beside_a_prefill(monkeypatch):
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_the_warm_up_mixed_step_writes_its_chunk_and_the_spare_granule(llama, kv):
-    """Engine.warm_up_mixed (run on a GPU before the first request) after the warm-up's prefill
+    """warm_up_mixed (run on a GPU before the first request) after the warm-up's prefill
     of ids 1..16: the K/V of positions 16..31 are a whole prefill's of ids 1..32, and nothing is
     written but them and the spare granule (its decode row's)."""
+    from minidecode.warm_up import warm_up_mixed
+
     engine = LLM(llama, device="cpu", dtype="float32", kv_cache_dtype=kv).engine
     capacity = -(-64 // engine.granule) * engine.granule
     engine.resize(capacity)
@@ -455,7 +457,7 @@ def test_the_warm_up_mixed_step_writes_its_chunk_and_the_spare_granule(llama, kv
     with torch.inference_mode():
         engine.prefill(list(range(1, 17)), 0, capacity, 0)
         before = {name: t.clone() for name, t in engine.cache.tensors().items()}
-        engine.warm_up_mixed()
+        warm_up_mixed(engine)
         mixed = {name: t.clone() for name, t in engine.cache.tensors().items()}
         engine.prefill(list(range(1, 33)), 0, capacity, 0)
     k = mixed["k"] != before["k"]  # [layers, 1, Hkv, positions, D]

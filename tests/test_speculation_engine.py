@@ -17,7 +17,7 @@ from conftest import random_ids
 from typer.testing import CliRunner
 
 from minidecode import LLM, Request
-from minidecode.engine import bucket
+from minidecode.decode import bucket
 from minidecode.errors import UserError
 from minidecode.sequence import Sequence
 from minidecode_cli.cli import app

@@ -1,0 +1,72 @@
+"""Compiling before the first request arrives, so that its TTFT pays none of it: the prefill's
+kernels on a short prompt, a mixed step's, the FP8 prefill attention kernel where it is the
+user's choice, and the decode step at every cache size where the decode kernel changes its
+launch config (an FP8 cache's configs, which a request's cache grows into). Each cache made here
+is freed after. LLM runs warm_up on every rank once the model is loaded (GPUs only)."""
+
+from __future__ import annotations
+
+import torch
+
+from minidecode.kernels import ops
+from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention
+from minidecode.models.llama import PromptChunk
+
+from .decode import DecodeState
+from .engine import Engine
+from .sampling import SamplingParams
+
+
+def warm_up(engine: Engine) -> None:
+    """Compile every kernel a request will run before one arrives (its TTFT then pays none):
+    the prefill's on a short prompt, a mixed step's (warm_up_mixed), the FP8 prefill attention
+    kernel (when it is the user's choice) on a problem it takes, and the decode step at each
+    cache size where the decode kernel changes its launch config (warm_up_sizes: an FP8 cache
+    has up to three, which a request's cache grows into). Each cache is freed after; a size
+    that does not fit beside the weights is left to its first use."""
+    if engine.device.type != "cuda":
+        return
+    for i, capacity in enumerate(warm_up_sizes(engine)):
+        try:
+            engine.resize(capacity)
+            if i == 0:
+                engine.prefill(list(range(1, 17)), 0, capacity, 0)
+                if not engine.one_sequence:  # (context parallelism runs no mixed steps)
+                    warm_up_mixed(engine)
+            engine.prepare(1, SamplingParams().mode, False)
+            torch.cuda.synchronize(engine.device)
+        except torch.OutOfMemoryError:
+            pass
+        finally:
+            engine.release()
+    if engine.attention_backend() == "fp8":
+        cfg, like = engine.config, {"device": engine.device, "dtype": engine.dtype}
+        q = torch.randn(1, cfg.num_heads, FP8_MIN_KEYS, cfg.head_dim, **like)  # [1, Hq, T, D]
+        k, v = (torch.randn(1, cfg.num_kv_heads, FP8_MIN_KEYS, cfg.head_dim, **like) for _ in range(2))
+        causal_attention(q, k, v, cfg.head_dim**-0.5, "fp8")
+        torch.cuda.synchronize(engine.device)
+
+
+def warm_up_mixed(engine: Engine) -> None:
+    """A mixed step's eager kernels run once (their compiles, and the chunk attention's first
+    call and imports, kept out of the first one beside running streams): a chunk of positions
+    16..31 after a 16-position prefill at the cache's start, beside one decode row that writes
+    only the spare granule."""
+    region, row = engine.region(0, 32), DecodeState.zeros(1, engine.device)
+    row.starts.fill_(engine.spare_start)
+    ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
+    chunk = PromptChunk(ids, 16, 32, region, engine.chunk_backend(), engine.prefill_chunk, staging)
+    engine.model.logits(engine.model.mixed(chunk, row.tokens, row.positions, row.starts, engine.cache))
+
+
+def warm_up_sizes(engine: Engine) -> list[int]:
+    """Cache capacities (region positions, whole granules) at which the decode step runs each
+    launch config the decode kernel takes for this cache (ops.decode_cache_sizes: the positions
+    it reads decide, the regions and the spare granule after them), smallest first; the first
+    also holds a short prompt's prefill."""
+    cfg, granule = engine.config, engine.granule
+    spare = 0 if engine.one_sequence else granule  # one_sequence reads its region only
+    fp8 = engine.kv_dtype == torch.float8_e4m3fn
+    sizes = ops.decode_cache_sizes(cfg.head_dim, engine.dtype, fp8, cfg.num_kv_heads)
+    capacities = [-(-max(size - spare, 1) // granule) * granule for size in sizes]
+    return [max(capacities[0], engine.region_size(64)), *capacities[1:]]
