@@ -102,6 +102,19 @@ def hf() -> HFReference:
     return HFReference()
 
 
+def greedy_reference(hf: HFReference, model_dir: Path):
+    """transformers' greedy new tokens of (prompt ids, max_new_tokens) on model_dir, each pair
+    computed once (a module's greedy fixture)."""
+    made: dict = {}
+
+    def tokens(ids: list[int], new: int) -> list[int]:
+        if (tuple(ids), new) not in made:
+            made[tuple(ids), new] = hf.greedy(model_dir, ids, new)
+        return made[tuple(ids), new]
+
+    return tokens
+
+
 def random_ids(n: int, seed: int = 0, vocab_size: int = 384) -> list[int]:
     """A reproducible prompt of n token ids (specials included: they are ordinary rows here)."""
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

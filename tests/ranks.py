@@ -4,12 +4,24 @@ still running then, or when the test is stopped by its own timeout, is killed.""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
+import torch
 import torch.multiprocessing as mp
 
 RANKS_TIMEOUT = 120  # seconds for one spawned job's ranks (the slowest: ~10 s on 2 busy cores)
+
+
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """This spawned process as torchrun starts rank `rank` of `world` (its environment, the
+    rendezvous on a local port), on one CPU thread: the ranks share the machine's cores."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
 
 
 def run_ranks(fn: Callable, args: tuple, world: int, timeout: float = RANKS_TIMEOUT) -> None:

@@ -19,7 +19,7 @@ import torch
 from checkpoints import make_checkpoint
 from conftest import random_ids
 from helpers import max_rel_err
-from ranks import run_ranks
+from ranks import as_torchrun_rank, run_ranks
 
 from minidecode import LLM, UserError
 from minidecode.distributed import OneShot
@@ -47,15 +47,7 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     """One rank: torchrun's environment, then the job; rank r's results saved to out/r.pt."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)  # world processes share the machine's cores
+    as_torchrun_rank(rank, world, port)
     job = job["per_rank"][rank] if "per_rank" in job else job
     try:
         result = run_job(job)
@@ -666,10 +658,7 @@ def _summed_rank_main(rank: int, world: int, port: int, out: str) -> None:
     from minidecode.distributed import init_parallel
     from minidecode.kernels.fp8_weights import FP8Weight, quantize_weight
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
-    )
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    as_torchrun_rank(rank, world, port)
     par = init_parallel(2, 1, None)
     dev, errors = par.device, []
     gen = torch.Generator().manual_seed(100 + rank)  # each rank's columns of x and the weight

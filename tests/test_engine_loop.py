@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from conftest import greedy_reference
 
 from minidecode import LLM, Request, UserError
 from minidecode.engine import Engine
@@ -36,14 +37,7 @@ def llama(checkpoint_factory):
 @pytest.fixture(scope="module")
 def greedy(llama, hf):
     """transformers' greedy new tokens of (prompt ids, max_new_tokens), run to the length."""
-    made: dict = {}
-
-    def tokens(ids: list[int], new: int) -> list[int]:
-        if (tuple(ids), new) not in made:
-            made[tuple(ids), new] = hf.greedy(llama, ids, new)
-        return made[tuple(ids), new]
-
-    return tokens
+    return greedy_reference(hf, llama)
 
 
 def run_threads(*targets) -> list[dict]:

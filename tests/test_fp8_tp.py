@@ -7,7 +7,6 @@ process's FP8 text."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 from conftest import random_ids
-from ranks import run_ranks
+from ranks import as_torchrun_rank, run_ranks
 from test_distributed import MAX_POS, GlooOneShot, _free_port, randomize_biases, run_cli
 from test_fp8_weights import FORMATS, build_fp8_checkpoint
 
@@ -54,11 +53,7 @@ TINY_FP8 = {
 
 def _rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     """One rank: torchrun's environment, then the job; its result saved to out/rank.pt."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    torch.set_num_threads(1)  # the ranks share the machine's cores
+    as_torchrun_rank(rank, world, port)
     try:
         result = run_job(job)
     except UserError as e:

@@ -8,14 +8,14 @@ inside a mixed step ends alone."""
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import greedy_reference, random_ids
+from ranks import as_torchrun_rank
 
 from minidecode import LLM, Request, UserError
 from minidecode.engine import Engine
@@ -36,14 +36,7 @@ def llama(checkpoint_factory):
 @pytest.fixture(scope="module")
 def greedy(llama, hf):
     """transformers' greedy new tokens of (prompt ids, max_new_tokens)."""
-    made: dict = {}
-
-    def tokens(ids: list[int], new: int) -> list[int]:
-        if (tuple(ids), new) not in made:
-            made[tuple(ids), new] = hf.greedy(llama, ids, new)
-        return made[tuple(ids), new]
-
-    return tokens
+    return greedy_reference(hf, llama)
 
 
 def load(model_dir, **kw) -> LLM:
@@ -396,11 +389,7 @@ def stream_and_long_prompt(llm: LLM) -> dict:
 
 def _tp_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
     """One tensor-parallel rank: rank 0 runs the stream and the prompt, the other its plans."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    torch.set_num_threads(1)  # the ranks share the machine's cores
+    as_torchrun_rank(rank, world, port)
     llm = LLM(model, device="cpu", dtype="float32", tp=world, step_tokens=BUDGET)
     if llm.rank != 0:  # every plan of rank 0's, its tokens checked against rank 0's each step
         torch.save({"plans": llm.serve_plans()}, Path(out) / f"{rank}.pt")
