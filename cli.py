@@ -47,6 +47,7 @@ from minidecode.validate import (
     check_device_name,
     check_dtype_name,
     check_kv_cache_dtype_name,
+    check_speculate_layout,
 )
 
 if TYPE_CHECKING:
@@ -446,9 +447,8 @@ def shared_options(runtime: tuple[str, ...] = (), request: bool = False) -> Call
 
 
 def check_speculate(runtime: Runtime, speculate: int | None) -> None:
-    """Refuse speculation under --cp up front (the runtime refuses each such request too)."""
-    if speculate and runtime.cp > 1:
-        raise UserError("--speculate is not supported with --cp yet")
+    """Refuse speculation under --cp up front, before the model loads."""
+    check_speculate_layout(speculate, runtime.cp)
 
 
 def check_launch(runtime: Runtime) -> None:

@@ -222,14 +222,19 @@ def sample_rows(
         state.processors.count(nxt, state.active)
     else:
         nxt = sample(logits, state.sampling, state.positions + 1, mode)  # [B]
-    if top:
-        logprobs = logits.log_softmax(-1)  # [B, V]: of the model's own distribution, not the processed one
-        state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
-        top_logprobs(logprobs, state.top_logprob, state.top_ids)
-    elif want_logprobs:
-        state.logprob.copy_(logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0])
+    if want_logprobs or top:
+        record_logprobs(logits, nxt, state, top)
     state.tokens.copy_(nxt)
     state.positions.add_(state.active)
+
+
+def record_logprobs(logits: torch.Tensor, nxt: torch.Tensor, state: DecodeState, top: bool) -> None:
+    """state.logprob <- log p of each row's next token nxt [B] under the model's own distribution
+    (logits [B, V] float32, not the processed ones); with `top`, its most likely ids too."""
+    logprobs = logits.log_softmax(-1)  # [B, V]
+    state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
+    if top:
+        top_logprobs(logprobs, state.top_logprob, state.top_ids)
 
 
 def draft_step(
@@ -278,11 +283,8 @@ def draft_step(
         accepted, nxt = accept_sampled(drafts, probs, draft_lens, state.sampling.seed, state.positions + 1)
     if adjust:
         state.processors.count(nxt, state.active)
-    if want_logprobs or top:  # of the model's own distribution (rows without drafts: nxt follows row 0)
-        logprobs = logits[:, 0].log_softmax(-1)  # [B, V]
-        state.logprob.copy_(logprobs.gather(-1, nxt[:, None])[:, 0])
-        if top:
-            top_logprobs(logprobs, state.top_logprob, state.top_ids)
+    if want_logprobs or top:  # rows that ask make no drafts: their next token follows query row 0
+        record_logprobs(logits[:, 0], nxt, state, top)
     state.accepted.copy_(accepted)
     state.tokens.copy_(nxt)
     state.positions.add_((accepted + 1) * state.active)

@@ -214,8 +214,8 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan) -> None:
         """Admit the head of the queue if a row and a region are free: its cache work and its
-        prefill's first unit go into `plan`. A round of admissions starts beside running sequences
-        (they step between its prefills' units) or not (its sequences start together)."""
+        prefill's first part go into `plan`. A round of admissions starts beside running sequences
+        (its prefills then run as mixed steps with them) or not (its sequences start together)."""
         if not self._round:
             self._round, self._beside = True, bool(self.running)
         while self.waiting and len(self.running) < self.engine.max_batch:
