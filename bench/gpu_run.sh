@@ -4,8 +4,12 @@
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
 #   STAGES       which of: tests attention fp8 fp8w fp8gemv fp8prefill profile bench demo prefix
-#                suffix batch integ multi ab serve speculate (default "tests profile bench"; multi
-#                needs 2 or 4 GPUs)
+#                suffix batch integ multi ab serve stall speculate fresh (default "tests profile
+#                bench"; multi needs 2 or 4 GPUs)
+#   TEST_FILES   what the tests stage runs (default: every file of tests/)
+#   SERVE_PARTS  what serve runs: loads and/or stall (default both); STALL_BUDGETS the stall
+#                measurement's mixed-step budgets, 0 = the default (default "0"; stage stall: "0")
+#   FRESH_RUNS   what fresh runs: "length:label:flags" items, ";"-separated
 #   MULTI_PARTS  what multi runs: tests and/or bench (default "tests bench")
 #   FP8P_PARTS   which parts of fp8prefill: tests kernel accuracy probe (default: all four)
 #   SKIP_INSTALL set: minidecode is installed already (two runs side by side, one GPU each)
@@ -37,7 +41,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 if [[ $STAGES == *tests* ]]; then
   # Every test marked gpu, in one process (with CUDA present no test switches to the interpreter).
-  timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15 tests \
+  timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15 ${TEST_FILES:-tests} \
     >"$LOG_DIR/gpu-tests.log" 2>&1
   summary+=("gpu tests: $(tail -1 "$LOG_DIR/gpu-tests.log")")
 fi
@@ -230,7 +234,8 @@ if [[ $STAGES == *serve* ]]; then
   # WHEELS, a folder of wheels carried to the machine.
   python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn prometheus-client openai \
     >"$LOG_DIR/serve-install.log" 2>&1 || summary+=("serve: install failed (serve-install.log)")
-  timeout 480 python3 bench/serve.py --out "$RESULTS_DIR/serve" >"$LOG_DIR/serve.log" 2>&1
+  timeout "${SERVE_TIMEOUT:-480}" python3 bench/serve.py --parts ${SERVE_PARTS:-loads stall} \
+    --stall-step-tokens ${STALL_BUDGETS:-0} --out "$RESULTS_DIR/serve" >"$LOG_DIR/serve.log" 2>&1
   summary+=("serve exit $?")
   tail -15 "$LOG_DIR/serve.log"
 fi
@@ -240,9 +245,59 @@ if [[ $STAGES == *speculate* ]]; then
   # synthetic 8B at 32k (nothing to match; its 32k prefill, ~1.2 s, runs 12 times), 512 new tokens
   # each with and without --speculate 8, alternated, 5 timed pairs a task, the outputs checked
   # equal -> speculate.{md,json}.
-  timeout 360 python3 bench/speculate.py --new-tokens 512 --repeats 5 --out "$RESULTS_DIR/speculate" 2>&1 \
+  timeout "${SPECULATE_TIMEOUT:-360}" python3 bench/speculate.py --new-tokens 512 --repeats "${SPECULATE_REPEATS:-5}" \
+    --out "$RESULTS_DIR/speculate" 2>&1 \
     | tee "$LOG_DIR/speculate.log" | tail -8
   summary+=("speculate exit ${PIPESTATUS[0]}")
+fi
+if [[ $STAGES == *stall* ]]; then
+  # The long prompt's prefill beside 8 running streams, once per mixed-step budget (STALL_BUDGETS;
+  # 0 = the default), each in a process of its own (bench/serve.py --parts stall, ~1 min each on
+  # an H200 at 128k) -> serve-stall.{md,json}.
+  timeout "${STALL_TIMEOUT:-300}" python3 bench/serve.py --parts stall --stall-step-tokens ${STALL_BUDGETS:-0} \
+    ${STALL_LONG:+--long $STALL_LONG} --out "$RESULTS_DIR/serve-stall" >"$LOG_DIR/stall.log" 2>&1
+  summary+=("stall exit $?")
+  tail -8 "$LOG_DIR/stall.log"
+fi
+if [[ $STAGES == *fresh* ]]; then
+  # Time to first token minus prefill, each run a fresh process with an empty Triton cache (what a
+  # user on a fresh install pays): `minidecode generate --json` on a random prompt; the process's
+  # wall time (load and warm-up included) beside it -> fresh.jsonl and a table.
+  : >"$LOG_DIR/fresh.jsonl"
+  IFS=';' read -ra fresh_runs <<<"${FRESH_RUNS:-131072:bf16:}"
+  for run in "${fresh_runs[@]}"; do
+    IFS=':' read -r length label flags <<<"$run"
+    cache=$(mktemp -d)
+    start=$(date +%s.%N)
+    TRITON_CACHE_DIR=$cache timeout "${FRESH_TIMEOUT:-240}" python3 -m minidecode generate "${FRESH_MODEL:-synthetic:llama-3-8b}" \
+      --prompt-tokens "$length" --seed 1 --max-new-tokens 16 --temperature 0 --ignore-eos --json $flags \
+      >"$LOG_DIR/fresh-out.json" 2>>"$LOG_DIR/fresh.log"
+    rc=$?
+    wall=$(python3 -c "import sys; print(round($(date +%s.%N) - $start, 1))")
+    python3 - "$LOG_DIR/fresh-out.json" "$label" "$length" "$flags" "$rc" "$wall" >>"$LOG_DIR/fresh.jsonl" <<'PY'
+import json, sys
+path, label, length, flags, rc, wall = sys.argv[1:]
+row = {"label": label, "prompt": int(length), "flags": flags, "exit": int(rc), "process_s": float(wall)}
+try:
+    stats = json.load(open(path))["stats"]
+    row |= {"ttft_s": round(stats["time_to_first_token"], 3), "prefill_s": round(stats["prefill_seconds"], 3)}
+    row["ttft_minus_prefill_s"] = round(row["ttft_s"] - row["prefill_s"], 3)
+except Exception as e:  # the run failed: its exit code and log say why
+    row["error"] = repr(e)[:200]
+print(json.dumps(row))
+PY
+    rm -rf "$cache"
+  done
+  python3 - "$LOG_DIR/fresh.jsonl" <<'PY' | tee "$RESULTS_DIR/fresh.md"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("| run | prompt | flags | prefill s | TTFT s | TTFT - prefill s | process s (load, warm-up, run) |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for r in rows:
+    cells = [r.get(k, "-") for k in ("prefill_s", "ttft_s", "ttft_minus_prefill_s")]
+    print(f"| {r['label']} | {r['prompt']:,} | `{r['flags'] or '-'}` | {' | '.join(map(str, cells))} | {r['process_s']} |")
+PY
+  summary+=("fresh: $(grep -c ttft_s "$LOG_DIR/fresh.jsonl") of ${#fresh_runs[@]} runs timed")
 fi
 echo "==== summary"
 printf '%s\n' "${summary[@]}"

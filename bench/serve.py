@@ -284,13 +284,14 @@ def phase(path: str, model: str, length: int, new: int, levels: tuple[int, ...],
             print(json.dumps(load.summary()), flush=True)
 
 
-def prefill_stall(model: str, long: int, length: int) -> dict:
+def prefill_stall(model: str, long: int, length: int, step_tokens: int | None) -> dict:
     """8 streams decoding 4k-token contexts; then a `long`-token prompt arrives: the streams' gaps
-    between tokens before it (the steady state) and while it prefills (until its first token)."""
+    between tokens before it (the steady state) and while it prefills (until its first token), with
+    a mixed step's budget of `step_tokens` rows (None: the runtime's default)."""
     from minidecode import LLM, Request
     from minidecode.benchmarks.e2e import benchmark_prompt
 
-    llm = LLM(model)
+    llm = LLM(model, step_tokens=step_tokens)
     arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (stream, event, host time)
     streams = []
     # Room for 8k new tokens each, or the rest of a small model's context: the long prefill of the
@@ -349,6 +350,7 @@ def prefill_stall(model: str, long: int, length: int) -> dict:
     step = percentile(before, 50)
     return {
         "long_prompt_tokens": long,
+        "step_tokens": llm.engine.step_tokens,
         "prefill_seconds_with_streams": round(prefilled - submitted, 2),
         "prefill_seconds_alone": round(alone, 2),
         "steady_itl_p50_ms": round(1e3 * step, 2),
@@ -395,6 +397,27 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
+def stall_table(stalls: list[dict]) -> str:
+    """The prefill-stall runs, one line each: the long prompt's prefill beside the 8 streams against
+    alone, and the streams' gaps while it prefilled, in steady steps (their median gap before)."""
+    lines = [
+        "| step_tokens | prefill with streams / alone (s) | ratio | steady step ms | gap p50 / p99 ms "
+        "| p99 / step | longest gap (steps) | gaps > 3 steps (s in them) | stream tokens during it |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in stalls:
+        step = s["steady_itl_p50_ms"]
+        lines.append(
+            f"| {s['step_tokens']} | {s['prefill_seconds_with_streams']} / {s['prefill_seconds_alone']} | "
+            f"{s['prefill_seconds_with_streams'] / s['prefill_seconds_alone']:.2f}x | {step} | "
+            f"{s['during_itl_p50_ms']} / {s['during_itl_p99_ms']} | {s['during_p99_over_steady_step']} | "
+            f"{s['during_itl_max_ms']} ({s['during_itl_max_ms'] / step:.1f}) | "
+            f"{s['during_gaps_over_3_steps']} ({s['during_seconds_in_gaps_over_3_steps']}) | "
+            f"{s['stream_tokens_during_prefill']:,} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="synthetic:llama-3-8b")
@@ -407,6 +430,11 @@ def main() -> None:
         "--start-delay", type=float, default=START_DELAY_S, help="seconds from a load's setup to its start"
     )
     phases = ("python", "http", "stall", "clients")
+    parser.add_argument(
+        "--stall-step-tokens", type=int, nargs="+", default=[0],
+        help="the stall measurement once per mixed-step budget (0: the runtime's default)",
+    )  # fmt: skip
+    parser.add_argument("--parts", nargs="+", choices=("loads", "stall"), default=["loads", "stall"])
     parser.add_argument("--phase", choices=phases, help="(internal) run one phase here")
     parser.add_argument("--base", help="(internal) the server's URL, for --phase clients")
     parser.add_argument("--seed", type=int, default=100, help="(internal) the first prompt's seed")
@@ -419,15 +447,21 @@ def main() -> None:
         print(json.dumps(part))
         return
     if args.phase == "stall":
-        print(json.dumps(prefill_stall(args.model, args.long, args.prompt_tokens)), flush=True)
+        budget = args.stall_step_tokens[0] or None
+        print(json.dumps(prefill_stall(args.model, args.long, args.prompt_tokens, budget)), flush=True)
         return
     if args.phase is not None:
         levels = tuple(args.clients)
         phase(args.phase, args.model, args.prompt_tokens, args.new_tokens, levels, args.start_delay)
         return
-    rows, stall = [], None
-    for name in ("python", "http", "python", "http", "stall"):  # alternating: drift hits both alike
+    rows, stalls = [], []
+    runs = [
+        (name, 0) for name in ("python", "http", "python", "http") if "loads" in args.parts
+    ]  # alternating
+    runs += [("stall", budget) for budget in args.stall_step_tokens if "stall" in args.parts]
+    for name, budget in runs:
         command = [sys.executable, __file__, "--phase", name, "--model", args.model, "--long", str(args.long)]
+        command += ["--stall-step-tokens", str(budget)]
         command += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
         command += ["--clients", *map(str, args.clients), "--start-delay", str(args.start_delay)]
         done = subprocess.run(command, capture_output=True, text=True)
@@ -438,7 +472,7 @@ def main() -> None:
                 continue
             print(line, flush=True)
             if name == "stall":
-                stall = json.loads(line)
+                stalls.append(json.loads(line))
             else:
                 rows.append(json.loads(line))
     import torch
@@ -451,11 +485,11 @@ def main() -> None:
         f"{device} · {date} · commit {commit} · torch {torch.__version__} · {args.model}, "
         f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each"
     )
-    text = f"{table(rows, tuple(args.clients))}\n\nprefill stall: {json.dumps(stall)}"
+    text = "\n\n".join([table(rows, tuple(args.clients))] * bool(rows) + [stall_table(stalls)] * bool(stalls))
     print(head)
     print(text)
     if args.out is not None:
-        report = {"device": device, "date": date, "commit": commit, "runs": rows, "stall": stall}
+        report = {"device": device, "date": date, "commit": commit, "runs": rows, "stalls": stalls}
         args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
         args.out.with_suffix(".md").write_text(f"# Serving\n\n{head}\n\n{text}\n")
 

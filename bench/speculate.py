@@ -13,7 +13,8 @@ Tasks (each names its model; greedy, eos ignored, every prefill in full: no pref
 
 Each task runs each mode once untimed (kernels compiled, graphs captured), then --repeats pairs
 alternated (plain then speculating, the order flipped every pair). A speculating run's token ids
-must be the plain run's (greedy decoding is exact): any difference stops the bench with exit 1.
+must be the plain run's (greedy decoding is exact): a difference voids that task's figures
+(named, and the bench exits 1).
 Decode tok/s is the result's own (first new token to last, prefill excluded); the ratio is each
 pair's speculating / plain, median and range; tokens per step = (decode steps + accepted drafts) /
 decode steps of a speculating run.
@@ -242,7 +243,7 @@ def main() -> None:
     by_model: dict[str, list[str]] = {}
     for name in args.tasks:
         by_model.setdefault(args.random_model if name == "random" else args.model, []).append(name)
-    results, about, failure = [], None, None
+    results, about, failures = [], None, []
     for model, names in by_model.items():
         llm = load(model, args)
         if about is None:
@@ -250,13 +251,13 @@ def main() -> None:
             print(json.dumps(about), flush=True)
         try:
             for task in make_tasks(llm, model, names, args):
-                results.append(run_task(llm, task, args, lambda line: print(line, flush=True)))
-        except OutputMismatch as e:
-            failure = str(e)
+                try:
+                    results.append(run_task(llm, task, args, lambda line: print(line, flush=True)))
+                except OutputMismatch as e:  # that task's figures are void; the others still run
+                    failures.append(str(e))
+                    print(f"!! {e}", flush=True)
         finally:
             free(llm)
-        if failure is not None:
-            break
     about = {**about, "model": "per task", "models": list(by_model)}
     header = (
         f"Device: {about['device']} · date {about['date']} · commit {about['commit']} · "
@@ -267,7 +268,7 @@ def main() -> None:
     text = table(results)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        data = {"env": about, "settings": vars(args) | {"out": str(args.out)}, "failure": failure}
+        data = {"env": about, "settings": vars(args) | {"out": str(args.out)}, "failures": failures}
         data["tasks"] = [r.summary() for r in results]
         args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
         tasks = __doc__.split("\n\n")[1]  # the docstring's list of the tasks
@@ -275,8 +276,8 @@ def main() -> None:
             f"# Speculative decoding end to end\n\n{header}\n\ncommand: `{command}`\n\n{tasks}\n\n{text}\n"
         )
     print(f"\n{header}\n\n{text}")
-    if failure is not None:
-        print(f"!! {failure}", flush=True)
+    if failures:
+        print("\n".join(f"!! {f}" for f in failures), flush=True)
         sys.exit(1)
 
 

@@ -20,7 +20,7 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
     out = tmp_path / "serve"
     command = [sys.executable, str(REPO / "bench" / "serve.py"), "--model", str(DEFAULT_MODEL)]
     command += ["--prompt-tokens", "64", "--new-tokens", "4", "--clients", "1", "2", "--long", "512"]
-    command += ["--start-delay", "1.5"]
+    command += ["--start-delay", "1.5", "--stall-step-tokens", "0", "16"]
     done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "!! phase" not in done.stdout, done.stdout
@@ -32,6 +32,7 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
         assert run["tokens_per_s"] > 0 and run["ttft_p50_s"] > 0
         assert 0 < run["engine_ttft_mean_s"] <= run["ttft_p99_s"]  # the engine's part of the wait
         assert run["graph_captures"] == 0 and run["cache_reallocations"] >= 0  # (no CUDA graphs on the CPU)
-    stall = report["stall"]
-    assert stall["long_prompt_tokens"] == 512 and stall["stream_tokens_during_prefill"] > 0
+    assert [stall["step_tokens"] for stall in report["stalls"]] == [32, 16]  # the CPU default, then 16
+    for stall in report["stalls"]:
+        assert stall["long_prompt_tokens"] == 512 and stall["stream_tokens_during_prefill"] > 0
     assert "| 2 | http / python |" in out.with_suffix(".md").read_text()
