@@ -10,10 +10,11 @@ merged by their log-sum-exp. cuDNN's single causal call slows down past ~128k po
 blocked form keeps its 128k rate at 512k (bench/NOTES-attention.md). Same FLOPs, same result up
 to rounding.
 
-A short block after a long past (a question after a cached 512k-token document) is the opposite
-case: its full call over the past runs G x ceil(t / 128) CTAs (4 for 100 queries of Llama-3-8B),
-each streaming every past key while the rest of the GPU idles. There the past keys are cut into
-chunks stacked on the batch axis of one call, and the chunks' outputs merged by log-sum-exp too
+A short block after a long past (a question after a cached 512k-token document; each chunk of a
+mixed step, on the flash backend) is the opposite case: its full call over the past runs
+G x ceil(t / 128) CTAs (4 for 100 queries of Llama-3-8B), each streaming every past key while the
+rest of the GPU idles. There the past keys are cut into chunks stacked on the batch axis of one
+call, and the chunks' outputs merged by log-sum-exp too
 (`past_attention`, bench/prefill_blocks.py --suffix).
 
 Backend "fp8" (opt-in: `check_prefill_attention`) runs the FP8 flash-attention kernel
@@ -48,6 +49,9 @@ CPU_BLOCK = 4096
 # output and log-sum-exp stay a few percent of streaming its 2 x 4096 x D keys and values.
 ROW_TILE = 128
 SPLIT_MIN_KEYS = 4096
+# The GPU backends whose call can return its log-sum-exp (with_lse): a suffix after a past goes
+# through blocked_causal_attention on them (its past split to fill the GPU), as do cuDNN's long prompts.
+LSE_BACKENDS = ("cudnn", "flash")
 CHOICE_ROUNDS = 5  # choose_backend's interleaved timing rounds
 
 # attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
@@ -79,7 +83,7 @@ def causal_attention(
             return fp8_causal_attention(q, k, v, scale, out=out)
         backend = choose_backend(q.device, q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     T, past, kv_heads = q.shape[2], k.shape[2] - q.shape[2], k.shape[1]
-    blocked = (backend == "cudnn" and (past or T > BLOCK)) or (
+    blocked = (backend in LSE_BACKENDS and (past or (backend == "cudnn" and T > BLOCK))) or (
         q.device.type == "cpu" and (past or T > CPU_BLOCK)
     )
     if kv_heads > 1 and (past or blocked or k.shape[2] == 1):  # these paths take one KV head a call
@@ -99,8 +103,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     past = k.shape[2] - q.shape[2]
     if k.shape[2] == 1:  # one key: its softmax weight is 1 (and cuDNN has no kernel for this shape)
         return v.expand_as(q).clone()
-    if backend == "cudnn" and (past or q.shape[2] > BLOCK):
-        attend = functools.partial(cudnn_with_lse, scale=scale)
+    if backend in LSE_BACKENDS and (past or (backend == "cudnn" and q.shape[2] > BLOCK)):
+        attend = functools.partial(with_lse(backend), scale=scale)
         return blocked_causal_attention(q, k, v, BLOCK, attend, sm_count(q.device))
     if q.device.type == "cpu" and (past or q.shape[2] > CPU_BLOCK):
         attend = functools.partial(cpu_flash_with_lse, scale=scale)
@@ -216,6 +220,22 @@ def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )[:2]
     return out, lse.reshape(*q.shape[:3], 1)
+
+
+def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """SDPA's CUDA flash attention that also returns the log-sum-exp; the one KV head is broadcast
+    to the G query heads (a stride-0 view, no copy)."""
+    group = q.shape[1]
+    k, v = k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[
+        :2
+    ]
+    return out, lse.reshape(*q.shape[:3], 1)
+
+
+def with_lse(backend: str) -> Callable:
+    """The call of a GPU backend (LSE_BACKENDS) that also returns the log-sum-exp."""
+    return {"cudnn": cudnn_with_lse, "flash": flash_with_lse}[backend]
 
 
 def cpu_flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):

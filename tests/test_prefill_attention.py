@@ -175,20 +175,23 @@ def test_past_chunks_on_llama_3_8b_shapes_fill_two_waves_of_132_sms():
 
 
 @pytest.mark.gpu
-def test_split_past_on_cudnn_equals_the_full_causal_rows(monkeypatch):
-    """cuDNN through causal_attention: 100 queries of two sequences after 40000 cached keys go
-    through 9 chunks of 4444 keys (and a 4-key remainder) a sequence, as accurate as one call."""
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_split_past_on_each_gpu_backend_equals_the_full_causal_rows(monkeypatch, backend):
+    """cuDNN and flash (a mixed step's chunk) through causal_attention: 100 queries of two sequences
+    after 40000 cached keys go through 9 chunks of 4444 keys (and a 4-key remainder) a sequence, as
+    accurate as one call."""
     calls = [None]
-    monkeypatch.setattr(prefill, "cudnn_with_lse", recording(prefill.cudnn_with_lse, calls))
+    name = f"{backend}_with_lse"
+    monkeypatch.setattr(prefill, name, recording(getattr(prefill, name), calls))
     torch.manual_seed(0)
     B, past, T, G, D = 2, 40000, 100, 4, 128
     q = torch.randn(B, G, T, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, 1, past + T, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     exact = causal_rows(q, k, v, D**-0.5)
-    out = causal_attention(q, k, v, D**-0.5, "cudnn")
+    out = causal_attention(q, k, v, D**-0.5, backend)
     assert (9, 1, 4444, D) in [shape for shape, _ in calls[1:]]
-    one_call = blocked_causal_attention(q, k, v, T, functools.partial(cudnn_with_lse, scale=D**-0.5))
+    one_call = blocked_causal_attention(q, k, v, T, functools.partial(getattr(prefill, name), scale=D**-0.5))
     assert rel_err(out, exact) < 1.5 * rel_err(one_call, exact) + 1e-3
 
 
