@@ -83,6 +83,10 @@ def causal_attention(
             return fp8_causal_attention(q, k, v, scale, out=out)
         backend = choose_backend(q.device, q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     T, past, kv_heads = q.shape[2], k.shape[2] - q.shape[2], k.shape[1]
+    if backend == "flash" and past and kv_heads > 1:  # a mixed step's chunk: every head at once
+        attend = functools.partial(flash_with_lse, scale=scale)
+        result = grouped_suffix_attention(q, k, v, attend, sm_count(q.device))
+        return result if out is None else out.copy_(result)
     blocked = (backend in LSE_BACKENDS and (past or (backend == "cudnn" and T > BLOCK))) or (
         q.device.type == "cpu" and (past or T > CPU_BLOCK)
     )
@@ -148,6 +152,28 @@ def blocked_causal_attention(
     return out
 
 
+def grouped_suffix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, sms: int | None
+) -> torch.Tensor:
+    """q [B, Hq, t, D], the last t of the P + t positions of k/v [B, Hkv, P + t, D] (P > 0) ->
+    [B, Hq, t, D], every head in a few calls: a mixed step's chunk, where a call per KV head would
+    be Hkv x the launches (eager, every step), each too small to fill the GPU.
+
+    The chunk's own keys causally in one call over the Hq query heads (its t keys repeated for
+    each query head: t x Hq x D, small); the past fully in one call, each KV head's G query heads
+    stacked on the query axis ([B, Hkv, G t, D], a view), so the cache's K/V are read where they
+    lie, the past split on the batch axis to fill the GPU (past_attention); the two merged by
+    log-sum-exp."""
+    B, Hq, t, D = q.shape
+    Hkv, P = k.shape[1], k.shape[2] - t
+    G = Hq // Hkv
+    o_own, lse_own = attend(q, k[:, :, P:].repeat_interleave(G, 1), v[:, :, P:].repeat_interleave(G, 1), True)
+    stacked = q.reshape(B, Hkv, G * t, D)  # query head h = kv G + g is rows g t .. (g + 1) t of kv
+    o_past, lse_past = past_attention(stacked, k[:, :, :P], v[:, :, :P], attend, sms)
+    out, _ = merge(o_own, lse_own, o_past.reshape(B, Hq, t, D), lse_past.reshape(B, Hq, t, 1))
+    return out.to(q.dtype)
+
+
 def merge(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,13 +203,14 @@ def past_chunks(batch: int, group: int, t: int, past: int, sms: int | None) -> i
 def past_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, sms: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full (non-causal) attention of q [B, G, t, D] over all P keys of k/v [B, 1, P, D] ->
-    (out [B, G, t, D], lse [B, G, t, 1] float32): one attend call, or (past_chunks > 1) per
-    sequence one call over its past cut into n chunks of c = P // n keys, stacked on the batch
-    axis, plus one over the P - n c < n remaining keys, all merged by log-sum-exp.
+    """Full (non-causal) attention of q [B, G, t, D] over all P keys of k/v [B, H, P, D] (H = 1:
+    G query heads of one KV head; H = G: a head each) -> (out [B, G, t, D], lse [B, G, t, 1]
+    float32): one attend call, or (past_chunks > 1) per sequence one call over its past cut into n
+    chunks of c = P // n keys, stacked on the batch axis, plus one over the P - n c < n remaining
+    keys, all merged by log-sum-exp.
 
-    The chunks of one sequence are a view: k[b] is one run of P rows of D (stride D, the cache's
-    heads-major layout), so [1, n c, D] -> [n, 1, c, D] moves no data. Stacking the B sequences
+    The chunks of one sequence are a view: each head of k[b] is one run of P rows of D (stride D,
+    the cache's heads-major layout), so [H, n c, D] -> [n, H, c, D] moves no data. Stacking the B sequences
     on one axis too would need a copy (their batch stride is the cache's, not n c rows), hence a
     call per sequence, each sized to fill the GPU by itself. Temporaries per call: q expanded to
     [n, G, t, D] (made contiguous: a stride-0 batch is not a layout every backend takes), the
@@ -199,8 +226,8 @@ def past_attention(
     lse = q.new_empty(B, G, t, 1, dtype=torch.float32)
     for b in range(B):
         q_n = q[b : b + 1].expand(n, G, t, D).contiguous()  # [n, G, t, D]: each chunk's queries
-        k_n = k[b, :, : n * c].view(n, 1, c, D)  # [n, 1, c, D]: chunk j is keys [j c, (j + 1) c)
-        v_n = v[b, :, : n * c].view(n, 1, c, D)
+        k_n = k[b, :, : n * c].unflatten(1, (n, c)).transpose(0, 1)  # [n, H, c, D]: keys [j c, (j + 1) c)
+        v_n = v[b, :, : n * c].unflatten(1, (n, c)).transpose(0, 1)
         o_n, lse_n = attend(q_n, k_n, v_n, False)  # [n, G, t, D], [n, G, t, 1]
         lse_b = torch.logsumexp(lse_n, 0, keepdim=True)  # [1, G, t, 1]: over the n chunks' union
         o_b = o_n.float().mul_(torch.exp(lse_n - lse_b)).sum(0, keepdim=True)  # [1, G, t, D]
