@@ -10,11 +10,13 @@ merged by their log-sum-exp. cuDNN's single causal call slows down past ~128k po
 blocked form keeps its 128k rate at 512k (bench/NOTES-attention.md). Same FLOPs, same result up
 to rounding.
 
-A short block after a long past (a question after a cached 512k-token document; each chunk of a
-mixed step, on the flash backend) is the opposite case: its full call over the past runs
-G x ceil(t / 128) CTAs (4 for 100 queries of Llama-3-8B), each streaming every past key while the
-rest of the GPU idles. There the past keys are cut into chunks stacked on the batch axis of one
-call, and the chunks' outputs merged by log-sum-exp too
+A mixed step's chunk after its past goes to FlashAttention-2's forward in one call
+(flash_suffix_attention).
+
+A short block after a long past (a question after a cached 512k-token document) is the opposite
+case: its full call over the past runs G x ceil(t / 128) CTAs (4 for 100 queries of Llama-3-8B),
+each streaming every past key while the rest of the GPU idles. There the past keys are cut into
+chunks stacked on the batch axis of one call, and the chunks' outputs merged by log-sum-exp too
 (`past_attention`, bench/prefill_blocks.py --suffix).
 
 Backend "fp8" (opt-in: `check_prefill_attention`) runs the FP8 flash-attention kernel
@@ -49,9 +51,6 @@ CPU_BLOCK = 4096
 # output and log-sum-exp stay a few percent of streaming its 2 x 4096 x D keys and values.
 ROW_TILE = 128
 SPLIT_MIN_KEYS = 4096
-# The GPU backends whose call can return its log-sum-exp (with_lse): a suffix after a past goes
-# through blocked_causal_attention on them (its past split to fill the GPU), as do cuDNN's long prompts.
-LSE_BACKENDS = ("cudnn", "flash")
 CHOICE_ROUNDS = 5  # choose_backend's interleaved timing rounds
 
 # attend(q, k, v, causal) -> (out [B, G, t, D], lse [B, G, t, 1] float32, natural log)
@@ -83,11 +82,10 @@ def causal_attention(
             return fp8_causal_attention(q, k, v, scale, out=out)
         backend = choose_backend(q.device, q.shape[-1], q.shape[1] // k.shape[1], q.dtype)
     T, past, kv_heads = q.shape[2], k.shape[2] - q.shape[2], k.shape[1]
-    if backend == "flash" and past and kv_heads > 1:  # a mixed step's chunk: every head at once
-        attend = functools.partial(flash_with_lse, scale=scale)
-        result = grouped_suffix_attention(q, k, v, attend, sm_count(q.device))
+    if backend == "flash" and past:  # a mixed step's chunk: one call, whatever the heads
+        result = flash_suffix_attention(q, k, v, scale)
         return result if out is None else out.copy_(result)
-    blocked = (backend in LSE_BACKENDS and (past or (backend == "cudnn" and T > BLOCK))) or (
+    blocked = (backend == "cudnn" and (past or T > BLOCK)) or (
         q.device.type == "cpu" and (past or T > CPU_BLOCK)
     )
     if kv_heads > 1 and (past or blocked or k.shape[2] == 1):  # these paths take one KV head a call
@@ -107,8 +105,8 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     past = k.shape[2] - q.shape[2]
     if k.shape[2] == 1:  # one key: its softmax weight is 1 (and cuDNN has no kernel for this shape)
         return v.expand_as(q).clone()
-    if backend in LSE_BACKENDS and (past or (backend == "cudnn" and q.shape[2] > BLOCK)):
-        attend = functools.partial(with_lse(backend), scale=scale)
+    if backend == "cudnn" and (past or q.shape[2] > BLOCK):
+        attend = functools.partial(cudnn_with_lse, scale=scale)
         return blocked_causal_attention(q, k, v, BLOCK, attend, sm_count(q.device))
     if q.device.type == "cpu" and (past or q.shape[2] > CPU_BLOCK):
         attend = functools.partial(cpu_flash_with_lse, scale=scale)
@@ -127,6 +125,20 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         return attend(q, k, v)
     with sdpa_kernel([CANDIDATES[backend]]):
         return attend(q, k, v)
+
+
+def flash_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, t, D], the last t of the P + t positions of k/v [B, Hkv, P + t, D] -> [B, Hq, t, D]
+    in one call of FlashAttention-2's forward (a mixed step's chunk, run eagerly every step: one
+    launch a layer, where a call per KV head with merges would be dozens, and the host would pace
+    the step). Its causal mask aligns the queries with the keys' end (query i sees keys 0..P+i),
+    its query heads share KV heads natively, and it splits the keys over the SMs itself when the
+    grid is small (few query rows over a long past). The layouts are views (batch, rows, heads, D)."""
+    out = torch.ops.aten._flash_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.shape[2], k.shape[2],
+        0.0, True, False, scale=scale,
+    )[0]  # fmt: skip
+    return out.transpose(1, 2)
 
 
 def blocked_causal_attention(
@@ -150,28 +162,6 @@ def blocked_causal_attention(
         o_past, lse_past = past_attention(q[:, :, s:e], k[:, :, : past + s], v[:, :, : past + s], attend, sms)
         out[:, :, s:e] = merge(o_diag, lse_diag, o_past, lse_past)[0]
     return out
-
-
-def grouped_suffix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, sms: int | None
-) -> torch.Tensor:
-    """q [B, Hq, t, D], the last t of the P + t positions of k/v [B, Hkv, P + t, D] (P > 0) ->
-    [B, Hq, t, D], every head in a few calls: a mixed step's chunk, where a call per KV head would
-    be Hkv x the launches (eager, every step), each too small to fill the GPU.
-
-    The chunk's own keys causally in one call over the Hq query heads (its t keys repeated for
-    each query head: t x Hq x D, small); the past fully in one call, each KV head's G query heads
-    stacked on the query axis ([B, Hkv, G t, D], a view), so the cache's K/V are read where they
-    lie, the past split on the batch axis to fill the GPU (past_attention); the two merged by
-    log-sum-exp."""
-    B, Hq, t, D = q.shape
-    Hkv, P = k.shape[1], k.shape[2] - t
-    G = Hq // Hkv
-    o_own, lse_own = attend(q, k[:, :, P:].repeat_interleave(G, 1), v[:, :, P:].repeat_interleave(G, 1), True)
-    stacked = q.reshape(B, Hkv, G * t, D)  # query head h = kv G + g is rows g t .. (g + 1) t of kv
-    o_past, lse_past = past_attention(stacked, k[:, :, :P], v[:, :, :P], attend, sms)
-    out, _ = merge(o_own, lse_own, o_past.reshape(B, Hq, t, D), lse_past.reshape(B, Hq, t, 1))
-    return out.to(q.dtype)
 
 
 def merge(
@@ -203,14 +193,13 @@ def past_chunks(batch: int, group: int, t: int, past: int, sms: int | None) -> i
 def past_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, sms: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full (non-causal) attention of q [B, G, t, D] over all P keys of k/v [B, H, P, D] (H = 1:
-    G query heads of one KV head; H = G: a head each) -> (out [B, G, t, D], lse [B, G, t, 1]
-    float32): one attend call, or (past_chunks > 1) per sequence one call over its past cut into n
-    chunks of c = P // n keys, stacked on the batch axis, plus one over the P - n c < n remaining
-    keys, all merged by log-sum-exp.
+    """Full (non-causal) attention of q [B, G, t, D] over all P keys of k/v [B, 1, P, D] ->
+    (out [B, G, t, D], lse [B, G, t, 1] float32): one attend call, or (past_chunks > 1) per
+    sequence one call over its past cut into n chunks of c = P // n keys, stacked on the batch
+    axis, plus one over the P - n c < n remaining keys, all merged by log-sum-exp.
 
-    The chunks of one sequence are a view: each head of k[b] is one run of P rows of D (stride D,
-    the cache's heads-major layout), so [H, n c, D] -> [n, H, c, D] moves no data. Stacking the B sequences
+    The chunks of one sequence are a view: k[b] is one run of P rows of D (stride D, the cache's
+    heads-major layout), so [1, n c, D] -> [n, 1, c, D] moves no data. Stacking the B sequences
     on one axis too would need a copy (their batch stride is the cache's, not n c rows), hence a
     call per sequence, each sized to fill the GPU by itself. Temporaries per call: q expanded to
     [n, G, t, D] (made contiguous: a stride-0 batch is not a layout every backend takes), the
@@ -226,8 +215,8 @@ def past_attention(
     lse = q.new_empty(B, G, t, 1, dtype=torch.float32)
     for b in range(B):
         q_n = q[b : b + 1].expand(n, G, t, D).contiguous()  # [n, G, t, D]: each chunk's queries
-        k_n = k[b, :, : n * c].unflatten(1, (n, c)).transpose(0, 1)  # [n, H, c, D]: keys [j c, (j + 1) c)
-        v_n = v[b, :, : n * c].unflatten(1, (n, c)).transpose(0, 1)
+        k_n = k[b, :, : n * c].view(n, 1, c, D)  # [n, 1, c, D]: chunk j is keys [j c, (j + 1) c)
+        v_n = v[b, :, : n * c].view(n, 1, c, D)
         o_n, lse_n = attend(q_n, k_n, v_n, False)  # [n, G, t, D], [n, G, t, 1]
         lse_b = torch.logsumexp(lse_n, 0, keepdim=True)  # [1, G, t, 1]: over the n chunks' union
         o_b = o_n.float().mul_(torch.exp(lse_n - lse_b)).sum(0, keepdim=True)  # [1, G, t, D]
@@ -247,22 +236,6 @@ def cudnn_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )[:2]
     return out, lse.reshape(*q.shape[:3], 1)
-
-
-def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """SDPA's CUDA flash attention that also returns the log-sum-exp; the one KV head is broadcast
-    to the G query heads (a stride-0 view, no copy)."""
-    group = q.shape[1]
-    k, v = k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[
-        :2
-    ]
-    return out, lse.reshape(*q.shape[:3], 1)
-
-
-def with_lse(backend: str) -> Callable:
-    """The call of a GPU backend (LSE_BACKENDS) that also returns the log-sum-exp."""
-    return {"cudnn": cudnn_with_lse, "flash": flash_with_lse}[backend]
 
 
 def cpu_flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
