@@ -129,16 +129,15 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def flash_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, t, D], the last t of the P + t positions of k/v [B, Hkv, P + t, D] -> [B, Hq, t, D]
-    in one call of FlashAttention-2's forward (a mixed step's chunk, run eagerly every step: one
-    launch a layer, where a call per KV head with merges would be dozens, and the host would pace
-    the step). Its causal mask aligns the queries with the keys' end (query i sees keys 0..P+i),
-    its query heads share KV heads natively, and it splits the keys over the SMs itself when the
-    grid is small (few query rows over a long past). The layouts are views (batch, rows, heads, D)."""
-    out = torch.ops.aten._flash_attention_forward(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.shape[2], k.shape[2],
-        0.0, True, False, scale=scale,
-    )[0]  # fmt: skip
-    return out.transpose(1, 2)
+    in one call of SDPA's flash forward (a mixed step's chunk, run eagerly every step: one launch
+    a layer, where a call per KV head merged by log-sum-exp would be dozens, and the host would
+    pace the step). Called directly, as torch.nn.attention.bias's lower-right causal mask calls it:
+    its causal mask aligns the queries with the keys' end (query i sees keys 0..P+i); its query
+    heads share KV heads natively (GQA); it splits a long key axis over the SMs itself when few
+    query rows leave the grid small."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale
+    )[0]
 
 
 def blocked_causal_attention(
