@@ -252,8 +252,8 @@ if [[ $STAGES == *speculate* ]]; then
 fi
 if [[ $STAGES == *stall* ]]; then
   # The long prompt's prefill beside 8 running streams, once per mixed-step budget (STALL_BUDGETS;
-  # 0 = the default), each in a process of its own (bench/serve.py --parts stall, ~1 min each on
-  # an H200 at 128k) -> serve-stall.{md,json}.
+  # 0 = the default), each in a process of its own (bench/serve.py --parts stall; at 128k about
+  # 2 minutes a budget on an H200 at 4119ee6, whose mixed steps took 66 s) -> serve-stall.{md,json}.
   timeout "${STALL_TIMEOUT:-300}" python3 bench/serve.py --parts stall --stall-step-tokens ${STALL_BUDGETS:-0} \
     ${STALL_LONG:+--long $STALL_LONG} --out "$RESULTS_DIR/serve-stall" >"$LOG_DIR/stall.log" 2>&1
   summary+=("stall exit $?")
