@@ -45,7 +45,12 @@ LONG_MODULE = "heapq.py"  # the long task's document (a few thousand tokens of t
 
 
 class OutputMismatch(Exception):
-    """A speculating run's output differs from the plain run's (greedy decoding must be exact)."""
+    """A speculating run's output differs from the plain run's (greedy decoding must be exact) from
+    new token `at` on."""
+
+    def __init__(self, message: str, at: int):
+        super().__init__(message)
+        self.at = at
 
 
 def check_same(task: str, plain: list[int], speculating: list[int]) -> None:
@@ -57,8 +62,21 @@ def check_same(task: str, plain: list[int], speculating: list[int]) -> None:
     at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(plain), len(speculating)))
     raise OutputMismatch(
         f"{task}: speculation changed the output at new token {at} of {len(plain)} "
-        f"(plain {plain[at : at + 4]}, speculating {speculating[at : at + 4]})"
+        f"(plain {plain[at : at + 4]}, speculating {speculating[at : at + 4]})",
+        at,
     )
+
+
+def top_two_gap(llm: LLM, prompt: list[int], at: int) -> float:
+    """How far apart (in log-probability, nats) the plain run's two likeliest tokens are at new token
+    `at`: near 0 is a rounding tie, which the step with drafts' other kernels may round the other
+    way; a wide gap is a wrong token. (A request with log-probs makes no drafts: a plain run.)"""
+    run = llm.generate(
+        token_ids=prompt, max_new_tokens=at + 1, temperature=0, ignore_eos=True, reuse_prefix=False,
+        top_logprobs=2,
+    )  # fmt: skip
+    (_, first), (_, second) = run.top_logprobs[at][:2]
+    return first - second
 
 
 @dataclass
@@ -153,7 +171,13 @@ def run_task(llm: LLM, task: Task, args: argparse.Namespace, log) -> TaskResult:
     k, new = args.speculate, args.new_tokens
     result = TaskResult(task.name, task.model, task.about, len(task.prompt), new, k)
     reference = generate(llm, task.prompt, new, 0)
-    check_same(task.name, reference.token_ids, generate(llm, task.prompt, new, k).token_ids)
+    try:
+        check_same(task.name, reference.token_ids, generate(llm, task.prompt, new, k).token_ids)
+    except OutputMismatch as e:
+        gap = top_two_gap(llm, task.prompt, e.at)
+        raise OutputMismatch(
+            f"{e}; the plain run's top two log-probs there are {gap:.4f} nats apart", e.at
+        ) from None
     for pair in range(args.repeats):
         rates = {}
         for mode in (0, k) if pair % 2 == 0 else (k, 0):

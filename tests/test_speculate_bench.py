@@ -66,3 +66,18 @@ def test_the_output_check_fails_where_speculation_changed_a_token():
         bench.check_same("code", [5, 6, 7], [5, 6, 8])
     with pytest.raises(bench.OutputMismatch, match="at new token 2 of 3"):
         bench.check_same("code", [5, 6, 7], [5, 6])  # one cut short
+
+
+def test_a_mismatch_names_how_close_the_plain_runs_top_two_were():
+    """top_two_gap: the plain run's log-probs of its two likeliest tokens at a new token, apart: the
+    chosen token's log p (a plain run's logprobs) minus the runner-up's, never negative."""
+    from minidecode import LLM
+
+    bench = bench_module()
+    llm = LLM(device="cpu", dtype="float32")
+    prompt = llm.tokenizer.encode("def add(a, b):\n")
+    run = llm.generate(token_ids=prompt, max_new_tokens=6, temperature=0, ignore_eos=True, top_logprobs=3)
+    for at in (0, 5):
+        (best, lp1), (_, lp2) = run.top_logprobs[at][:2]
+        assert best == run.token_ids[at] and run.logprobs[at] == pytest.approx(lp1, abs=1e-5)
+        assert bench.top_two_gap(llm, prompt, at) == pytest.approx(lp1 - lp2, abs=1e-4) and lp1 >= lp2
