@@ -297,15 +297,16 @@ def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def capture(step: Callable[[], None], warm_up: Callable[[], None]) -> torch.cuda.CUDAGraph:
+def capture(step: Callable[[], None], warm_up: Callable[[], None], pool: Any = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `step`, after `warm_up` ran once on a side stream (kernel compilation,
-    workspaces, library handles: nothing may allocate or compile during capture)."""
+    workspaces, library handles: nothing may allocate or compile during capture); `pool`: a
+    memory pool it shares with graphs that never run at the same time (torch.cuda.graph_pool_handle)."""
     stream = _warm_up_stream(torch.device("cuda", torch.cuda.current_device()))
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         warm_up()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         step()
     return graph

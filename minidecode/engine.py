@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from minidecode.kernels import ops
-from minidecode.kernels.prefill import choose_backend
+from minidecode.kernels.device import sm_count
+from minidecode.kernels.prefill import choose_backend, suffix_splits
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import PromptChunk, Transformer, weight_bytes, weights_description
 
@@ -64,6 +65,37 @@ from .sampling import SamplingParams, process, sample, top_logprobs
 # prefill's share of the device needs. On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32
 # weights: ~10 rows a read) 32 rows are about three steps.
 STEP_TOKENS = {"cuda": 384, "cpu": 32}
+
+
+def chunk_bucket(count: int) -> int:
+    """The rows of the mixed-step graph that takes a chunk of `count` prompt rows: 8 or 16, then
+    multiples of 32 (padding a chunk by at most 31 rows: 8% of a 384-row step's projections)."""
+    return 8 if count <= 8 else 16 if count <= 16 else -(-count // 32) * 32
+
+
+class ChunkWhere:
+    """A mixed step's (lo, count, start, length) as a [4] int64 device tensor, set each step with no
+    wait for the device: through a ring of pinned host rows, a row written again only after its
+    copy (RING steps back, long run) is done."""
+
+    RING = 4
+
+    def __init__(self, device: torch.device):
+        self.device = torch.zeros(4, dtype=torch.long, device=device)
+        cuda = device.type == "cuda"
+        self._host = torch.zeros(self.RING, 4, dtype=torch.long, pin_memory=cuda)
+        self._copied = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
+        self._turn = 0
+
+    def put(self, lo: int, count: int, start: int, length: int) -> torch.Tensor:
+        slot, self._turn = self._turn, (self._turn + 1) % self.RING
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()
+        self._host[slot] = torch.tensor([lo, count, start, length])
+        self.device.copy_(self._host[slot], non_blocking=True)
+        if self._copied[slot] is not None:
+            self._copied[slot].record()
+        return self.device
 
 
 def check_max_batch(max_batch: int) -> int:
@@ -130,7 +162,19 @@ class Engine:
         # Work that stops the loop outside prefill and decode (monitoring: the server's /metrics):
         # cache reallocations (each also drops the decode graphs), and graph captures with their time.
         self.resizes, self.captures, self.capture_seconds = 0, 0, 0.0
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # the decode step's graphs, and the mixed steps' (with their logits): per cache allocation
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph | tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Mixed steps as CUDA graphs, one per (chunk rows, decode rows) bucket (`graphs_mixed`): their
+        # inputs, the chunk's ids [chunk_bucket(budget)] and where it is; their outputs, the logits
+        # of each; one memory pool for all of them (they run one at a time).
+        self.graphs_mixed = (
+            self.use_cuda_graph and self.kv_dtype == dtype and dtype in (torch.float16, torch.bfloat16)
+            and getattr(model, "parallel", None) is None
+        )  # fmt: skip
+        self._where = ChunkWhere(device)
+        most = chunk_bucket(max(16, self.step_tokens))
+        self._chunk_ids = torch.zeros(most, dtype=torch.long, device=device)
+        self._mixed_pool = torch.cuda.graph_pool_handle() if self.graphs_mixed else None
         self._prefilling: Prefilling | None = None  # the prefill in progress
         # Pinned host copies, run beside the device's work: each step's tokens (of the step before:
         # the plain step's lag), and a step with drafts' own results (no lag: the next drafts follow them)
@@ -362,16 +406,62 @@ class Engine:
 
     def _mixed_logits(self, work: Prefilling, chunk: tuple[int, int], n: int) -> torch.Tensor:
         """The mixed step's forward -> float32 logits [1 + n, V] (the chunk's last position, then
-        decode rows 0..n-1)."""
+        decode rows 0..n-1): its graph's replay, or eagerly."""
         region = self.region(work.start, work.size)
         if work.ids is None:  # the prefill's first chunk
             work.ids = torch.tensor(work.prompt, device=self.device)
             work.staging = self.model.chunk_staging(region, len(work.prompt))
         lo, hi = chunk
-        args = (lo, len(work.prompt), region, self.chunk_backend(), self.prefill_chunk, work.staging)
-        rows, chunk = self.state.rows(n), PromptChunk(work.ids[lo:hi], *args)
-        hidden = self.model.mixed(chunk, rows.tokens, rows.positions, rows.starts, self.cache)
+        inputs = self.chunk_inputs(work.ids[lo:hi], lo, work.start, len(work.prompt), region, work.staging)
+        if inputs.host is None:
+            return self._mixed_graph(inputs, 0 if n == 0 else min(bucket(n), self.max_batch))[: 1 + n]
+        rows = self.state.rows(n)
+        hidden = self.model.mixed(inputs, rows.tokens, rows.positions, rows.starts, rows.active, self.cache)
         return self.model.logits(hidden)
+
+    def chunk_inputs(
+        self,
+        ids: torch.Tensor,
+        lo: int,
+        start: int,
+        length: int,
+        region: KVCache,
+        staging: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> PromptChunk:
+        """A mixed step's PromptChunk for prompt ids [count] on the device (positions lo.. of a
+        `length`-position prompt whose region, at cache position `start`, is `region`): for its
+        graph (graphs_mixed: the ids padded in the graphs' buffer, no host values), or eager."""
+        count = ids.shape[0]
+        where = self._where.put(lo, count, start, length)
+        rows = chunk_bucket(count)
+        if self.graphs_mixed and rows <= self._chunk_ids.shape[0]:
+            self._chunk_ids[:count].copy_(ids)
+            splits = suffix_splits(rows, self.config.num_heads, sm_count(self.device))
+            return PromptChunk(self._chunk_ids[:rows], where, self.spare_start, splits=splits)
+        host = (lo, count, start, length)
+        backend = self.chunk_backend()
+        return PromptChunk(ids, where, self.spare_start, host, region, backend, self.prefill_chunk, staging)
+
+    def _mixed_graph(self, chunk: PromptChunk, b: int) -> torch.Tensor:
+        """Replay the mixed step's graph of chunk's rows and decode rows 0..b-1 (idle past the
+        running ones), captured on first use (per cache allocation) -> its logits [1 + b, V]."""
+        key = ("mixed", chunk.ids.shape[0], b)
+        if key not in self._graphs:
+            rows, out = self.state.rows(b), {}
+            decode_rows = (rows.tokens, rows.positions, rows.starts, rows.active)
+
+            def forward() -> None:
+                out["logits"] = self.model.logits(self.model.mixed(chunk, *decode_rows, self.cache))
+
+            t0 = time.perf_counter()
+            # (the warm-up is the step itself: it writes the K/V the replay writes again)
+            graph = capture(forward, forward, pool=self._mixed_pool)
+            self._graphs[key] = graph, out["logits"]
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits
 
     def chunk_backend(self) -> str | None:
         """A chunk's prefill attention: on a GPU SDPA's flash backend, whatever the prefill's choice:

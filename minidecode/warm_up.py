@@ -10,7 +10,6 @@ import torch
 
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention
-from minidecode.models.llama import PromptChunk
 
 from .decode import DecodeState
 from .engine import Engine
@@ -48,15 +47,17 @@ def warm_up(engine: Engine) -> None:
 
 
 def warm_up_mixed(engine: Engine) -> None:
-    """A mixed step's eager kernels run once (their compiles, and the chunk attention's first
-    call and imports, kept out of the first one beside running streams): a chunk of positions
-    16..31 after a 16-position prefill at the cache's start, beside one decode row that writes
-    only the spare granule."""
+    """A mixed step's kernels run once, eagerly, in the form its steps take (their graphs' form
+    where the engine captures them: their compiles, and the chunk attention's first call and
+    imports, kept out of the first step beside running streams): a chunk of positions 16..31
+    after a 16-position prefill at the cache's start, beside one idle decode row (it writes only
+    the spare granule)."""
     region, row = engine.region(0, 32), DecodeState.zeros(1, engine.device)
     row.starts.fill_(engine.spare_start)
     ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
-    chunk = PromptChunk(ids, 16, 32, region, engine.chunk_backend(), engine.prefill_chunk, staging)
-    engine.model.logits(engine.model.mixed(chunk, row.tokens, row.positions, row.starts, engine.cache))
+    chunk = engine.chunk_inputs(ids, 16, 0, 32, region, staging)
+    hidden = engine.model.mixed(chunk, row.tokens, row.positions, row.starts, row.active, engine.cache)
+    engine.model.logits(hidden)
 
 
 def warm_up_sizes(engine: Engine) -> list[int]:

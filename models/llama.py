@@ -28,7 +28,7 @@ from torch import nn
 
 from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8
-from minidecode.kernels.prefill import causal_attention
+from minidecode.kernels.prefill import causal_attention, device_suffix_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 
 from .cache import KVCache, LayerKV
@@ -326,19 +326,27 @@ class PromptRows:
 
 @dataclass
 class PromptChunk:
-    """A prompt chunk of a mixed step (Transformer.mixed): `ids` [c] int64 on the device are
-    positions lo..lo+c-1 of a prompt of `length` positions (RoPE's length), prefilled into
-    `region` (the sequence's region: position p at its cache position p). backend: the prefill
-    attention's; copy_rows: rows an FP8 staging copy takes at a time (bounded temporaries);
-    staging: Transformer.chunk_staging's buffers (an FP8 cache), else None."""
+    """A prompt chunk of a mixed step (Transformer.mixed). `ids` [C] int64 on the device: its first
+    `count` are positions lo..lo+count-1 of a prompt of `length` positions, whose region begins at
+    cache position `start`; the rest pad the chunk to its CUDA graph's size, and their K/V go to
+    cache position `spare`. `where` [4] int64 on the device holds (lo, count, start, length), which
+    is all the forward reads of them, so one captured graph serves every chunk of its size.
+
+    `host`: the same four as ints where the forward runs eagerly (None in a graph: nothing may
+    depend on them), with `region` the sequence's region, `backend` the prefill attention's,
+    `copy_rows` the rows an FP8 staging copy takes at a time and `staging` the FP8 cache's
+    model-dtype K/V of the prompt (Transformer.chunk_staging), else None. `splits`: how many
+    ranges a graph's chunk attention cuts the past into (kernels/prefill.py suffix_splits)."""
 
     ids: torch.Tensor
-    lo: int
-    length: int
-    region: KVCache
-    backend: str | None
-    copy_rows: int
+    where: torch.Tensor
+    spare: int
+    host: tuple[int, int, int, int] | None = None
+    region: KVCache | None = None
+    backend: str | None = None
+    copy_rows: int = 0
     staging: tuple[torch.Tensor, torch.Tensor] | None = None
+    splits: int = 1
 
 
 class WholeContext:
@@ -529,63 +537,96 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         starts: torch.Tensor,
+        active: torch.Tensor,
         cache: KVCache,
     ) -> torch.Tensor:
-        """One forward of a mixed step: a prompt chunk's c rows and B decode rows together ->
-        final-normed hidden [1 + B, hidden]: the chunk's last position, then the decode rows.
+        """One forward of a mixed step: a prompt chunk's C rows and B decode rows together ->
+        final-normed hidden [1 + B, hidden]: the chunk's last real position, then the decode rows.
 
-        The decode rows are `decode`'s batch: tokens, positions, starts [B] int64 on the device, each
-        sequence's region at starts[b].. of the cache's one shared row (every row active). Each layer
-        normalises every row, projects them in one matmul per weight (q/k/v, o_proj, gate/up, down:
-        the weights read once for both parts), and attends each part its own way: the chunk as
-        `prefill_units` attends a suffix after its past (its positions causally, the region's
-        earlier positions fully: WholeContext.attention), its K/V into the region; the decode rows
-        through the decode attention op over their regions, their K/V at their positions (as
-        decode_layers). RoPE per row at its own position: the chunk's with the whole prompt's
-        length (dynamic NTK / LongRoPE as its prefill in one pass), a decode row's with its own
-        position + 1. So each part gets what it gets alone, up to rounding (the matmuls' row
-        counts differ). FP8 cache: the chunk's attention reads chunk.staging, the past dequantized
-        into it each layer (as a reused prefix enters a prefill), and its new positions are then
-        quantized into the region. Eager (the chunk's shape varies), one process or tensor-parallel
-        ranks (context parallelism runs one sequence at a time: never beside decode rows)."""
-        cfg, region, lo = self.config, chunk.region, chunk.lo
-        c, B, hi = chunk.ids.shape[0], tokens.shape[0], chunk.lo + chunk.ids.shape[0]
-        device = tokens.device
-        x = self.model.embed_tokens(torch.cat((chunk.ids, tokens)))  # [c + B, hidden]: the residual stream
-        at = torch.arange(lo, hi, device=device)[None]  # [1, c]
-        cos_c, sin_c = self.rope.cos_sin(at, torch.tensor(chunk.length, device=device))  # [1, c, D]
-        cos_d, sin_d = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
-        written, lengths = starts + positions, (positions + 1).to(torch.int32)  # [B]
-        rows = PromptRows(((lo, hi),), lo, hi, c)  # the chunk's attention reads keys 0..hi-1
-        q_c = x.new_empty(1, cfg.num_heads, c, cfg.head_dim)  # heads-major, as prefill's
+        The decode rows are `decode`'s batch: tokens, positions, starts [B] int64 and active [B]
+        int32 0/1 on the device, each sequence's region at starts[b].. of the cache's one shared
+        row (an idle row, active 0, reads nothing and writes the spare position its start points
+        to). Each layer normalises every row, projects them in one matmul per weight (q/k/v,
+        o_proj, gate/up, down: the weights read once for both parts), rotates them and writes
+        every row's K/V at its cache position in one launch (as the decode step does), and
+        attends each part its own way: the chunk causally after its past (`_chunk_attention`),
+        the decode rows through the decode attention op over their regions. RoPE per row at its
+        own position, with the whole prompt's length for the chunk's (dynamic NTK / LongRoPE as
+        its prefill in one pass) and its own position + 1 for a decode row's. So each part gets
+        what it gets alone, up to rounding (the matmuls' row counts differ).
+
+        Fixed shapes, nothing read on the host where chunk.host is None: the engine captures it
+        as a CUDA graph per (C, B) and replays it for every chunk of that size. One process or
+        tensor-parallel ranks (context parallelism runs one sequence at a time: never beside
+        decode rows)."""
+        C, B, device = chunk.ids.shape[0], tokens.shape[0], tokens.device
+        lo, count, start, length = chunk.where.unbind()  # 0-d int64 device tensors
+        rows = torch.arange(C, device=device)
+        at = torch.cat((lo + rows, positions))  # [C + B]: each row's sequence position
+        seq_len = torch.cat((length.expand(C), positions + 1))[:, None]  # [C + B, 1]: RoPE's length
+        cos, sin = self.rope.cos_sin(at, seq_len)  # [C + B, D]
+        chunk_at = torch.where(rows < count, start + lo + rows, chunk.spare)  # padding rows: the spare
+        written = torch.cat((chunk_at, starts + positions))  # [C + B]: each row's cache position
+        lengths = ((positions + 1) * active).to(torch.int32)  # [B]: 0 for an idle row
+        x = self.model.embed_tokens(torch.cat((chunk.ids, tokens)))  # [C + B, hidden]: the residual stream
         for i, layer in enumerate(self.model.layers):
             attn, kv = layer.self_attn, cache.layer(i)
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
-            k_c, v_c = chunk.staging if chunk.staging is not None else region.layer(i)[:2]
-            if chunk.staging is not None and lo:
-                _dequantize_prefix(region.layer(i), chunk.staging, lo, chunk.copy_rows)
             h = layer.input_layernorm(x)
-            qkv = ops.linear(h, attn.qkv_weight, attn.qkv_bias)  # [c + B, (Hq + 2 Hkv) D]
-            ops.rope_into(
-                qkv[None, :c], cos_c, sin_c, q_c, k_c[:, :, lo:hi], v_c[:, :, lo:hi], *norms, attn.norm_eps
-            )
-            if B:  # q [B, Hq, D]; the rows' K/V written at their positions
-                q_d = ops.rope_and_cache(
-                    qkv[c:], cos_d, sin_d, written, kv.k, kv.v, attn.num_heads, *norms, attn.norm_eps,
-                    kv_scale=kv.kv_scale, static_scales=attn.kv_static_scales,
-                )  # fmt: skip
-            for _ in self.context.attention(q_c, k_c, v_c, rows, attn.scale, chunk.backend, chunk.copy_rows):
-                pass  # (q_c's heads overwritten by their output, call by call)
-            if chunk.staging is not None:
-                staged = [t[:, :, :hi] for t in chunk.staging]
-                _quantize_into(region.layer(i), staged, lo, chunk.copy_rows, attn.kv_static_scales)
-            out = [q_c[0].transpose(0, 1).reshape(c, -1)]  # [c, Hq D]
+            qkv = ops.linear(h, attn.qkv_weight, attn.qkv_bias)  # [C + B, (Hq + 2 Hkv) D]
+            q = ops.rope_and_cache(
+                qkv, cos, sin, written, kv.k, kv.v, attn.num_heads, *norms, attn.norm_eps,
+                kv_scale=kv.kv_scale, static_scales=attn.kv_static_scales,
+            )  # fmt: skip  # [C + B, Hq, D]
+            out = [self._chunk_attention(i, q[:C], qkv[:C], cos[:C], sin[:C], chunk, kv).view(C, -1)]
             if B:
-                o_d = attn.attend(q_d, kv.k, kv.v, lengths, attn.scale, kv_scale=kv.kv_scale, starts=starts)
-                out.append(o_d.reshape(B, -1))  # [B, Hq D]
+                out.append(
+                    attn.attend(q[C:], kv.k, kv.v, lengths, attn.scale, kv_scale=kv.kv_scale, starts=starts)
+                    .view(B, -1)
+                )  # [B, Hq D]
             x += attn.o_proj(torch.cat(out))
             x += layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x[c - 1 :])
+        last = torch.cat(((count - 1).view(1), C + torch.arange(B, device=device)))  # [1 + B]
+        return self.model.norm(x.index_select(0, last))
+
+    def _chunk_attention(
+        self,
+        i: int,
+        q: torch.Tensor,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        chunk: PromptChunk,
+        kv: LayerKV,
+    ) -> torch.Tensor:
+        """Layer i's attention of the chunk's queries q [C, Hq, D] (rotated; its K/V already in the
+        cache) -> [C, Hq, D], padding rows zero. In a graph (chunk.host None): the variable-length
+        flash call over the cache row, bounded by chunk.where on the device. Eagerly: the
+        prefill's suffix attention (WholeContext.attention) over the region's positions
+        0..lo+count-1; an FP8 cache's chunk reads chunk.staging, its past dequantized into it and
+        its own rows rotated into it from qkv [C, ...] (cos/sin [C, D]) in the model dtype, as a
+        prefill after a cached prefix reads them."""
+        attn = self.model.layers[i].self_attn
+        if chunk.host is None:
+            k, v = (t[0].transpose(0, 1) for t in (kv.k, kv.v))  # [P, Hkv, D]: the row, positions first
+            return device_suffix_attention(q, k, v, chunk.where, chunk.splits, attn.scale)
+        lo, count, _, _ = chunk.host
+        hi = lo + count
+        heads = q[:count].transpose(0, 1)[None]  # [1, Hq, count, D]: overwritten by the output
+        if chunk.staging is not None:
+            k, v = chunk.staging  # [1, Hkv, length, D]
+            if lo:
+                _dequantize_prefix(chunk.region.layer(i), chunk.staging, lo, chunk.copy_rows)
+            norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+            own = (qkv[None, :count], cos[None, :count], sin[None, :count])  # [1, count, ...]
+            ops.rope_into(*own, heads, k[:, :, lo:hi], v[:, :, lo:hi], *norms, attn.norm_eps)
+        else:
+            k, v = chunk.region.layer(i)[:2]  # [1, Hkv, size, D]
+        rows = PromptRows(((lo, hi),), lo, hi, count)  # the chunk's attention reads keys 0..hi-1
+        for _ in self.context.attention(heads, k, v, rows, attn.scale, chunk.backend, chunk.copy_rows):
+            pass  # (the heads overwritten by their output, call by call)
+        q[count:] = 0
+        return q
 
     def flops_per_row(self) -> tuple[float, float]:
         """Multiply-adds x 2 of one prompt row through one layer's q/k/v projection, and through its

@@ -99,3 +99,43 @@ def test_mixed_steps_on_cuda_give_each_request_its_tokens_alone(model_dir, kv, m
     wait(lambda: len(results) == 4, "the results")
     assert [results[i] for i in range(3)] == alone and results[3] == long_alone
     assert len(chunks) >= 2500 // 64 and chunks[-1][1] == 2500, chunks[-3:]
+
+
+def test_a_mixed_step_graph_is_the_eager_step(model_dir):
+    """bf16, where mixed steps run as CUDA graphs: two running rows beside a prompt prefilled up to
+    position 40; its chunks 40..57 and 57..82 (both in the graph of 32 chunk rows: the second a
+    replay with new bounds) through the graph, against the same steps eagerly: the logits within
+    bf16 rounding, and the same K/V."""
+    import torch
+
+    from minidecode.engine import Prefilling
+    from minidecode.sampling import SamplingParams
+
+    engine = LLM(model_dir, device="cuda", dtype="bfloat16").engine
+    assert engine.graphs_mixed
+    size = -(-512 // engine.granule) * engine.granule
+    engine.resize(3 * size)
+    for t in engine.cache.tensors().values():
+        t.zero_()
+    prompts, greedy = [random_ids(n, seed=n) for n in (23, 31, 300)], SamplingParams(temperature=0)
+    runs = []
+    with torch.inference_mode():
+        for row, ids in enumerate(prompts[:2]):
+            engine.sample_first(row, engine.prefill(ids, row * size, size, 0), greedy, False)
+            engine.start_row(row, row * size, len(ids), greedy)
+        engine.prefill(prompts[2][:40], 2 * size, size, 0)
+        before = {name: t.clone() for name, t in engine.cache.tensors().items()}
+        for graphed in (True, False):
+            for name, t in engine.cache.tensors().items():
+                t.copy_(before[name])
+            engine.graphs_mixed = graphed
+            work = Prefilling(prompts[2], 2 * size, size, 40)
+            logits = [engine._mixed_logits(work, chunk, 2).clone() for chunk in ((40, 57), (57, 82))]
+            runs.append((logits, {name: t.clone() for name, t in engine.cache.tensors().items()}))
+    (graph_logits, graph_cache), (eager_logits, eager_cache) = runs
+    assert ("mixed", 32, 2) in engine._graphs
+    for got, want in zip(graph_logits, eager_logits, strict=True):
+        assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
+    for name, t in eager_cache.items():
+        real = slice(0, engine.spare_start)
+        torch.testing.assert_close(graph_cache[name][:, :, :, real], t[:, :, :, real], rtol=2e-2, atol=2e-2)
