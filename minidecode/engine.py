@@ -19,12 +19,17 @@ the drafts the plan carries, verified in the same step (decode.py's draft_step, 
 bucket); such a step returns its own tokens, since the next drafts follow them.
 
 A prompt that prefills beside running sequences goes chunk by chunk, each chunk in one mixed step
-with the running rows (Transformer.mixed: one forward, the weights read once for both; eager, its
-shapes vary): the chunk's rows attend as a prefill's do, the decode rows as the decode step's, and
-the decode rows are sampled by the decode step's own sampling (decode.sample_rows); a step with
-drafts runs as its own graph, and the chunk alone after it. A prefill beside no running rows runs
-as the model's generator of units of work (Transformer.prefill_units: layer by layer over the
-whole prompt, its fastest form), held here between plans.
+with the running rows (Transformer.mixed: one forward, the weights read once for both): the chunk's
+rows attend as a prefill's do, the decode rows as the decode step's, and the decode rows are
+sampled by the decode step's own sampling (decode.sample_rows); a step with drafts runs as its own
+graph, and the chunk alone after it. On CUDA with a model-dtype cache a mixed step is a graph too,
+one per (chunk rows, decode rows) bucket, captured when first used: the chunk padded to
+chunk_bucket rows, where it lies in a device tensor (ChunkWhere), so one graph serves every chunk
+of its size. Eagerly, each of its ~15 launches a layer costs the host more than the GPU's work
+(a 384-row step of an 8B: ~40 ms of launching against ~16 ms on an H200; bench/NOTES-engine.md).
+A prefill beside no running rows runs as the model's generator of units of work
+(Transformer.prefill_units: layer by layer over the whole prompt, its fastest form), held here
+between plans.
 
 The engine decides nothing: each turn it runs one step plan (plan.py, made by scheduler.py) with
 `run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py).
