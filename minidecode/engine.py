@@ -73,9 +73,11 @@ STEP_TOKENS = {"cuda": 384, "cpu": 32}
 
 
 def chunk_bucket(count: int) -> int:
-    """The rows of the mixed-step graph that takes a chunk of `count` prompt rows: 8 or 16, then
-    multiples of 32 (padding a chunk by at most 31 rows: 8% of a 384-row step's projections)."""
-    return 8 if count <= 8 else 16 if count <= 16 else -(-count // 32) * 32
+    """The rows of the mixed-step graph that takes a chunk of `count` prompt rows: 16, then multiples
+    of 32 (padding a chunk by at most 31 rows: 8% of a 384-row step's projections). Multiples of 16
+    all, so that a step's row counts (chunk + decode rows) fall in the same Triton specialization
+    for every chunk size (_mixed_graph's warm-up)."""
+    return 16 if count <= 16 else -(-count // 32) * 32
 
 
 class ChunkWhere:
@@ -458,9 +460,14 @@ class Engine:
             def forward() -> None:
                 out["logits"] = self.model.logits(self.model.mixed(chunk, *decode_rows, self.cache))
 
+            # The warm-up is the step itself (it writes the K/V the replay writes again), run before
+            # the first capture with these decode rows only: after it every kernel of such a step
+            # is compiled for its specialization (row counts alike mod 16: chunk_bucket) and the
+            # decode attention's workspace exists, and an eager run is ~40 ms of an 8B's launches,
+            # which the streams would wait for again at each chunk size.
+            seen = any(k[0] == "mixed" and k[2] == b for k in self._graphs)
             t0 = time.perf_counter()
-            # (the warm-up is the step itself: it writes the K/V the replay writes again)
-            graph = capture(forward, forward, pool=self._mixed_pool)
+            graph = capture(forward, (lambda: None) if seen else forward, pool=self._mixed_pool)
             self._graphs[key] = graph, out["logits"]
             self.captures += 1
             self.capture_seconds += time.perf_counter() - t0

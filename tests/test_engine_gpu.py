@@ -104,8 +104,9 @@ def test_mixed_steps_on_cuda_give_each_request_its_tokens_alone(model_dir, kv, m
 def test_a_mixed_step_graph_is_the_eager_step(model_dir):
     """bf16, where mixed steps run as CUDA graphs: two running rows beside a prompt prefilled up to
     position 40; its chunks 40..57 and 57..82 (both in the graph of 32 chunk rows: the second a
-    replay with new bounds) through the graph, against the same steps eagerly: the logits within
-    bf16 rounding, and the same K/V."""
+    replay with new bounds) and 82..130 (the 64-row graph, captured with no warm-up of its own)
+    through the graphs, against the same steps eagerly: the logits within bf16 rounding, and the
+    same K/V."""
     import torch
 
     from minidecode.engine import Prefilling
@@ -130,10 +131,11 @@ def test_a_mixed_step_graph_is_the_eager_step(model_dir):
                 t.copy_(before[name])
             engine.graphs_mixed = graphed
             work = Prefilling(prompts[2], 2 * size, size, 40)
-            logits = [engine._mixed_logits(work, chunk, 2).clone() for chunk in ((40, 57), (57, 82))]
+            chunks = ((40, 57), (57, 82), (82, 130))
+            logits = [engine._mixed_logits(work, chunk, 2).clone() for chunk in chunks]
             runs.append((logits, {name: t.clone() for name, t in engine.cache.tensors().items()}))
     (graph_logits, graph_cache), (eager_logits, eager_cache) = runs
-    assert ("mixed", 32, 2) in engine._graphs
+    assert ("mixed", 32, 2) in engine._graphs and ("mixed", 64, 2) in engine._graphs
     for got, want in zip(graph_logits, eager_logits, strict=True):
         assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
     for name, t in eager_cache.items():
