@@ -19,15 +19,11 @@ the drafts the plan carries, verified in the same step (decode.py's draft_step, 
 bucket); such a step returns its own tokens, since the next drafts follow them.
 
 A prompt that prefills beside running sequences goes chunk by chunk, each chunk in one mixed step
-with the running rows (Transformer.mixed: one forward, the weights read once for both): the chunk's
-rows attend as a prefill's do, the decode rows as the decode step's, and the decode rows are
-sampled by the decode step's own sampling (decode.sample_rows); a step with drafts runs as its own
-graph, and the chunk alone after it. On CUDA with a model-dtype cache a mixed step is a graph too,
-one per (chunk rows, decode rows) bucket, captured when first used: the chunk padded to
-chunk_bucket rows, where it lies in a device tensor (ChunkWhere), so one graph serves every chunk
-of its size. Eagerly, each of its ~15 launches a layer costs the host more than the GPU's work
-(a 384-row step of an 8B: ~40 ms of launching against ~16 ms on an H200; bench/NOTES-engine.md).
-A prefill beside no running rows runs as the model's generator of units of work
+with the running rows (Transformer.mixed: one forward, the weights read once for both; on CUDA a
+graph per size: mixed.py): the chunk's rows attend as a prefill's do, the decode rows as the decode
+step's, and the decode rows are sampled by the decode step's own sampling (decode.sample_rows); a
+step with drafts runs as its own graph, and the chunk alone after it. A prefill beside no running
+rows runs as the model's generator of units of work
 (Transformer.prefill_units: layer by layer over the whole prompt, its fastest form), held here
 between plans.
 
@@ -45,64 +41,19 @@ from dataclasses import dataclass
 import torch
 
 from minidecode.kernels import ops
-from minidecode.kernels.device import sm_count
-from minidecode.kernels.prefill import choose_backend, suffix_splits
+from minidecode.kernels.prefill import choose_backend
 from minidecode.models.cache import KVCache
-from minidecode.models.llama import PromptChunk, Transformer, weight_bytes, weights_description
+from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
 from .cache_parts import CacheParts
 from .decode import BUCKETS, DecodeState, HostRows, ProcessorRows, bucket, capture, decode_step, sample_rows
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
+from .mixed import STEP_TOKENS, MixedSteps
 from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, StepOutput, StepPlan
 from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE, check_int
 from .sampling import SamplingParams, process, sample, top_logprobs
-
-# A mixed step's work, in rows through the weights: its decode rows plus its chunk's prompt rows,
-# each prompt row's attention to its earlier positions counted as the rows of projections it
-# costs (scheduler.chunk_end), so that a step's time stays the same as the prefill advances. A
-# decode step of a few rows is bound by reading the weights (p bytes a parameter), in which time a
-# GPU multiplies about p F / (2 BW) rows: 125 on an H200 (~600 TFLOP/s achieved of bf16 against
-# 4.8 TB/s; FP8 weights: half the bytes, twice the rate, the same rows), 180 on an H100. So 384
-# rows keep a mixed step within about three steady steps (two on an H100), the streams' gap, while
-# the chunk's matmuls have rows enough (M >= 256) to run near the tensor cores' rate, which the
-# prefill's share of the device needs. On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32
-# weights: ~10 rows a read) 32 rows are about three steps.
-STEP_TOKENS = {"cuda": 384, "cpu": 32}
-
-
-def chunk_bucket(count: int) -> int:
-    """The rows of the mixed-step graph that takes a chunk of `count` prompt rows: 16, then multiples
-    of 32 (padding a chunk by at most 31 rows: 8% of a 384-row step's projections). Multiples of 16
-    all, so that a step's row counts (chunk + decode rows) fall in the same Triton specialization
-    for every chunk size (_mixed_graph's warm-up)."""
-    return 16 if count <= 16 else -(-count // 32) * 32
-
-
-class ChunkWhere:
-    """A mixed step's (lo, count, start, length) as a [4] int64 device tensor, set each step with no
-    wait for the device: through a ring of pinned host rows, a row written again only after its
-    copy (RING steps back, long run) is done."""
-
-    RING = 4
-
-    def __init__(self, device: torch.device):
-        self.device = torch.zeros(4, dtype=torch.long, device=device)
-        cuda = device.type == "cuda"
-        self._host = torch.zeros(self.RING, 4, dtype=torch.long, pin_memory=cuda)
-        self._copied = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
-        self._turn = 0
-
-    def put(self, lo: int, count: int, start: int, length: int) -> torch.Tensor:
-        slot, self._turn = self._turn, (self._turn + 1) % self.RING
-        if self._copied[slot] is not None:
-            self._copied[slot].synchronize()
-        self._host[slot] = torch.tensor([lo, count, start, length])
-        self.device.copy_(self._host[slot], non_blocking=True)
-        if self._copied[slot] is not None:
-            self._copied[slot].record()
-        return self.device
 
 
 def check_max_batch(max_batch: int) -> int:
@@ -168,20 +119,11 @@ class Engine:
         self.state = DecodeState.zeros(self.max_batch, device)
         # Work that stops the loop outside prefill and decode (monitoring: the server's /metrics):
         # cache reallocations (each also drops the decode graphs), and graph captures with their time.
-        self.resizes, self.captures, self.capture_seconds = 0, 0, 0.0
-        # the decode step's graphs, and the mixed steps' (with their logits): per cache allocation
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph | tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # Mixed steps as CUDA graphs, one per (chunk rows, decode rows) bucket (`graphs_mixed`): their
-        # inputs, the chunk's ids [chunk_bucket(budget)] and where it is; their outputs, the logits
-        # of each; one memory pool for all of them (they run one at a time).
-        self.graphs_mixed = (
-            self.use_cuda_graph and self.kv_dtype == dtype and dtype in (torch.float16, torch.bfloat16)
-            and getattr(model, "parallel", None) is None
-        )  # fmt: skip
-        self._where = ChunkWhere(device)
-        most = chunk_bucket(max(16, self.step_tokens))
-        self._chunk_ids = torch.zeros(most, dtype=torch.long, device=device)
-        self._mixed_pool = torch.cuda.graph_pool_handle() if self.graphs_mixed else None
+        self.resizes, self._captures, self._capture_seconds = 0, 0, 0.0
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # the mixed step's inputs and graphs (mixed.py; the graphs dropped with the cache)
+        mixed = (self.step_tokens, self.use_cuda_graph, self.max_batch, self.prefill_chunk)
+        self.mixed = MixedSteps(model, device, dtype, self.kv_dtype, *mixed)
         self._prefilling: Prefilling | None = None  # the prefill in progress
         # Pinned host copies, run beside the device's work: each step's tokens (of the step before:
         # the plain step's lag), and a step with drafts' own results (no lag: the next drafts follow them)
@@ -191,6 +133,15 @@ class Engine:
         # a step with drafts is waited for (its results), its copy from here with it
         self._host_drafts = torch.zeros(self.max_batch, 2 + MAX_SPECULATE, dtype=torch.long, pin_memory=cuda)
         self.files = CacheParts(model, self.kv_dtype)  # this rank's parts of cache files
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured: the decode step's and the mixed steps'."""
+        return self._captures + self.mixed.captures
+
+    @property
+    def capture_seconds(self) -> float:
+        return self._capture_seconds + self.mixed.capture_seconds
 
     @property
     def prefill_backend(self) -> str:
@@ -243,12 +194,14 @@ class Engine:
             for name, t in new.tensors().items():
                 t[:, :, :, : copied[name]] = old.tensors()[name][:, :, :, : copied[name]]
         self.cache, self.capacity, self._graphs = new, capacity, {}
+        self.mixed.reset()
         self.resizes += 1
         self.state.starts.masked_fill_(self.state.active == 0, self.spare_start)  # idle rows: the new spare
 
     def release(self) -> None:
         """Free the cache and the graphs captured on it."""
         self.cache, self.capacity, self._graphs = None, 0, {}
+        self.mixed.reset()
 
     def copy_positions(self, src: int, dst: int, count: int) -> None:
         """Positions src..src+count-1 of the cache to dst.. (a cached prefix moved to a larger
@@ -419,70 +372,8 @@ class Engine:
             work.ids = torch.tensor(work.prompt, device=self.device)
             work.staging = self.model.chunk_staging(region, len(work.prompt))
         lo, hi = chunk
-        inputs = self.chunk_inputs(work.ids[lo:hi], lo, work.start, len(work.prompt), region, work.staging)
-        if inputs.host is None:
-            return self._mixed_graph(inputs, 0 if n == 0 else min(bucket(n), self.max_batch))[: 1 + n]
-        rows = self.state.rows(n)
-        hidden = self.model.mixed(inputs, rows.tokens, rows.positions, rows.starts, rows.active, self.cache)
-        return self.model.logits(hidden)
-
-    def chunk_inputs(
-        self,
-        ids: torch.Tensor,
-        lo: int,
-        start: int,
-        length: int,
-        region: KVCache,
-        staging: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> PromptChunk:
-        """A mixed step's PromptChunk for prompt ids [count] on the device (positions lo.. of a
-        `length`-position prompt whose region, at cache position `start`, is `region`): for its
-        graph (graphs_mixed: the ids padded in the graphs' buffer, no host values), or eager."""
-        count = ids.shape[0]
-        where = self._where.put(lo, count, start, length)
-        rows = chunk_bucket(count)
-        if self.graphs_mixed and rows <= self._chunk_ids.shape[0]:
-            self._chunk_ids[:count].copy_(ids)
-            splits = suffix_splits(rows, self.config.num_heads, sm_count(self.device))
-            return PromptChunk(self._chunk_ids[:rows], where, self.spare_start, splits=splits)
-        host = (lo, count, start, length)
-        backend = self.chunk_backend()
-        return PromptChunk(ids, where, self.spare_start, host, region, backend, self.prefill_chunk, staging)
-
-    def _mixed_graph(self, chunk: PromptChunk, b: int) -> torch.Tensor:
-        """Replay the mixed step's graph of chunk's rows and decode rows 0..b-1 (idle past the
-        running ones), captured on first use (per cache allocation) -> its logits [1 + b, V]."""
-        key = ("mixed", chunk.ids.shape[0], b)
-        if key not in self._graphs:
-            rows, out = self.state.rows(b), {}
-            decode_rows = (rows.tokens, rows.positions, rows.starts, rows.active)
-
-            def forward() -> None:
-                out["logits"] = self.model.logits(self.model.mixed(chunk, *decode_rows, self.cache))
-
-            # The warm-up is the step itself (it writes the K/V the replay writes again), run before
-            # the first capture with these decode rows only: after it every kernel of such a step
-            # is compiled for its specialization (row counts alike mod 16: chunk_bucket) and the
-            # decode attention's workspace exists, and an eager run is ~40 ms of an 8B's launches,
-            # which the streams would wait for again at each chunk size.
-            seen = any(k[0] == "mixed" and k[2] == b for k in self._graphs)
-            t0 = time.perf_counter()
-            graph = capture(forward, (lambda: None) if seen else forward, pool=self._mixed_pool)
-            self._graphs[key] = graph, out["logits"]
-            self.captures += 1
-            self.capture_seconds += time.perf_counter() - t0
-        graph, logits = self._graphs[key]
-        graph.replay()
-        return logits
-
-    def chunk_backend(self) -> str | None:
-        """A chunk's prefill attention: on a GPU SDPA's flash backend, whatever the prefill's choice:
-        each chunk is a call of a new shape (its rows after a longer past), for which cuDNN would
-        build a new graph (~0.4 s), and the FP8 kernel's few query blocks would not fill the GPU.
-        float32 (no flash kernel) and the CPU: PyTorch's choice."""
-        if self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16):
-            return "flash"
-        return None
+        where = (lo, work.start, len(work.prompt), region, work.staging, self.spare_start)
+        return self.mixed.logits(self.mixed.chunk(work.ids[lo:hi], *where), self.state, n, self.cache)
 
     def _prefill_units(self, p: Prefill, out: StepOutput, on_progress) -> None:
         """Run p.units units of the prefill in progress as a whole prefill of the positions not yet
@@ -635,8 +526,8 @@ class Engine:
         warm_up = functools.partial(decode_step, self.model, cache, idle, *kind)
         t0 = time.perf_counter()
         self._graphs[key] = capture(step, warm_up)
-        self.captures += 1
-        self.capture_seconds += time.perf_counter() - t0
+        self._captures += 1
+        self._capture_seconds += time.perf_counter() - t0
 
     def _decoded(self) -> KVCache:
         """What the decode step reads: the whole cache row, or (one_sequence) the one region."""

@@ -59,7 +59,7 @@ class LLM:
     max_batch: the most sequences decoded at once (requests beyond it wait their turn).
     prefix_reuse: keep finished sequences' K/V and reuse the longest cached prefix of a new prompt.
     step_tokens: the rows a step takes through the weights while a prompt prefills beside running
-    requests (a chunk of it beside their decode rows: engine.STEP_TOKENS; None, the device's)."""
+    requests (a chunk of it beside their decode rows: mixed.STEP_TOKENS; None, the device's)."""
 
     def __init__(
         self,

@@ -114,7 +114,7 @@ class Metrics:
             "minidecode_prefix_cache_queries": ("Requests that looked up a cached prefix", scheduler.queries),
             "minidecode_prefix_cache_hits": ("Requests that reused a cached prefix", scheduler.hits),
             "minidecode_cache_reallocations": ("KV cache reallocations", engine.resizes),
-            "minidecode_graph_captures": ("Decode-step CUDA graphs captured", engine.captures),
+            "minidecode_graph_captures": ("CUDA graphs captured (decode and mixed steps)", engine.captures),
             "minidecode_graph_capture_seconds": ("Time spent capturing them", engine.capture_seconds),
         }  # fmt: skip
         for name, (help_text, value) in counters.items():

@@ -55,7 +55,7 @@ def warm_up_mixed(engine: Engine) -> None:
     region, row = engine.region(0, 32), DecodeState.zeros(1, engine.device)
     row.starts.fill_(engine.spare_start)
     ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
-    chunk = engine.chunk_inputs(ids, 16, 0, 32, region, staging)
+    chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
     hidden = engine.model.mixed(chunk, row.tokens, row.positions, row.starts, row.active, engine.cache)
     engine.model.logits(hidden)
 

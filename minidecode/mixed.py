@@ -1,0 +1,167 @@
+"""The mixed step's side of the engine: its budget (STEP_TOKENS), its chunk's inputs and its CUDA
+graphs (MixedSteps).
+
+A mixed step carries a prompt chunk and the running sequences' decode rows in one forward
+(Transformer.mixed). Run eagerly, each of its ~15 launches a layer costs the host more than the
+GPU's work (a 384-row step of an 8B: ~40 ms of launching against ~16 ms of work on an H200;
+bench/NOTES-engine.md), so on CUDA with a model-dtype cache it is a graph: one per (chunk rows,
+decode rows) bucket, captured when first used and dropped with the cache (its addresses are in
+it). The chunk is padded to chunk_bucket rows and where it lies goes in a device tensor
+(ChunkWhere), so one graph serves every chunk of its size. Eagerly (the CPU, float32, an FP8
+cache, tensor-parallel ranks) the same forward runs with those values on the host too.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minidecode.kernels.device import sm_count
+from minidecode.kernels.prefill import suffix_splits
+from minidecode.models.cache import KVCache
+from minidecode.models.llama import PromptChunk, Transformer
+
+from .decode import DecodeState, bucket, capture
+
+# A mixed step's work, in rows through the weights: its decode rows plus its chunk's prompt rows,
+# each prompt row's attention to its earlier positions counted as the rows of projections it
+# costs (scheduler.chunk_end), so that a step's time stays the same as the prefill advances. A
+# decode step of a few rows is bound by reading the weights (p bytes a parameter), in which time a
+# GPU multiplies about p F / (2 BW) rows: 125 on an H200 (~600 TFLOP/s achieved of bf16 against
+# 4.8 TB/s; FP8 weights: half the bytes, twice the rate, the same rows), 180 on an H100. So 384
+# rows keep a mixed step within about three steady steps (two on an H100), the streams' gap, while
+# the chunk's matmuls have rows enough (M >= 256) to run near the tensor cores' rate, which the
+# prefill's share of the device needs. On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32
+# weights: ~10 rows a read) 32 rows are about three steps.
+STEP_TOKENS = {"cuda": 384, "cpu": 32}
+
+
+def chunk_bucket(count: int) -> int:
+    """The rows of the mixed-step graph that takes a chunk of `count` prompt rows: 16, then multiples
+    of 32 (padding a chunk by at most 31 rows: 8% of a 384-row step's projections). Multiples of 16
+    all, so that a step's row counts (chunk + decode rows) fall in the same Triton specialization
+    for every chunk size (MixedSteps._replay's warm-up)."""
+    return 16 if count <= 16 else -(-count // 32) * 32
+
+
+class ChunkWhere:
+    """A mixed step's (lo, count, start, length) as a [4] int64 device tensor, set each step with no
+    wait for the device: through a ring of pinned host rows, a row written again only after its
+    copy (RING steps back, long run) is done."""
+
+    RING = 4
+
+    def __init__(self, device: torch.device):
+        self.device = torch.zeros(4, dtype=torch.long, device=device)
+        cuda = device.type == "cuda"
+        self._host = torch.zeros(self.RING, 4, dtype=torch.long, pin_memory=cuda)
+        self._copied = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
+        self._turn = 0
+
+    def put(self, lo: int, count: int, start: int, length: int) -> torch.Tensor:
+        slot, self._turn = self._turn, (self._turn + 1) % self.RING
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()
+        self._host[slot] = torch.tensor([lo, count, start, length])
+        self.device.copy_(self._host[slot], non_blocking=True)
+        if self._copied[slot] is not None:
+            self._copied[slot].record()
+        return self.device
+
+
+
+class MixedSteps:
+    """One engine's mixed steps: the inputs of a step's chunk (`chunk`) and the step's logits
+    (`logits`), through its bucket's graph where `graphed`. Runs on the engine's thread."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        step_tokens: int,
+        use_cuda_graph: bool,
+        max_batch: int,
+        prefill_chunk: int,
+    ):
+        self.model, self.device, self.max_batch, self.prefill_chunk = model, device, max_batch, prefill_chunk
+        half = dtype in (torch.float16, torch.bfloat16)
+        # The graphs' chunk attention is FlashAttention's (half dtypes), over the cache itself (not an
+        # FP8 cache's dequantized staging); a tensor-parallel rank's collectives stay eager.
+        one_process = getattr(model, "parallel", None) is None
+        self.graphed = use_cuda_graph and half and kv_dtype == dtype and one_process
+        # A chunk's prefill attention, eagerly: on a GPU SDPA's flash backend, whatever the prefill's
+        # choice: each chunk is a call of a new shape (its rows after a longer past), for which cuDNN
+        # would build a new graph (~0.4 s), and the FP8 kernel's few query blocks would not fill the
+        # GPU. float32 (no flash kernel) and the CPU: PyTorch's choice.
+        self.backend = "flash" if device.type == "cuda" and half else None
+        self._where = ChunkWhere(device)
+        self._ids = torch.zeros(chunk_bucket(max(16, step_tokens)), dtype=torch.long, device=device)
+        self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.captures, self.capture_seconds = 0, 0.0
+
+    def reset(self) -> None:
+        """The cache was reallocated or freed: its graphs go with it."""
+        self._graphs = {}
+
+    def chunk(
+        self,
+        ids: torch.Tensor,
+        lo: int,
+        start: int,
+        length: int,
+        region: KVCache,
+        staging: tuple[torch.Tensor, torch.Tensor] | None,
+        spare: int,
+    ) -> PromptChunk:
+        """The PromptChunk of prompt ids [count] on the device: positions lo.. of a `length`-position
+        prompt whose region, at cache position `start`, is `region`; padding rows write cache
+        position `spare`. For a graph (the ids padded in the graphs' buffer, no host values), or
+        eager."""
+        count = ids.shape[0]
+        where = self._where.put(lo, count, start, length)
+        rows = chunk_bucket(count)
+        if self.graphed and rows <= self._ids.shape[0]:
+            self._ids[:count].copy_(ids)
+            splits = suffix_splits(rows, self.model.config.num_heads, sm_count(self.device))
+            return PromptChunk(self._ids[:rows], where, spare, splits=splits)
+        host = (lo, count, start, length)
+        return PromptChunk(ids, where, spare, host, region, self.backend, self.prefill_chunk, staging)
+
+    def logits(self, chunk: PromptChunk, state: DecodeState, n: int, cache: KVCache) -> torch.Tensor:
+        """The step of `chunk` beside decode rows 0..n-1 of `state` -> float32 logits [1 + n, V]: the
+        chunk's last position, then the decode rows."""
+        if chunk.host is None:
+            return self._replay(chunk, state, 0 if n == 0 else min(bucket(n), self.max_batch), cache)[: 1 + n]
+        rows = state.rows(n)
+        hidden = self.model.mixed(chunk, rows.tokens, rows.positions, rows.starts, rows.active, cache)
+        return self.model.logits(hidden)
+
+    def _replay(self, chunk: PromptChunk, state: DecodeState, b: int, cache: KVCache) -> torch.Tensor:
+        """Replay the graph of chunk's rows beside decode rows 0..b-1 (idle past the running ones),
+        captured on first use -> its logits [1 + b, V]."""
+        key = (chunk.ids.shape[0], b)
+        if key not in self._graphs:
+            rows, out = state.rows(b), {}
+            decode_rows = (rows.tokens, rows.positions, rows.starts, rows.active)
+
+            def forward() -> None:
+                out["logits"] = self.model.logits(self.model.mixed(chunk, *decode_rows, cache))
+
+            # The warm-up is the step itself (it writes the K/V the replay writes again), run before
+            # the first capture with these decode rows only: after it every kernel of such a step
+            # is compiled for its specialization (row counts alike mod 16: chunk_bucket) and the
+            # decode attention's workspace exists, and an eager run is ~40 ms of an 8B's launches,
+            # which the streams would wait for again at each chunk size.
+            seen = any(decode == b for _, decode in self._graphs)
+            t0 = time.perf_counter()
+            graph = capture(forward, (lambda: None) if seen else forward, pool=self._pool)
+            self._graphs[key] = graph, out["logits"]
+            self.captures += 1
+            self.capture_seconds += time.perf_counter() - t0
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits
