@@ -307,6 +307,14 @@ def capture(step: Callable[[], None], warm_up: Callable[[], None], pool: Any = N
         warm_up()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        step()
+    # Captured on the side stream after the queued work, as torch.cuda.graph captures, but without
+    # its empty_cache(): with the allocator's cache freed, every later allocation is a cudaMalloc
+    # again, and a mixed step captures a graph at each new chunk size while streams wait.
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*([] if pool is None else [pool]))
+        try:
+            step()
+        finally:
+            graph.capture_end()
     return graph
