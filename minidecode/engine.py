@@ -23,9 +23,8 @@ with the running rows (Transformer.mixed: one forward, the weights read once for
 graph per size: mixed.py): the chunk's rows attend as a prefill's do, the decode rows as the decode
 step's, and the decode rows are sampled by the decode step's own sampling (decode.sample_rows); a
 step with drafts runs as its own graph, and the chunk alone after it. A prefill beside no running
-rows runs as the model's generator of units of work
-(Transformer.prefill_units: layer by layer over the whole prompt, its fastest form), held here
-between plans.
+rows runs as the model's generator of units of work (Transformer.prefill_units: layer by layer over
+the whole prompt, its fastest form), held here between plans.
 
 The engine decides nothing: each turn it runs one step plan (plan.py, made by scheduler.py) with
 `run(plan)` -> StepOutput, the same plan on every rank under torchrun (fanout.py).

@@ -46,14 +46,14 @@ def chunk_bucket(count: int) -> int:
 
 
 class ChunkWhere:
-    """A mixed step's (lo, count, start, length) as a [4] int64 device tensor, set each step with no
-    wait for the device: through a ring of pinned host rows, a row written again only after its
-    copy (RING steps back, long run) is done."""
+    """A mixed step's (lo, count, start, length) as a [4] int64 device tensor (`values`), set each
+    step with no wait for the device: through a ring of pinned host rows, each written again only
+    once its copy, RING steps back and long since run, is done."""
 
     RING = 4
 
     def __init__(self, device: torch.device):
-        self.device = torch.zeros(4, dtype=torch.long, device=device)
+        self.values = torch.zeros(4, dtype=torch.long, device=device)
         cuda = device.type == "cuda"
         self._host = torch.zeros(self.RING, 4, dtype=torch.long, pin_memory=cuda)
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
@@ -64,11 +64,10 @@ class ChunkWhere:
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()
         self._host[slot] = torch.tensor([lo, count, start, length])
-        self.device.copy_(self._host[slot], non_blocking=True)
+        self.values.copy_(self._host[slot], non_blocking=True)
         if self._copied[slot] is not None:
             self._copied[slot].record()
-        return self.device
-
+        return self.values
 
 
 class MixedSteps:
