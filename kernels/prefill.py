@@ -10,10 +10,9 @@ merged by their log-sum-exp. cuDNN's single causal call slows down past ~128k po
 blocked form keeps its 128k rate at 512k (bench/NOTES-attention.md). Same FLOPs, same result up
 to rounding.
 
-A mixed step's chunk after its past goes to FlashAttention-2's forward in one call
-(flash_suffix_attention), or, where the step is a CUDA graph replayed for every chunk of its size,
-to its variable-length form, which reads where the chunk is from device tensors
-(device_suffix_attention).
+A mixed step's chunk after its past, run eagerly, goes to FlashAttention-2's forward in one call
+(flash_suffix_attention); where the step is a CUDA graph replayed for every chunk of its size, to
+kernels/chunk_attention.py, which reads where the chunk is from a device tensor.
 
 A short block after a long past (a question after a cached 512k-token document) is the opposite
 case: its full call over the past runs G x ceil(t / 128) CTAs (4 for 100 queries of Llama-3-8B),
@@ -140,66 +139,6 @@ def flash_suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale
     )[0]
-
-
-def suffix_splits(rows: int, heads: int, sms: int) -> int:
-    """How many ranges device_suffix_attention cuts a chunk's past into: enough that its CTAs (one
-    per ROW_TILE query rows, query head and range) fill the SMs twice, at most 16."""
-    ctas = heads * -(-rows // ROW_TILE)
-    return max(1, min(16, -(-2 * sms // ctas)))
-
-
-def device_suffix_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    where: torch.Tensor,
-    splits: int,
-    scale: float,
-) -> torch.Tensor:
-    """A prompt chunk's attention after its past, with nothing read on the host (a mixed step's
-    CUDA graph replays it for every chunk of its size). q [C, Hq, D]: the chunk's queries, of
-    which the first `count` are real; k/v [P, Hkv, D]: a cache row, positions first (a strided
-    view of the heads-major cache); where [4] int64 on the device: (lo, count, start, _), the chunk
-    at cache positions start + lo .. start + lo + count - 1 after its past start .. start + lo - 1.
-    -> [C, Hq, D]: query i sees keys start .. start + lo + i; rows >= count are zero.
-
-    FlashAttention-2's variable-length forward, whose sequence bounds are device tensors: the past
-    in `splits` near-equal ranges, each a sequence of its own with all C queries (the kernel does
-    not split one sequence's keys, and C queries alone are a few CTAs a head: suffix_splits), and
-    the chunk's own keys causally; the parts merged by log-sum-exp in float32. Half dtypes only."""
-    C, Hq, D = q.shape
-    device, i32 = q.device, torch.int32
-    lo, count, start = where[0], where[1], where[2]
-    bounds = start + lo * torch.arange(splits + 1, device=device) // splits  # [S + 1]: the past's ranges
-    cu_q = torch.arange(splits + 1, device=device, dtype=i32) * C
-    o_past, lse_past = _flash_varlen(
-        q.repeat(splits, 1, 1), k, v, cu_q, bounds.to(i32), C, k.shape[0], False, scale
-    )  # [S C, Hq, D], log-sum-exp [S, C, Hq]
-    own = torch.stack((start + lo, start + lo + count)).to(i32)
-    o_own, lse_own = _flash_varlen(
-        q, k, v, torch.stack((torch.zeros_like(count), count)).to(i32), own, C, C, True, scale
-    )  # [C, Hq, D] (rows >= count unwritten), [1, C, Hq]
-    empty = (bounds[1:] == bounds[:-1])[:, None, None]  # [S, 1, 1]: a range with no keys (lo < S)
-    lse = torch.cat((lse_past.masked_fill(empty, float("-inf")), lse_own))  # [S + 1, C, Hq]
-    parts = torch.cat((o_past.view(splits, C, Hq, D).masked_fill(empty[..., None], 0), o_own[None]))
-    weights = torch.exp(lse - lse.amax(0))  # [S + 1, C, Hq]: each part's share of the softmax mass
-    out = (parts.float() * weights[..., None]).sum(0) / weights.sum(0)[..., None]  # [C, Hq, D]
-    real = (torch.arange(C, device=device) < count)[:, None, None]
-    return torch.where(real, out, 0.0).to(q.dtype)
-
-
-def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
-    """FlashAttention-2's variable-length forward: q [total_q, Hq, D], k/v [total_k, Hkv, D], the
-    sequences' bounds cu_q / cu_k [n + 1] int32 (causal: aligned bottom-right) -> (out
-    [total_q, Hq, D], lse [n, max_q, Hq] float32), whichever layout this PyTorch returns it in."""
-    out, lse = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
-    )[:2]
-    n, Hq = cu_q.shape[0] - 1, q.shape[1]
-    if lse.dim() == 2:  # [Hq, total_q]: one row per query
-        return out, lse.view(Hq, n, max_q).permute(1, 2, 0)
-    return out, lse[:, :, :max_q].transpose(1, 2)  # [n, Hq, >= max_q]: padded per sequence
 
 
 def blocked_causal_attention(

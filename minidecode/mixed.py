@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from minidecode.kernels.chunk_attention import chunk_splits
 from minidecode.kernels.device import sm_count
-from minidecode.kernels.prefill import suffix_splits
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import PromptChunk, Transformer
 
@@ -87,10 +87,10 @@ class MixedSteps:
     ):
         self.model, self.device, self.max_batch, self.prefill_chunk = model, device, max_batch, prefill_chunk
         half = dtype in (torch.float16, torch.bfloat16)
-        # The graphs' chunk attention is FlashAttention's (half dtypes), over the cache itself (not an
-        # FP8 cache's dequantized staging); a tensor-parallel rank's collectives stay eager.
+        # The graphs' chunk attention (kernels/chunk_attention.py) reads the cache itself, not an FP8
+        # cache's dequantized staging; a tensor-parallel rank's collectives stay eager.
         one_process = getattr(model, "parallel", None) is None
-        self.graphed = use_cuda_graph and half and kv_dtype == dtype and one_process
+        self.graphed = use_cuda_graph and kv_dtype == dtype and one_process
         # A chunk's prefill attention, eagerly: on a GPU SDPA's flash backend, whatever the prefill's
         # choice: each chunk is a call of a new shape (its rows after a longer past), for which cuDNN
         # would build a new graph (~0.4 s), and the FP8 kernel's few query blocks would not fill the
@@ -125,7 +125,8 @@ class MixedSteps:
         rows = chunk_bucket(count)
         if self.graphed and rows <= self._ids.shape[0]:
             self._ids[:count].copy_(ids)
-            splits = suffix_splits(rows, self.model.config.num_heads, sm_count(self.device))
+            cfg = self.model.config
+            splits = chunk_splits(rows, cfg.num_heads, cfg.num_kv_heads, sm_count(self.device))
             return PromptChunk(self._ids[:rows], where, spare, splits=splits)
         host = (lo, count, start, length)
         return PromptChunk(ids, where, spare, host, region, self.backend, self.prefill_chunk, staging)

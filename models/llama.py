@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minidecode.kernels import ops
+from minidecode.kernels.chunk_attention import chunk_attention
 from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8
-from minidecode.kernels.prefill import causal_attention, device_suffix_attention
+from minidecode.kernels.prefill import causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
 
 from .cache import KVCache, LayerKV
@@ -336,7 +337,8 @@ class PromptChunk:
     depend on them), with `region` the sequence's region, `backend` the prefill attention's,
     `copy_rows` the rows an FP8 staging copy takes at a time and `staging` the FP8 cache's
     model-dtype K/V of the prompt (Transformer.chunk_staging), else None. `splits`: how many
-    ranges a graph's chunk attention cuts the past into (kernels/prefill.py suffix_splits)."""
+    key ranges a graph's chunk attention cuts each block of its rows' keys into
+    (kernels/chunk_attention.py chunk_splits)."""
 
     ids: torch.Tensor
     where: torch.Tensor
@@ -600,16 +602,15 @@ class Transformer(nn.Module):
         kv: LayerKV,
     ) -> torch.Tensor:
         """Layer i's attention of the chunk's queries q [C, Hq, D] (rotated; its K/V already in the
-        cache) -> [C, Hq, D], padding rows zero. In a graph (chunk.host None): the variable-length
-        flash call over the cache row, bounded by chunk.where on the device. Eagerly: the
+        cache) -> [C, Hq, D], padding rows zero. In a graph (chunk.host None): the chunk attention
+        kernel over the cache row, bounded by chunk.where on the device. Eagerly: the
         prefill's suffix attention (WholeContext.attention) over the region's positions
         0..lo+count-1; an FP8 cache's chunk reads chunk.staging, its past dequantized into it and
         its own rows rotated into it from qkv [C, ...] (cos/sin [C, D]) in the model dtype, as a
         prefill after a cached prefix reads them."""
         attn = self.model.layers[i].self_attn
-        if chunk.host is None:
-            k, v = (t[0].transpose(0, 1) for t in (kv.k, kv.v))  # [P, Hkv, D]: the row, positions first
-            return device_suffix_attention(q, k, v, chunk.where, chunk.splits, attn.scale)
+        if chunk.host is None:  # the cache row [Hkv, P, D], bounded by chunk.where
+            return chunk_attention(q, kv.k[0], kv.v[0], chunk.where, chunk.splits, attn.scale)
         lo, count, _, _ = chunk.host
         hi = lo + count
         heads = q[:count].transpose(0, 1)[None]  # [1, Hq, count, D]: overwritten by the output
