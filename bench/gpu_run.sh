@@ -4,7 +4,7 @@
 # profile, and the end-to-end benchmark against transformers (eager and static cache + compile).
 # Environment:
 #   STAGES       which of: tests attention fp8 fp8w fp8gemv fp8prefill profile bench demo prefix
-#                suffix batch integ multi ab serve stall speculate fresh (default "tests profile
+#                suffix batch integ multi ab serve stall chunk speculate fresh (default "tests profile
 #                bench"; multi needs 2 or 4 GPUs)
 #   TEST_FILES   what the tests stage runs (default: every file of tests/)
 #   SERVE_PARTS  what serve runs: loads and/or stall (default both); STALL_BUDGETS the stall
@@ -258,6 +258,13 @@ if [[ $STAGES == *stall* ]]; then
     ${STALL_LONG:+--long $STALL_LONG} --out "$RESULTS_DIR/serve-stall" >"$LOG_DIR/stall.log" 2>&1
   summary+=("stall exit $?")
   tail -8 "$LOG_DIR/stall.log"
+fi
+if [[ $STAGES == *chunk* ]]; then
+  # A mixed step's chunk attention (kernels/chunk_attention.py, each launch config) against SDPA's
+  # flash forward, at pasts of 0-512k and 64-384 rows (about a minute) -> chunk-attention.{md,json}.
+  timeout 240 python3 bench/chunk_attention.py --out "$RESULTS_DIR/chunk-attention" >"$LOG_DIR/chunk.log" 2>&1
+  summary+=("chunk attention exit $?")
+  tail -20 "$LOG_DIR/chunk.log"
 fi
 if [[ $STAGES == *fresh* ]]; then
   # Time to first token minus prefill, each run a fresh process with an empty Triton cache (what a
