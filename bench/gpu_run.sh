@@ -40,8 +40,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 if [[ $STAGES == *tests* ]]; then
-  # Every test marked gpu, in one process (with CUDA present no test switches to the interpreter).
-  timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15 ${TEST_FILES:-tests} \
+  # Every test marked gpu, in one process (with CUDA present no test switches to the interpreter;
+  # each LLM's warm-up compiles every decode batch bucket's kernels: minutes on an empty Triton cache).
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=15 ${TEST_FILES:-tests} \
     >"$LOG_DIR/gpu-tests.log" 2>&1
   summary+=("gpu tests: $(tail -1 "$LOG_DIR/gpu-tests.log")")
 fi

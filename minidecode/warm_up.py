@@ -1,8 +1,11 @@
-"""Compiling before the first request arrives, so that its TTFT pays none of it: the prefill's
-kernels on a short prompt, a mixed step's, the FP8 prefill attention kernel where it is the
-user's choice, and the decode step at every cache size where the decode kernel changes its
-launch config (an FP8 cache's configs, which a request's cache grows into). Each cache made here
-is freed after. LLM runs warm_up on every rank once the model is loaded (GPUs only)."""
+"""Compiling before the first request arrives, so that neither its TTFT nor the running streams'
+steps pay for it: the prefill's kernels on a short prompt, a mixed step's beside each decode batch
+bucket, the FP8 prefill attention kernel where it is the user's choice, and the decode step of
+every batch bucket at every cache size where the decode kernel changes its launch config (an FP8
+cache's configs, which a request's cache grows into). A kernel compiled on first use instead
+holds up every running stream for its compile (~0.5-1.2 s a kernel on an H200:
+bench/NOTES-engine.md). Each cache made here is freed after. LLM runs warm_up on every rank once
+the model is loaded (GPUs only)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention
 
-from .decode import DecodeState
+from .decode import BUCKETS, DecodeState
 from .engine import Engine
 from .sampling import SamplingParams
 
@@ -19,7 +22,8 @@ from .sampling import SamplingParams
 def warm_up(engine: Engine) -> None:
     """Compile every kernel a request will run before one arrives (its TTFT then pays none):
     the prefill's on a short prompt, a mixed step's (warm_up_mixed), the FP8 prefill attention
-    kernel (when it is the user's choice) on a problem it takes, and the decode step at each
+    kernel (when it is the user's choice) on a problem it takes, and the decode step of every
+    batch bucket up to max_batch (each bucket's kernels are specialized to its rows) at each
     cache size where the decode kernel changes its launch config (warm_up_sizes: an FP8 cache
     has up to three, which a request's cache grows into). Each cache is freed after; a size
     that does not fit beside the weights is left to its first use."""
@@ -32,7 +36,8 @@ def warm_up(engine: Engine) -> None:
                 engine.prefill(list(range(1, 17)), 0, capacity, 0)
                 if not engine.one_sequence:  # (context parallelism runs no mixed steps)
                     warm_up_mixed(engine)
-            engine.prepare(1, SamplingParams().mode, False)
+            for rows in batch_buckets(engine):
+                engine.prepare(rows, SamplingParams().mode, False)
             torch.cuda.synchronize(engine.device)
         except torch.OutOfMemoryError:
             pass
@@ -50,14 +55,23 @@ def warm_up_mixed(engine: Engine) -> None:
     """A mixed step's kernels run once, eagerly, in the form its steps take (their graphs' form
     where the engine captures them: their compiles, and the chunk attention's first call and
     imports, kept out of the first step beside running streams): a chunk of positions 16..31
-    after a 16-position prefill at the cache's start, beside one idle decode row (it writes only
-    the spare granule)."""
-    region, row = engine.region(0, 32), DecodeState.zeros(1, engine.device)
-    row.starts.fill_(engine.spare_start)
+    after a 16-position prefill at the cache's start, beside no decode rows and beside each batch
+    bucket's idle rows (the decode attention is specialized to its rows; idle rows write only the
+    spare granule)."""
+    region = engine.region(0, 32)
     ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
-    chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
-    hidden = engine.model.mixed(chunk, row.tokens, row.positions, row.starts, row.active, engine.cache)
-    engine.model.logits(hidden)
+    for rows in [0, *batch_buckets(engine)]:
+        state = DecodeState.zeros(rows, engine.device)
+        state.starts.fill_(engine.spare_start)
+        chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
+        rows_in = (state.tokens, state.positions, state.starts, state.active)
+        hidden = engine.model.mixed(chunk, *rows_in, engine.cache)
+        engine.model.logits(hidden)
+
+
+def batch_buckets(engine: Engine) -> list[int]:
+    """The row counts the engine's decode graphs take: each min(bucket(n), max_batch)."""
+    return [b for b in BUCKETS if b < engine.max_batch] + [engine.max_batch]
 
 
 def warm_up_sizes(engine: Engine) -> list[int]:
