@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from minidecode.kernels.chunk_attention import chunk_splits
 from minidecode.kernels.device import sm_count
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import PromptChunk, Transformer
@@ -125,6 +124,8 @@ class MixedSteps:
         rows = chunk_bucket(count)
         if self.graphed and rows <= self._ids.shape[0]:
             self._ids[:count].copy_(ids)
+            from minidecode.kernels.chunk_attention import chunk_splits  # (imports triton: GPUs only)
+
             cfg = self.model.config
             splits = chunk_splits(rows, cfg.num_heads, cfg.num_kv_heads, sm_count(self.device))
             return PromptChunk(self._ids[:rows], where, spare, splits=splits)

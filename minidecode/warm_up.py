@@ -3,9 +3,8 @@ steps pay for it: the prefill's kernels on a short prompt, a mixed step's beside
 bucket, the FP8 prefill attention kernel where it is the user's choice, and the decode step of
 every batch bucket at every cache size where the decode kernel changes its launch config (an FP8
 cache's configs, which a request's cache grows into). A kernel compiled on first use instead
-holds up every running stream for its compile (~0.5-1.2 s a kernel on an H200:
-bench/NOTES-engine.md). Each cache made here is freed after. LLM runs warm_up on every rank once
-the model is loaded (GPUs only)."""
+holds up every running stream for its compile (bench/NOTES-engine.md). Each cache made here is
+freed after. LLM runs warm_up on every rank once the model is loaded (GPUs only)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minidecode.kernels import ops
-from minidecode.kernels.chunk_attention import chunk_attention
 from minidecode.kernels.fp8_weights import FP8_DTYPE, FP8Weight, QuantizedRows, fuse_fp8
 from minidecode.kernels.prefill import causal_attention
 from minidecode.kernels.quant import dequantize_fp8, quantize_fp8, read_v_rows, write_v_rows
@@ -610,6 +609,8 @@ class Transformer(nn.Module):
         prefill after a cached prefix reads them."""
         attn = self.model.layers[i].self_attn
         if chunk.host is None:  # the cache row [Hkv, P, D], bounded by chunk.where
+            from minidecode.kernels.chunk_attention import chunk_attention  # (imports triton)
+
             return chunk_attention(q, kv.k[0], kv.v[0], chunk.where, chunk.splits, attn.scale)
         lo, count, _, _ = chunk.host
         hi = lo + count
