@@ -331,11 +331,11 @@ class Engine:
 
     def _mixed_step(self, decode: Decode | None, p: Prefill, out: StepOutput, on_progress) -> None:
         """The chunk p.chunk of the prefill in progress and the decode rows (if any) in one forward
-        (Transformer.mixed), eagerly; the decode rows' previous tokens are copied to the host first
-        and their logits sampled as the decode step samples (sample_rows: the same tokens). A
-        failure of the chunk (UserError, out of memory) fails its sequence only: the decode rows
-        then step on their own. Once the chunk is the prompt's last, the prefill ends (its first
-        token)."""
+        (Transformer.mixed: its CUDA graph's replay where MixedSteps.graphed, else eagerly); the
+        decode rows' previous tokens are copied to the host first and their logits sampled as the
+        decode step samples (sample_rows: the same tokens). A failure of the chunk (UserError, out
+        of memory) fails its sequence only: the decode rows then step on their own. Once the chunk
+        is the prompt's last, the prefill ends (its first token)."""
         n, work = (0 if decode is None else decode.rows), self._prefilling
         if n:
             kind = decode.kind
