@@ -20,13 +20,12 @@ advances). Base-2 softmax in float32, as the lean kernel's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-
-from .device import sm_count
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -54,6 +53,7 @@ def default_config(dtype: torch.dtype) -> ChunkConfig:
     return FP32_CONFIG if dtype == torch.float32 else DEFAULT_CONFIG
 
 
+@functools.cache  # (asked once a mixed step, for a few chunk sizes)
 def chunk_splits(rows: int, heads: int, kv_heads: int, sms: int, config: ChunkConfig = DEFAULT_CONFIG) -> int:
     """How many key ranges a chunk of `rows` queries cuts each row block's keys into: the count of
     1..MAX_SPLITS whose CTAs (row blocks x KV heads x splits, of about equal work) leave the least of
@@ -222,8 +222,3 @@ def chunk_attention(
     )  # fmt: skip
     return out
 
-
-def splits_for(q: torch.Tensor, kv_heads: int) -> int:
-    """chunk_splits for q [C, Hq, D] on its device (the interpreter: 4 SMs' worth)."""
-    sms = sm_count(q.device) if q.is_cuda else 4
-    return chunk_splits(q.shape[0], q.shape[1], kv_heads, sms, default_config(q.dtype))

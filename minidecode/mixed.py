@@ -85,6 +85,7 @@ class MixedSteps:
         prefill_chunk: int,
     ):
         self.model, self.device, self.max_batch, self.prefill_chunk = model, device, max_batch, prefill_chunk
+        self.dtype = dtype
         half = dtype in (torch.float16, torch.bfloat16)
         # The graphs' chunk attention (kernels/chunk_attention.py) reads the cache itself, not an FP8
         # cache's dequantized staging; a tensor-parallel rank's collectives stay eager.
@@ -124,10 +125,10 @@ class MixedSteps:
         rows = chunk_bucket(count)
         if self.graphed and rows <= self._ids.shape[0]:
             self._ids[:count].copy_(ids)
-            from minidecode.kernels.chunk_attention import chunk_splits  # (imports triton: GPUs only)
+            from minidecode.kernels.chunk_attention import chunk_splits, default_config  # (imports triton)
 
-            cfg = self.model.config
-            splits = chunk_splits(rows, cfg.num_heads, cfg.num_kv_heads, sm_count(self.device))
+            cfg, sms = self.model.config, sm_count(self.device)
+            splits = chunk_splits(rows, cfg.num_heads, cfg.num_kv_heads, sms, default_config(self.dtype))
             return PromptChunk(self._ids[:rows], where, spare, splits=splits)
         host = (lo, count, start, length)
         return PromptChunk(ids, where, spare, host, region, self.backend, self.prefill_chunk, staging)

@@ -13,7 +13,7 @@ import torch
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention
 
-from .decode import BUCKETS, DecodeState
+from .decode import DecodeState, bucket
 from .engine import Engine
 from .sampling import SamplingParams
 
@@ -59,18 +59,18 @@ def warm_up_mixed(engine: Engine) -> None:
     spare granule)."""
     region = engine.region(0, 32)
     ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
+    chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
     for rows in [0, *batch_buckets(engine)]:
         state = DecodeState.zeros(rows, engine.device)
         state.starts.fill_(engine.spare_start)
-        chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
         rows_in = (state.tokens, state.positions, state.starts, state.active)
         hidden = engine.model.mixed(chunk, *rows_in, engine.cache)
         engine.model.logits(hidden)
 
 
 def batch_buckets(engine: Engine) -> list[int]:
-    """The row counts the engine's decode graphs take: each min(bucket(n), max_batch)."""
-    return [b for b in BUCKETS if b < engine.max_batch] + [engine.max_batch]
+    """The row counts the engine's decode graphs take (Engine.prepare's buckets), smallest first."""
+    return sorted({min(bucket(n), engine.max_batch) for n in range(1, engine.max_batch + 1)})
 
 
 def warm_up_sizes(engine: Engine) -> list[int]:
