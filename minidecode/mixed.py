@@ -13,6 +13,7 @@ cache, tensor-parallel ranks) the same forward runs with those values on the hos
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -24,16 +25,50 @@ from minidecode.models.llama import PromptChunk, Transformer
 from .decode import DecodeState, bucket, capture
 
 # A mixed step's work, in rows through the weights: its decode rows plus its chunk's prompt rows,
-# each prompt row's attention to its earlier positions counted as the rows of projections it
-# costs (scheduler.chunk_end), so that a step's time stays the same as the prefill advances. A
-# decode step of a few rows is bound by reading the weights (p bytes a parameter), in which time a
-# GPU multiplies about p F / (2 BW) rows: 125 on an H200 (~600 TFLOP/s achieved of bf16 against
-# 4.8 TB/s; FP8 weights: half the bytes, twice the rate, the same rows), 180 on an H100. So 384
-# rows keep a mixed step within about three steady steps (two on an H100), the streams' gap, while
-# the chunk's matmuls have rows enough (M >= 256) to run near the tensor cores' rate, which the
-# prefill's share of the device needs. On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32
-# weights: ~10 rows a read) 32 rows are about three steps.
-STEP_TOKENS = {"cuda": 384, "cpu": 32}
+# each prompt row's attention to its earlier positions counted as the rows of projections its time
+# would run (`key_rows`), so that a step's time stays about the same as the prefill advances. The
+# budget is set by the streams' gap: on an H200 a steady step of 8 rows at 4k-12k of context takes
+# 5.6 ms, and a mixed step's fixed part (every weight read once at least, the decode rows'
+# attention, the small kernels) ~7 ms, while a row of projections and MLP costs ~21 us (an 8B's
+# 14 GFLOP at ~680 TFLOP/s). 576 rows keep a mixed step within about three steady steps from the
+# prompt's first chunk to its last (bench/NOTES-engine.md: the step's cost measured along a 128k
+# prefill, and the budget swept). On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32 weights:
+# ~10 rows a read) 32 rows are about three steps.
+STEP_TOKENS = {"cuda": 576, "cpu": 32}
+
+# A prompt row's attention to one key against the same FLOPs in its projections: on an H200 the
+# chunk kernel runs at ~480 TFLOP/s (64-384 rows after a 32k-512k past: chunk-attention-h200.md)
+# where a mixed step's projections run at ~680. The CPU's is not measured.
+ATTENTION_SLOWDOWN = {"cuda": 1.4, "cpu": 1.0}
+
+# The fewest prompt rows a mixed step's chunk takes, whatever its budget: a tensor-core tile of rows
+# (fewer cost a GPU's matmuls as much), so that the prefill always advances.
+MIN_CHUNK = 16
+
+# A chunk longer than this ends on a multiple of it: the graph pads its rows to one (chunk_bucket),
+# and the chunk kernel's row block is 32 queries of a group of 4 (128 packed rows), all of whose
+# attention is paid however few of them are real (at 124k of past a 66-row chunk took 411 us a
+# layer, a 64-row one 289).
+CHUNK_MULTIPLE = 32
+
+
+def key_rows(model: Transformer, device: torch.device) -> float:
+    """A prompt row's attention to one key, in rows through the weights (Transformer.key_flops over
+    flops_per_row, weighed by ATTENTION_SLOWDOWN)."""
+    qkv, out = model.flops_per_row()
+    return model.key_flops() / (qkv + out) * ATTENTION_SLOWDOWN[device.type]
+
+
+def chunk_end(lo: int, end: int, room: int, key_rows: float) -> int:
+    """The end of a mixed step's chunk of prompt positions lo.. (at most `end`): the most rows c
+    whose work fits `room` rows through the weights, each row counting 1 and key_rows for each of
+    the lo + j + 1 keys it reads: c + key_rows (c lo + c (c + 1) / 2) <= room; past CHUNK_MULTIPLE
+    rows, down to a multiple of it; at least MIN_CHUNK rows."""
+    b = 1 + key_rows * (lo + 0.5)
+    c = int(2 * room / (b + math.sqrt(b * b + 2 * key_rows * room))) if room > 0 else 0  # the root
+    if c > CHUNK_MULTIPLE:
+        c -= c % CHUNK_MULTIPLE
+    return min(end, lo + max(MIN_CHUNK, c))
 
 
 def chunk_bucket(count: int) -> int:

@@ -7,7 +7,7 @@ of the queue (its region and reused prefix: the cache's resize, copy or file rea
 progress, and a decode step of the running sequences. A prefill beside running sequences goes in
 chunks, one a step, each run with the running rows' decode step as one mixed step: its chunk is
 as long as the step's budget (Engine.step_tokens, rows through the weights) leaves beside the
-decode rows, its rows' attention to their past counted in (`chunk_end`), so that the prefill
+decode rows, its rows' attention to their past counted in (`mixed.chunk_end`), so that the prefill
 advances every step and the streams get a token every step, each step about as long. A prefill
 beside none (or once the running sequences have all ended) runs as one unit of a whole prefill a
 plan, its fastest form. Sequences admitted together start together (their prefills run back to
@@ -31,7 +31,6 @@ API's up-front refusal uses too."""
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from .cache_file import CacheFile
 from .decode import draft_bucket, step_queries
 from .engine import Engine
 from .errors import UserError
+from .mixed import chunk_end, key_rows
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
@@ -85,21 +85,6 @@ def check_fits(engine: Engine, size: int, prompt_len: int, context: int, free: i
     return room
 
 
-# The fewest prompt rows a mixed step's chunk takes, whatever its budget: a tensor-core tile of rows
-# (fewer cost a GPU's matmuls as much), so that the prefill always advances.
-MIN_CHUNK = 16
-
-
-def chunk_end(lo: int, end: int, room: int, key_rows: float) -> int:
-    """The end of a mixed step's chunk of prompt positions lo.. (at most `end`): the most rows c
-    whose work fits `room` rows through the weights, each row counting 1 and key_rows (its
-    attention to one key, in rows: Transformer.key_flops / flops_per_row) for each of the lo + j + 1
-    keys it reads: c + key_rows (c lo + c (c + 1) / 2) <= room; at least MIN_CHUNK rows."""
-    b = 1 + key_rows * (lo + 0.5)
-    c = int(2 * room / (b + math.sqrt(b * b + 2 * key_rows * room))) if room > 0 else 0  # the root
-    return min(end, lo + max(MIN_CHUNK, c))
-
-
 def step_kind(seqs: list[Sequence]) -> DecodeKind:
     """The decode step these sequences need: each part on if any sequence needs it."""
     return DecodeKind(
@@ -139,8 +124,7 @@ class Scheduler:
         self._beside = False  # ... beside running ones: the prefills go in mixed steps with them
         self._next = 0  # the prefill in progress's next prompt position to plan (mixed steps' chunks)
         self._kind: DecodeKind | None = None  # the running rows' step (changes when a row starts or ends)
-        qkv, out = engine.model.flops_per_row()
-        self._key_rows = engine.model.key_flops() / (qkv + out)  # a prompt row's attention to a key, in rows
+        self._key_rows = key_rows(engine.model, engine.device)  # a prompt row's attention to a key, in rows
 
     # ---- plans -------------------------------------------------------------------------------
     @property

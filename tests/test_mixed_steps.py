@@ -19,10 +19,10 @@ from ranks import as_torchrun_rank
 
 from minidecode import LLM, Request, UserError
 from minidecode.engine import Engine
+from minidecode.mixed import CHUNK_MULTIPLE, MIN_CHUNK, chunk_end
 from minidecode.models.llama import Transformer
 from minidecode.plan import Decode, DecodeKind, Prefill, RowStart, StepPlan
 from minidecode.sampling import SamplingParams
-from minidecode.scheduler import MIN_CHUNK, chunk_end
 
 WAIT = 60  # seconds before a wait counts as a deadlock
 BUDGET = 24  # step_tokens: a 400-token prompt spans about 20 mixed steps
@@ -100,18 +100,23 @@ def results_of(handles: list[Submitted]) -> list:
 
 def test_chunk_end_is_the_most_rows_within_the_budget():
     """Against counting the work row by row: the chunk is the longest whose rows (1 each, plus
-    key_rows per key read) fit the room, at least MIN_CHUNK, never past the prompt's end."""
+    key_rows per key read) fit the room, past CHUNK_MULTIPLE rows down to a multiple of it, at
+    least MIN_CHUNK, never past the prompt's end."""
     cases = [
         (0, 5000, 384, 0.0),
         (0, 5000, 384, 1e-3),
         (3000, 9000, 200, 3e-3),
+        (124032, 140000, 568, 5.3e-5),
         (131072, 140000, 376, 3.3e-5),
     ]
-    for lo, end, room, key_rows in [*cases, (10, 20, 384, 0.0), (0, 5000, 5, 0.0)]:
+    for lo, end, room, key_rows in [*cases, (10, 20, 384, 0.0), (0, 5000, 5, 0.0), (0, 5000, 30, 0.0)]:
         work = [1 + key_rows * (lo + j + 1) for j in range(end - lo)]
         fits = next((c for c in range(end - lo) if sum(work[: c + 1]) > room + 1e-9), end - lo)
+        if fits > CHUNK_MULTIPLE:
+            fits = fits // CHUNK_MULTIPLE * CHUNK_MULTIPLE
         assert chunk_end(lo, end, room, key_rows) == min(end, lo + max(MIN_CHUNK, fits)), (lo, room, key_rows)
     assert chunk_end(0, 5000, -3, 1e-3) == MIN_CHUNK  # more decode rows than the budget: still moves
+    assert chunk_end(124032, 140000, 568, 5.3e-5) - 124032 == 64  # not the 66 rows that fit
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
