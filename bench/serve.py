@@ -3,7 +3,8 @@ prompts through the `openai` client against the same load through the Python API
 time to first token, inter-token latency p50 / p99), and the running streams' inter-token latency
 before and during a long prompt's prefill.
 
-Each phase runs in a process of its own, alternating python / http twice: the Python API's load
+Each phase runs in a process of its own, alternating python / http (three times by default,
+--alternations): the Python API's load
 in a process that holds the model, and the HTTP load against `minidecode serve` in another, from
 client processes of CLIENTS_PER_PROCESS clients each (their parsing of the chunks shares neither
 the server's interpreter nor one client interpreter for all), each client made before the
@@ -50,6 +51,7 @@ class Load:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     engine_ttft: float = float("nan")  # mean, by the engine's clock: from submission to the first token
+    late: float = 0.0  # HTTP: how long after the common start the last client process sent (s)
     stops: dict = field(default_factory=dict)  # the engine's cache reallocations and graph captures in it
 
     def summary(self) -> dict:
@@ -60,6 +62,7 @@ class Load:
             "ttft_p50_s": round(percentile(self.ttft, 50), 4),
             "ttft_p99_s": round(percentile(self.ttft, 99), 4),
             "engine_ttft_mean_s": round(self.engine_ttft, 4),
+            "clients_late_s": round(self.late, 4),
             **self.stops,
             "itl_p50_ms": round(1e3 * percentile(self.gaps, 50), 2),
             "itl_p99_ms": round(1e3 * percentile(self.gaps, 99), 2),
@@ -139,7 +142,9 @@ def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -
         record(load, lock, start, arrivals)
 
     time.sleep(max(0.0, start_at - time.monotonic()))
+    late = time.monotonic() - start_at  # > 0: this process was not ready by the start
     load = run_clients("http", len(batch), one)
+    load.late = late
     load.seconds = time.monotonic() - start_at
     return load
 
@@ -167,6 +172,7 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
         load.gaps += part["gaps"]
         load.tokens += part["tokens"]
         load.seconds = max(load.seconds, part["seconds"])
+        load.late = max(load.late, part["late"])
     after = server_metrics(base)
     requests = max(after["ttft_count"] - before["ttft_count"], 1)
     load.engine_ttft = (after["ttft_sum"] - before["ttft_sum"]) / requests
@@ -368,8 +374,8 @@ def prefill_stall(model: str, long: int, length: int, step_tokens: int | None) -
 def table(rows: list[dict], levels: tuple[int, ...]) -> str:
     lines = [
         "| clients | path | tok/s (all clients) | TTFT p50 / p99 s | engine's TTFT, mean s "
-        "| inter-token p50 / p99 ms | cache reallocations, graph captures (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| inter-token p50 / p99 ms | cache reallocations, graph captures (s) | clients late, most s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for clients in levels:
         rates = {}
@@ -388,12 +394,25 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
                 f"{r['cache_reallocations']:g}, {r['graph_captures']:g} ({r['graph_capture_seconds']:.2f})"
                 for r in mine
             )  # each run's
+            late = f"{max(r.get('clients_late_s', 0.0) for r in mine):.3f}" if path == "http" else ""
             lines.append(
                 f"| {clients} | {path} | {rate:,.1f} ({spread}, n={len(mine)}) | "
-                f"{ttft[0]:.3f} / {ttft[1]:.3f} | {engine_ttft:.3f} | {itl[0]:.1f} / {itl[1]:.1f} | {stops} |"
+                f"{ttft[0]:.3f} / {ttft[1]:.3f} | {engine_ttft:.3f} | {itl[0]:.1f} / {itl[1]:.1f} | {stops} "
+                f"| {late} |"
             )
         if len(rates) == 2:
-            lines.append(f"| {clients} | http / python | {rates['http'] / rates['python']:.3f} | | | | |")
+            # Each alternation's pair (python then http, one after the other), for the worst of them.
+            level = [r for r in rows if r["clients"] == clients]
+            pairs = [
+                [r["tokens_per_s"] for path in ("python", "http") for r in level
+                 if r["path"] == path and r["alternation"] == k]
+                for k in sorted({r["alternation"] for r in level})
+            ]  # fmt: skip
+            each = ", ".join(f"{h / p:.3f}" for p, h in (pair for pair in pairs if len(pair) == 2))
+            lines.append(
+                f"| {clients} | http / python | {rates['http'] / rates['python']:.3f} "
+                f"(each alternation: {each}) | | | | | |"
+            )
     return "\n".join(lines)
 
 
@@ -435,6 +454,7 @@ def main() -> None:
         help="the stall measurement once per mixed-step budget (0: the runtime's default)",
     )  # fmt: skip
     parser.add_argument("--parts", nargs="+", choices=("loads", "stall"), default=["loads", "stall"])
+    parser.add_argument("--alternations", type=int, default=3, help="python / http phase pairs")
     parser.add_argument("--phase", choices=phases, help="(internal) run one phase here")
     parser.add_argument("--base", help="(internal) the server's URL, for --phase clients")
     parser.add_argument("--seed", type=int, default=100, help="(internal) the first prompt's seed")
@@ -444,6 +464,7 @@ def main() -> None:
         batch = prompts(args.model, args.clients[0], args.seed, args.prompt_tokens)
         load = http_clients(args.base, batch, args.new_tokens, args.start_at)
         part = {"ttft": load.ttft, "gaps": load.gaps, "tokens": load.tokens, "seconds": load.seconds}
+        part["late"] = load.late
         print(json.dumps(part))
         return
     if args.phase == "stall":
@@ -455,11 +476,10 @@ def main() -> None:
         phase(args.phase, args.model, args.prompt_tokens, args.new_tokens, levels, args.start_delay)
         return
     rows, stalls = [], []
-    runs = [
-        (name, 0) for name in ("python", "http", "python", "http") if "loads" in args.parts
-    ]  # alternating
-    runs += [("stall", budget) for budget in args.stall_step_tokens if "stall" in args.parts]
-    for name, budget in runs:
+    alternations = range(args.alternations) if "loads" in args.parts else ()
+    runs = [(name, 0, k) for k in alternations for name in ("python", "http")]
+    runs += [("stall", budget, None) for budget in args.stall_step_tokens if "stall" in args.parts]
+    for name, budget, alternation in runs:
         command = [sys.executable, __file__, "--phase", name, "--model", args.model, "--long", str(args.long)]
         command += ["--stall-step-tokens", str(budget)]
         command += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
@@ -474,7 +494,7 @@ def main() -> None:
             if name == "stall":
                 stalls.append(json.loads(line))
             else:
-                rows.append(json.loads(line))
+                rows.append(json.loads(line) | {"alternation": alternation})
     import torch
 
     from minidecode.benchmarks.e2e import provenance

@@ -20,14 +20,16 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
     out = tmp_path / "serve"
     command = [sys.executable, str(REPO / "bench" / "serve.py"), "--model", str(DEFAULT_MODEL)]
     command += ["--prompt-tokens", "64", "--new-tokens", "4", "--clients", "1", "2", "--long", "512"]
-    command += ["--start-delay", "1.5", "--stall-step-tokens", "0", "16"]
+    command += ["--start-delay", "1.5", "--stall-step-tokens", "0", "16", "--alternations", "2"]
     done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "!! phase" not in done.stdout, done.stdout
     report = json.loads(out.with_suffix(".json").read_text())
     runs = {(r["path"], r["clients"]) for r in report["runs"]}
     assert runs == {("python", 1), ("python", 2), ("http", 1), ("http", 2)}
-    assert len(report["runs"]) == 8  # each (path, clients) twice
+    assert len(report["runs"]) == 8  # each (path, clients) once an alternation
+    assert sorted(r["alternation"] for r in report["runs"]) == [0] * 4 + [1] * 4
+    assert all(r["clients_late_s"] >= 0 for r in report["runs"] if r["path"] == "http")  # (waited for the start)
     for run in report["runs"]:  # every client got its 4 tokens
         assert run["tokens_per_s"] > 0 and run["ttft_p50_s"] > 0
         assert 0 < run["engine_ttft_mean_s"] <= run["ttft_p99_s"]  # the engine's part of the wait
@@ -35,4 +37,5 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
     assert [stall["step_tokens"] for stall in report["stalls"]] == [32, 16]  # the CPU default, then 16
     for stall in report["stalls"]:
         assert stall["long_prompt_tokens"] == 512 and stall["stream_tokens_during_prefill"] > 0
-    assert "| 2 | http / python |" in out.with_suffix(".md").read_text()
+    text = out.with_suffix(".md").read_text()
+    assert "| 2 | http / python |" in text and text.count("(each alternation: ") == 2
