@@ -28,13 +28,13 @@ from .decode import DecodeState, bucket, capture
 # each prompt row's attention to its earlier positions counted as the rows of projections its time
 # would run (`key_rows`), so that a step's time stays about the same as the prefill advances. The
 # budget is set by the streams' gap: on an H200 a steady step of 8 rows at 4k-12k of context takes
-# 5.6 ms, and a mixed step's fixed part (every weight read once at least, the decode rows'
-# attention, the small kernels) ~7 ms, while a row of projections and MLP costs ~21 us (an 8B's
-# 14 GFLOP at ~680 TFLOP/s). 576 rows keep a mixed step within about three steady steps from the
-# prompt's first chunk to its last (bench/NOTES-engine.md: the step's cost measured along a 128k
-# prefill, and the budget swept). On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32 weights:
-# ~10 rows a read) 32 rows are about three steps.
-STEP_TOKENS = {"cuda": 576, "cpu": 32}
+# 5.6 ms, a mixed step's fixed part (every weight read, the decode rows' attention, the small
+# kernels) ~7 ms, and a row of projections and MLP ~21 us (an 8B's 14 GFLOP at ~680 TFLOP/s). With
+# 448 rows the streams' gaps stayed within three steady steps at p99 (2.8) beside a 128k prefill;
+# 512-704 rows prefill faster and pass three steps more often (bench/NOTES-engine.md: the budgets
+# swept). On the CPU (~1e11 FLOP/s against ~2e10 B/s of float32 weights: ~10 rows a read) 32 rows
+# are about three steps.
+STEP_TOKENS = {"cuda": 448, "cpu": 32}
 
 # A prompt row's attention to one key against the same FLOPs in its projections: on an H200 the
 # chunk kernel runs at ~480 TFLOP/s (64-384 rows after a 32k-512k past: chunk-attention-h200.md)
