@@ -29,7 +29,7 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
     assert runs == {("python", 1), ("python", 2), ("http", 1), ("http", 2)}
     assert len(report["runs"]) == 8  # each (path, clients) once an alternation
     assert sorted(r["alternation"] for r in report["runs"]) == [0] * 4 + [1] * 4
-    assert all(r["clients_late_s"] >= 0 for r in report["runs"] if r["path"] == "http")  # (waited for the start)
+    assert all(r["clients_late_s"] >= 0 for r in report["runs"] if r["path"] == "http")  # (after the start)
     for run in report["runs"]:  # every client got its 4 tokens
         assert run["tokens_per_s"] > 0 and run["ttft_p50_s"] > 0
         assert 0 < run["engine_ttft_mean_s"] <= run["ttft_p99_s"]  # the engine's part of the wait
