@@ -52,6 +52,7 @@ class Load:
     gaps: list[float] = field(default_factory=list)
     engine_ttft: float = float("nan")  # mean, by the engine's clock: from submission to the first token
     late: float = 0.0  # HTTP: how long after the common start the last client process sent (s)
+    errors: list[str] = field(default_factory=list)  # what each failed client raised (its run is void)
     stops: dict = field(default_factory=dict)  # the engine's cache reallocations and graph captures in it
 
     def summary(self) -> dict:
@@ -63,6 +64,8 @@ class Load:
             "ttft_p99_s": round(percentile(self.ttft, 99), 4),
             "engine_ttft_mean_s": round(self.engine_ttft, 4),
             "clients_late_s": round(self.late, 4),
+            "client_errors": len(self.errors),
+            "first_error": self.errors[0] if self.errors else None,
             **self.stops,
             "itl_p50_ms": round(1e3 * percentile(self.gaps, 50), 2),
             "itl_p99_ms": round(1e3 * percentile(self.gaps, 99), 2),
@@ -92,12 +95,21 @@ def prompts(model: str, count: int, seed: int, length: int) -> list[list[int]]:
 
 
 def run_clients(path: str, clients: int, one: Callable[[int, Load, threading.Lock], None]) -> Load:
-    """`clients` threads each running one(i, load, lock) at once; -> the load, its wall time set."""
+    """`clients` threads each running one(i, load, lock) at once; -> the load, its wall time set, and
+    what any client raised in load.errors (a thread's exception would otherwise only be printed,
+    and the load would count that client's tokens as none)."""
     load, lock = Load(path, clients), threading.Lock()
     barrier = threading.Barrier(clients + 1)
-    threads = [
-        threading.Thread(target=lambda i=i: (barrier.wait(), one(i, load, lock))) for i in range(clients)
-    ]
+
+    def client(i: int) -> None:
+        barrier.wait()
+        try:
+            one(i, load, lock)
+        except Exception as e:
+            with lock:
+                load.errors.append(f"{type(e).__name__}: {e}"[:300])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     barrier.wait()
@@ -173,6 +185,7 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
         load.tokens += part["tokens"]
         load.seconds = max(load.seconds, part["seconds"])
         load.late = max(load.late, part["late"])
+        load.errors += part["errors"]
     after = server_metrics(base)
     requests = max(after["ttft_count"] - before["ttft_count"], 1)
     load.engine_ttft = (after["ttft_sum"] - before["ttft_sum"]) / requests
@@ -380,7 +393,14 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
     for clients in levels:
         rates = {}
         for path in ("python", "http"):
-            mine = [r for r in rows if r["clients"] == clients and r["path"] == path]
+            runs = [r for r in rows if r["clients"] == clients and r["path"] == path]
+            mine = [r for r in runs if not r["client_errors"]]
+            void = [r for r in runs if r["client_errors"]]
+            for r in void:  # a client failed: its tokens are missing from the run's figures
+                lines.append(
+                    f"| {clients} | {path} | void (alternation {r['alternation'] + 1}: {r['client_errors']} "
+                    f"clients failed: {r['first_error']}) | | | | | |"
+                )
             if not mine:
                 continue
             rate = rates[path] = statistics.median(r["tokens_per_s"] for r in mine)
@@ -394,7 +414,7 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
                 f"{r['cache_reallocations']:g}, {r['graph_captures']:g} ({r['graph_capture_seconds']:.2f})"
                 for r in mine
             )  # each run's
-            late = f"{max(r.get('clients_late_s', 0.0) for r in mine):.3f}" if path == "http" else ""
+            late = f"{max(r['clients_late_s'] for r in mine):.3f}" if path == "http" else ""
             lines.append(
                 f"| {clients} | {path} | {rate:,.1f} ({spread}, n={len(mine)}) | "
                 f"{ttft[0]:.3f} / {ttft[1]:.3f} | {engine_ttft:.3f} | {itl[0]:.1f} / {itl[1]:.1f} | {stops} "
@@ -405,7 +425,7 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
             level = [r for r in rows if r["clients"] == clients]
             pairs = [
                 [r["tokens_per_s"] for path in ("python", "http") for r in level
-                 if r["path"] == path and r["alternation"] == k]
+                 if r["path"] == path and r["alternation"] == k and not r["client_errors"]]
                 for k in sorted({r["alternation"] for r in level})
             ]  # fmt: skip
             each = ", ".join(f"{h / p:.3f}" for p, h in (pair for pair in pairs if len(pair) == 2))
@@ -464,7 +484,7 @@ def main() -> None:
         batch = prompts(args.model, args.clients[0], args.seed, args.prompt_tokens)
         load = http_clients(args.base, batch, args.new_tokens, args.start_at)
         part = {"ttft": load.ttft, "gaps": load.gaps, "tokens": load.tokens, "seconds": load.seconds}
-        part["late"] = load.late
+        part["late"], part["errors"] = load.late, load.errors
         print(json.dumps(part))
         return
     if args.phase == "stall":

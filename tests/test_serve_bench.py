@@ -3,6 +3,7 @@ own: the Python API, `minidecode serve` with client processes, the long prefill 
 streams), so a broken harness shows here, not on a GPU. Its figures are not checked: timings
 belong to the GPU run."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -39,3 +40,28 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
         assert stall["long_prompt_tokens"] == 512 and stall["stream_tokens_during_prefill"] > 0
     text = out.with_suffix(".md").read_text()
     assert "| 2 | http / python |" in text and text.count("(each alternation: ") == 2
+
+
+def test_a_client_that_raises_voids_its_run():
+    """A client thread's exception is the load's error, and the table reports that run as void
+    instead of counting the client's tokens as none."""
+    spec = importlib.util.spec_from_file_location("serve_bench", REPO / "bench" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    sys.modules["serve_bench"] = serve  # (its dataclasses look their module up)
+    spec.loader.exec_module(serve)
+
+    def one(i, load, lock):
+        if i == 1:
+            raise ConnectionError("the server closed the stream")
+        serve.record(load, lock, 0.0, [0.1, 0.2])
+
+    load = serve.run_clients("http", 3, one)
+    assert load.errors == ["ConnectionError: the server closed the stream"] and load.tokens == 4
+    ok = serve.Load("python", 3, seconds=1.0, tokens=6, ttft=[0.1] * 3, gaps=[0.1] * 3, engine_ttft=0.1)
+    ok.stops = dict.fromkeys(serve.STOPS, 0)
+    load.seconds, load.engine_ttft, load.stops = 1.0, 0.1, ok.stops
+    rows = [ok.summary() | {"alternation": 0}, load.summary() | {"alternation": 0}]
+    assert rows[1]["client_errors"] == 1
+    text = serve.table(rows, (3,))
+    assert "| 3 | http | void (alternation 1: 1 clients failed: ConnectionError" in text
+    assert "http / python" not in text  # no ratio against a void run
