@@ -138,8 +138,13 @@ class MixedSteps:
         self.captures, self.capture_seconds = 0, 0.0
 
     def reset(self) -> None:
-        """The cache was reallocated or freed: its graphs go with it."""
+        """The cache was reallocated or freed: its graphs go with it, and the next ones are captured
+        into a new pool. (Once its last graph is gone, PyTorch's allocator refuses a capture into
+        the old pool until an empty_cache() frees it, which decode.capture skips: a server whose
+        cache grew between two chunk sizes failed its requests on that check.)"""
         self._graphs = {}
+        if self._pool is not None:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def chunk(
         self,

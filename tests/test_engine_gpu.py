@@ -141,3 +141,33 @@ def test_a_mixed_step_graph_is_the_eager_step(model_dir):
     for name, t in eager_cache.items():
         real = slice(0, engine.spare_start)
         torch.testing.assert_close(graph_cache[name][:, :, :, real], t[:, :, :, real], rtol=2e-2, atol=2e-2)
+
+
+def test_mixed_step_graphs_are_captured_again_after_the_cache_grows(model_dir):
+    """A mixed-step graph captured, the cache grown (its graphs dropped), then a chunk of a new size
+    captured and replayed: the capture into the graphs' memory pool must not fail (the dropped
+    graphs' pool is not reused), and the step's logits are the eager step's."""
+    import torch
+
+    from minidecode.engine import Prefilling
+    from minidecode.sampling import SamplingParams
+
+    engine = LLM(model_dir, device="cuda", dtype="bfloat16").engine
+    size = -(-512 // engine.granule) * engine.granule
+    engine.resize(3 * size)
+    greedy = SamplingParams(temperature=0)
+    prompts = [random_ids(n, seed=n) for n in (23, 300)]
+    with torch.inference_mode():
+        engine.sample_first(0, engine.prefill(prompts[0], 0, size, 0), greedy, False)
+        engine.start_row(0, 0, len(prompts[0]), greedy)
+        engine.prefill(prompts[1][:40], size, size, 0)
+        engine._mixed_logits(Prefilling(prompts[1], size, size, 40), (40, 57), 1)  # the 32-row graph
+        assert engine.mixed._graphs
+        engine.resize(4 * size, keep=3 * size)  # grown in place: every graph dropped
+        assert not engine.mixed._graphs
+        work = Prefilling(prompts[1], size, size, 57)
+        graphed = engine._mixed_logits(work, (57, 120), 1).clone()  # the 64-row graph, a new capture
+        assert (64, 1) in engine.mixed._graphs
+        engine.mixed.graphed = False
+        eager = engine._mixed_logits(work, (57, 120), 1)
+    assert (graphed - eager).abs().max() < 0.05 * eager.abs().max(), (graphed - eager).abs().max()
