@@ -379,7 +379,7 @@ class Runtime:
         if self.step_tokens is not None:
             check_int("--step-tokens", self.step_tokens, 1)
         if self.max_batch != DEFAULT_MAX_BATCH:  # the engine's limit (the default needs no torch import)
-            from minidecode.engine import check_max_batch
+            from minidecode.decode import check_max_batch
 
             check_max_batch(self.max_batch)
         return self

@@ -11,6 +11,7 @@ a row moves on by 1..Q positions in one step."""
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +21,20 @@ import torch
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer
 
-from .request import MAX_SPECULATE, MAX_TOP_LOGPROBS
+from .errors import UserError
+from .request import MAX_SPECULATE, MAX_TOP_LOGPROBS, check_int
 from .sampling import GREEDY, ProcessorRows, SamplingRows, probabilities, process, sample, top_logprobs
 from .speculation import accept_greedy, accept_sampled
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1) a graph is captured for
+
+
+def check_max_batch(max_batch: int) -> int:
+    check_int("max_batch", max_batch, 1)
+    if max_batch > BUCKETS[-1]:
+        raise UserError(f"max_batch must be in [1, {BUCKETS[-1]}], got {max_batch}")
+    return max_batch
 
 
 def bucket(n: int) -> int:
@@ -318,3 +327,52 @@ def capture(step: Callable[[], None], warm_up: Callable[[], None], pool: Any = N
         finally:
             graph.capture_end()
     return graph
+
+
+class DecodeGraphs:
+    """The decode step of rows 0..n-1 of `state` as one CUDA graph per (bucket, mode, log-probs,
+    logits processors, top log-probs, query rows), captured on first use or ahead of it
+    (`prepare`: before a prefill, so the capture stays out of the decode steps' time) and dropped
+    with the cache their addresses are in (`reset`); eagerly where graphs are off."""
+
+    def __init__(self, model: Transformer, state: DecodeState, max_batch: int, graphed: bool, pdl: bool):
+        self.model, self.state, self.max_batch, self.graphed, self.pdl = model, state, max_batch, graphed, pdl
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.captures, self.capture_seconds = 0, 0.0
+
+    def reset(self) -> None:
+        self._graphs = {}
+
+    def step(self, cache: KVCache, spare: int, n: int, *kind: Any) -> None:
+        """One step of rows 0..n-1 over `cache` (idle rows write position `spare`); kind: (mode,
+        logprobs, adjust, top, queries) as decode_step takes them."""
+        if not self.graphed:
+            if kind[2]:  # adjust: the processors' buffers
+                self.state.add_processors(self.model.config.vocab_size)
+            decode_step(self.model, cache, self.state.rows(n), *self._args(kind, spare))
+            return
+        self.prepare(cache, spare, n, *kind)
+        self._graphs[(min(bucket(n), self.max_batch), *kind)].replay()
+
+    def prepare(self, cache: KVCache, spare: int, n: int, *kind: Any) -> None:
+        """Capture the graph of n rows' step (its bucket), once per cache allocation."""
+        b = min(bucket(n), self.max_batch)
+        if not self.graphed or (b, *kind) in self._graphs:
+            return
+        args, adjust = self._args(kind, spare), kind[2]
+        if adjust:  # the graph reads the processors' buffers: they exist before it is captured
+            self.state.add_processors(self.model.config.vocab_size)
+        step = functools.partial(decode_step, self.model, cache, self.state.rows(b), *args)
+        idle = DecodeState.zeros(b, self.state.tokens.device)  # the warm-up writes only the spare granule
+        idle.starts.fill_(spare)
+        if adjust:
+            idle.add_processors(self.model.config.vocab_size)
+        warm_up = functools.partial(decode_step, self.model, cache, idle, *args)
+        t0 = time.perf_counter()
+        self._graphs[(b, *kind)] = capture(step, warm_up)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _args(self, kind: tuple, spare: int) -> tuple:
+        mode, logprobs, adjust, top, queries = kind
+        return mode, logprobs, self.pdl, adjust, top, queries, spare

@@ -32,7 +32,6 @@ The engine decides nothing: each turn it runs one step plan (plan.py, made by sc
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -45,21 +44,14 @@ from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
 from .cache_parts import CacheParts
-from .decode import BUCKETS, DecodeState, HostRows, ProcessorRows, bucket, capture, decode_step, sample_rows
+from .decode import DecodeGraphs, DecodeState, HostRows, check_max_batch, sample_rows
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
 from .mixed import STEP_TOKENS, MixedSteps
 from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, StepOutput, StepPlan
-from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE, check_int
+from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE
 from .sampling import SamplingParams, process, sample, top_logprobs
-
-
-def check_max_batch(max_batch: int) -> int:
-    check_int("max_batch", max_batch, 1)
-    if max_batch > BUCKETS[-1]:
-        raise UserError(f"max_batch must be in [1, {BUCKETS[-1]}], got {max_batch}")
-    return max_batch
 
 
 @dataclass
@@ -117,9 +109,9 @@ class Engine:
         self.capacity = 0  # positions for regions; the spare granule follows them
         self.state = DecodeState.zeros(self.max_batch, device)
         # Work that stops the loop outside prefill and decode (monitoring: the server's /metrics):
-        # cache reallocations (each also drops the decode graphs), and graph captures with their time.
-        self.resizes, self._captures, self._capture_seconds = 0, 0, 0.0
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # cache reallocations (each also drops the graphs), and graph captures with their time.
+        self.resizes = 0
+        self.graphs = DecodeGraphs(model, self.state, self.max_batch, self.use_cuda_graph, pdl)
         # the mixed step's inputs and graphs (mixed.py; the graphs dropped with the cache)
         mixed = (self.step_tokens, self.use_cuda_graph, self.max_batch, self.prefill_chunk)
         self.mixed = MixedSteps(model, device, dtype, self.kv_dtype, *mixed)
@@ -136,11 +128,11 @@ class Engine:
     @property
     def captures(self) -> int:
         """CUDA graphs captured: the decode step's and the mixed steps'."""
-        return self._captures + self.mixed.captures
+        return self.graphs.captures + self.mixed.captures
 
     @property
     def capture_seconds(self) -> float:
-        return self._capture_seconds + self.mixed.capture_seconds
+        return self.graphs.capture_seconds + self.mixed.capture_seconds
 
     @property
     def prefill_backend(self) -> str:
@@ -192,14 +184,16 @@ class Engine:
             copied = old.entries(keep)
             for name, t in new.tensors().items():
                 t[:, :, :, : copied[name]] = old.tensors()[name][:, :, :, : copied[name]]
-        self.cache, self.capacity, self._graphs = new, capacity, {}
+        self.cache, self.capacity = new, capacity
+        self.graphs.reset()
         self.mixed.reset()
         self.resizes += 1
         self.state.starts.masked_fill_(self.state.active == 0, self.spare_start)  # idle rows: the new spare
 
     def release(self) -> None:
         """Free the cache and the graphs captured on it."""
-        self.cache, self.capacity, self._graphs = None, 0, {}
+        self.cache, self.capacity = None, 0
+        self.graphs.reset()
         self.mixed.reset()
 
     def copy_positions(self, src: int, dst: int, count: int) -> None:
@@ -221,13 +215,10 @@ class Engine:
         state = self.state
         state.sampling.set(row, params)
         if params.adjusts:
-            self._processors()
+            self.state.add_processors(self.config.vocab_size)
         if state.processors is not None:  # neutral values for a sequence that uses none
             state.processors.set(row, params, prompt_ids or [], position)
         state.positions[row], state.starts[row], state.active[row] = position, start, 1
-
-    def _processors(self) -> ProcessorRows:
-        return self.state.add_processors(self.config.vocab_size)
 
     def move_row(self, src: int, dst: int) -> None:
         self.state.move(src, dst)
@@ -349,7 +340,7 @@ class Engine:
             return
         if n:
             if kind.adjust:
-                self._processors()
+                self.state.add_processors(self.config.vocab_size)
             sample_rows(logits[1:], self.state.rows(n), kind.mode, kind.logprobs, kind.adjust, kind.top)
         work.done = p.chunk[1]
         total = len(work.prompt) - p.reused
@@ -495,38 +486,14 @@ class Engine:
         the next tokens, positions += 1. adjust: some row uses a logits processor; top: some row
         reports top log-probs (decode_step). queries > 1 (a draft bucket + 1): the step with the
         drafts loaded into the state (positions += accepted + 1)."""
-        if not self.use_cuda_graph:
-            if adjust:
-                self._processors()
-            kind = (mode, logprobs, self.pdl, adjust, top, queries, self.spare_start)
-            decode_step(self.model, self._decoded(), self.state.rows(n), *kind)
-            return
-        self.prepare(n, mode, logprobs, adjust, top, queries)
-        self._graphs[min(bucket(n), self.max_batch), mode, logprobs, adjust, top, queries].replay()
+        self.graphs.step(self._decoded(), self.spare_start, n, mode, logprobs, adjust, top, queries)
 
     def prepare(
         self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False, queries: int = 1
     ) -> None:
         """Capture the graph of n rows' step (its bucket), once per cache allocation: the loop calls
         this before a prefill, so that capture stays out of the decode steps' time."""
-        b = min(bucket(n), self.max_batch)
-        key = (b, mode, logprobs, adjust, top, queries)
-        if not self.use_cuda_graph or key in self._graphs:
-            return
-        if adjust:  # the graph reads the processors' buffers: they exist before it is captured
-            self._processors()
-        cache = self._decoded()
-        kind = (mode, logprobs, self.pdl, adjust, top, queries, self.spare_start)
-        step = functools.partial(decode_step, self.model, cache, self.state.rows(b), *kind)
-        idle = DecodeState.zeros(b, self.device)  # the warm-up writes only the spare granule
-        idle.starts.fill_(self.spare_start)
-        if adjust:
-            idle.add_processors(self.config.vocab_size)
-        warm_up = functools.partial(decode_step, self.model, cache, idle, *kind)
-        t0 = time.perf_counter()
-        self._graphs[key] = capture(step, warm_up)
-        self._captures += 1
-        self._capture_seconds += time.perf_counter() - t0
+        self.graphs.prepare(self._decoded(), self.spare_start, n, mode, logprobs, adjust, top, queries)
 
     def _decoded(self) -> KVCache:
         """What the decode step reads: the whole cache row, or (one_sequence) the one region."""

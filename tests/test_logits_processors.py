@@ -428,10 +428,10 @@ def test_graph_steps_with_processors_equal_eager_steps_and_each_alone():
         assert same_top_logprobs(x.top_logprobs, y.top_logprobs)
         assert same_top_logprobs(x.top_logprobs, z.top_logprobs)
     assert all(len(top) == 20 for top in a[-1].top_logprobs)
-    assert any(key[3:] == (True, True) for key in graph.engine._graphs)
+    assert any(key[3:] == (True, True) for key in graph.engine.graphs._graphs)
     plain = LLM(device="cuda", dtype="float32")
     assert plain.generate(items[0], **kw).token_ids == a[0].token_ids
-    assert {key[2:] for key in plain.engine._graphs} == {(False, False, False)}
+    assert {key[2:] for key in plain.engine.graphs._graphs} == {(False, False, False)}
     assert plain.engine.state.processors is None
 
 
