@@ -4,7 +4,6 @@ engine loop (loop.py), which owns the device; each caller reads only its own eve
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -23,7 +22,7 @@ from .cache_file import config_hash, launch_name, part_path
 from .engine import Engine
 from .errors import UserError
 from .info import SYNTHETIC, resolve_device, resolve_dtype, resolve_kv_cache_dtype, synthetic_config
-from .loading import DEFAULT_MODEL, build_model, read_config, resolve_model_dir
+from .loading import DEFAULT_MODEL, build_model, read_config, read_generation_config, resolve_model_dir
 from .loop import EngineLoop
 from .plan import FileOpen, FileSave, StepPlan
 from .request import (
@@ -112,7 +111,11 @@ class LLM:
             self.config = read_config(self.model_dir)
             self.tokenizer = Tokenizer(self.model_dir)
             check_vocab(self.tokenizer.vocab_size, self.config.vocab_size)
-            self.generation_defaults, self.eos_ids = self._generation_config()
+            sampling, self.eos_ids = read_generation_config(self.model_dir, self.config)
+            self.generation_defaults = SamplingParams(**sampling) if sampling else SamplingParams()
+            eos_text = self.tokenizer.token_id(self.tokenizer.eos_token)
+            if not self.eos_ids and eos_text is not None:
+                self.eos_ids.add(eos_text)
         self.model = build_model(
             self.config, self.model_dir, self.device, self.dtype, self.parallel, quantization=quantization
         )
@@ -169,28 +172,6 @@ class LLM:
             )
 
     # ---- settings -------------------------------------------------------------------------
-    def _generation_config(self) -> tuple[SamplingParams, set[int]]:
-        eos = set(self.config.eos_token_ids)
-        defaults = SamplingParams()
-        path = self.model_dir / "generation_config.json"
-        if path.exists():
-            try:
-                gen = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path} is not valid JSON: {e}") from None
-            ids = gen.get("eos_token_id")
-            eos |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-            if gen.get("do_sample"):
-                defaults = SamplingParams(
-                    temperature=float(gen.get("temperature") or 1.0),
-                    top_k=int(gen.get("top_k") or 0),
-                    top_p=float(gen.get("top_p") or 1.0),
-                )
-        eos_text = self.tokenizer.token_id(self.tokenizer.eos_token)
-        if not eos and eos_text is not None:
-            eos.add(eos_text)
-        return defaults, {int(i) for i in eos}
-
     def random_prompt(self, num_tokens: int, seed: int = 0) -> list[int]:
         """A prompt of exactly num_tokens random ids (benchmarks, synthetic models)."""
         generator = torch.Generator().manual_seed(seed)
@@ -373,7 +354,7 @@ class LLM:
         seqs = []
         for i, item in enumerate(prompts):
             try:
-                request = _as_request(item).with_defaults(base).check()
+                request = Request.from_prompt(item).with_defaults(base).check()
                 seqs.append(Sequence(**self._resolve(request), sink=events.put, index=i))
             except UserError as e:
                 results[i] = GenerationResult("", [], [], "error", GenerationStats(), error=str(e))
@@ -483,21 +464,6 @@ class LLM:
     @property
     def kv_cache_dtype(self) -> str:
         return kv_dtype_name(self.kv_dtype)
-
-
-def _as_request(item: Prompt) -> Request:
-    """A prompt list's item as a Request (its own settings kept)."""
-    if isinstance(item, Request):
-        return item
-    if isinstance(item, dict):
-        return Request.from_dict(item)
-    if isinstance(item, str):
-        return Request(prompt=item)
-    if isinstance(item, list | tuple) and item and all(isinstance(m, dict) for m in item):
-        return Request(messages=list(item))
-    if isinstance(item, list | tuple):
-        return Request(token_ids=list(item))
-    raise UserError(f"a prompt must be a text, token ids, messages, a Request or a dict, got {item!r}")
 
 
 _default: tuple[tuple, LLM] | None = None  # (load arguments, model) of the one-call function

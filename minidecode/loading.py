@@ -75,6 +75,28 @@ def read_config(model_dir: Path) -> ModelConfig:
         raise UserError(str(e)) from None
 
 
+def read_generation_config(
+    model_dir: Path, cfg: ModelConfig
+) -> tuple[dict[str, float | int] | None, set[int]]:
+    """generation_config.json's sampling defaults (temperature, top_k, top_p; None where it does not
+    sample: greedy) and the eos ids, the config's and its own."""
+    eos, sampling = set(cfg.eos_token_ids), None
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        try:
+            gen = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} is not valid JSON: {e}") from None
+        ids = gen.get("eos_token_id")
+        eos |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        if gen.get("do_sample"):
+            sampling = {
+                "temperature": float(gen.get("temperature") or 1.0),
+                "top_k": int(gen.get("top_k") or 0),
+                "top_p": float(gen.get("top_p") or 1.0),
+            }
+    return sampling, {int(i) for i in eos}
+
 def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():

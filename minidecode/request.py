@@ -59,6 +59,22 @@ class Request:
     speculate: int | None = None
 
     @classmethod
+    def from_prompt(cls, item: Any) -> Request:
+        """A prompt list's item (a text, token ids, chat messages, a Request or a dict of its fields)
+        as a Request, its own settings kept."""
+        if isinstance(item, Request):
+            return item
+        if isinstance(item, dict):
+            return cls.from_dict(item)
+        if isinstance(item, str):
+            return cls(prompt=item)
+        if isinstance(item, list | tuple) and item and all(isinstance(m, dict) for m in item):
+            return cls(messages=list(item))
+        if isinstance(item, list | tuple):
+            return cls(token_ids=list(item))
+        raise UserError(f"a prompt must be a text, token ids, messages, a Request or a dict, got {item!r}")
+
+    @classmethod
     def from_dict(cls, fields: Any, what: str = "request") -> Request:
         """From a JSON object (a batch line); an unknown key is refused, naming the known ones."""
         if not isinstance(fields, dict):
