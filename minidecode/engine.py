@@ -83,7 +83,7 @@ class Engine:
         pdl: bool = True,
         max_batch: int = DEFAULT_MAX_BATCH,
         step_tokens: int | None = None,
-        one_sequence: bool = False,
+        context_parallel: bool = False,
         prefill_attention: str = "auto",
     ):
         if (problem := ops.decode_attention_problem(device, model.config.head_dim)) is not None:
@@ -94,11 +94,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(device)
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
         self.pdl = pdl  # chain the decode step's kernels by programmatic dependent launch (Hopper+)
-        # one_sequence: one sequence at a time, in a cache of exactly its region, which the decode step
-        # reads as its whole row (context parallelism splits the row's positions over the ranks).
-        self.one_sequence = one_sequence
+        # context_parallel: the model's ranks each hold a share of every sequence's positions
+        # (models/parallel.py): its prefills run as whole prefills' units (no mixed steps), and no
+        # prefix is reused (a prompt's positions are dealt by its length).
+        self.context_parallel = context_parallel
         self.prefill_attention = prefill_attention  # "auto": SDPA's faster backend; "fp8": the e4m3 kernel
-        self.max_batch = 1 if one_sequence else check_max_batch(max_batch)
+        self.max_batch = check_max_batch(max_batch)
         self.step_tokens = step_tokens or STEP_TOKENS[device.type]  # a mixed step's budget (rows)
         self.weights = weights_description(model)  # "bfloat16", or the FP8 scheme that runs
         self.planner = Planner(
@@ -486,15 +487,12 @@ class Engine:
         the next tokens, positions += 1. adjust: some row uses a logits processor; top: some row
         reports top log-probs (decode_step). queries > 1 (a draft bucket + 1): the step with the
         drafts loaded into the state (positions += accepted + 1)."""
-        self.graphs.step(self._decoded(), self.spare_start, n, mode, logprobs, adjust, top, queries)
+        self.graphs.step(self.cache, self.spare_start, n, mode, logprobs, adjust, top, queries)
 
     def prepare(
         self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False, queries: int = 1
     ) -> None:
         """Capture the graph of n rows' step (its bucket), once per cache allocation: the loop calls
         this before a prefill, so that capture stays out of the decode steps' time."""
-        self.graphs.prepare(self._decoded(), self.spare_start, n, mode, logprobs, adjust, top, queries)
+        self.graphs.prepare(self.cache, self.spare_start, n, mode, logprobs, adjust, top, queries)
 
-    def _decoded(self) -> KVCache:
-        """What the decode step reads: the whole cache row, or (one_sequence) the one region."""
-        return self.region(0, self.capacity) if self.one_sequence else self.cache

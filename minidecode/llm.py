@@ -40,7 +40,7 @@ from .scheduler import check_fits
 from .sequence import Event, GenerationResult, GenerationStats, Sequence
 from .streams import BatchProgress, BatchStream, Stream
 from .tokenizer import ByteTokenizer, Tokenizer
-from .validate import check_speculate_layout, check_vocab
+from .validate import check_cache_files_layout, check_speculate_layout, check_vocab
 from .warm_up import warm_up
 
 if TYPE_CHECKING:
@@ -124,10 +124,10 @@ class LLM:
             check_prefill_attention(prefill_attention, self.device, self.config.head_dim)
         except ValueError as e:
             raise UserError(str(e)) from None
-        # Context-parallel ranks split one sequence's positions: one at a time, no prefix reuse.
+        # Context-parallel ranks deal each sequence's positions by its prompt's length: no prefix reuse.
         self.engine = Engine(
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,
-            max_batch=max_batch, step_tokens=step_tokens, one_sequence=cp_ranks > 1,
+            max_batch=max_batch, step_tokens=step_tokens, context_parallel=cp_ranks > 1,
             prefill_attention=prefill_attention,
         )  # fmt: skip
         if self.parallel is not None:  # its part of a cache file (cache_file.part_path)
@@ -455,11 +455,7 @@ class LLM:
         return out.file_results
 
     def _check_cache_files(self, what: str) -> None:
-        if self.parallel is not None and self.parallel.cp > 1:
-            raise UserError(
-                f"{what} is not supported with cp > 1 (context parallel runs one sequence and keeps no "
-                "prefixes to save or reuse): use tp, or one process"
-            )
+        check_cache_files_layout(what, 1 if self.parallel is None else self.parallel.cp)
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -121,7 +121,8 @@ class Prefill:
     the prompt (`begin`). `chunk` (lo, hi): prompt positions lo..hi-1, run in this plan's mixed
     step with its decode rows (the chunks follow one another from `reused`); None: `units` units of
     work (None: to the end) of a whole prefill of the positions not yet run (begun by the first
-    such plan, continued by the next: a prefill beside no decode rows)."""
+    such plan, continued by the next: a prefill beside no decode rows, or under context
+    parallelism beside them, after their decode step)."""
 
     seq: int  # Sequence.id
     start: int

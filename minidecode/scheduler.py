@@ -102,10 +102,9 @@ class Scheduler:
 
     def __init__(self, engine: Engine, prefix_reuse: bool, free_bytes: Callable[[], int] | None = None):
         self.engine, self.free_bytes = engine, free_bytes or engine.free_bytes
-        # engine.one_sequence: one sequence at a time, in a cache of exactly its region (context
-        # parallelism: every rank's share of the positions follows from the cache's length)
-        self.one_sequence = engine.one_sequence
-        self.prefix_reuse = prefix_reuse and not self.one_sequence
+        # Context parallelism deals a prompt's positions by its length, so a prefix's are not where
+        # a longer prompt would deal them: no reuse; and it runs no mixed steps (models/parallel.py)
+        self.prefix_reuse = prefix_reuse and not engine.context_parallel
         self.capacity = engine.capacity  # the cache's region positions once the planned work has run
         self.regions = Regions(engine.capacity)
         self.waiting: deque[Sequence] = deque()
@@ -143,14 +142,15 @@ class Scheduler:
         if self.prefilling is not None and plan.prefill is None:
             seq = self.prefilling
             plan.prefill = self._prefill_work(seq, begin=False)
-        # A prefill beside running rows: a mixed step (running sequences cannot start during it, so
-        # once they have all ended the rest of it runs as a whole prefill's units)
-        mixed = self.prefilling is not None and self._beside and bool(self.running)
-        if self.running and (self.prefilling is None or mixed):
+        # A prefill beside running rows: a mixed step, or under context parallelism (no mixed
+        # steps) one unit of its whole prefill after their decode step (running sequences cannot
+        # start during it, so once they have all ended the rest of it runs as a whole prefill's units)
+        beside = self.prefilling is not None and self._beside and bool(self.running)
+        if self.running and (self.prefilling is None or beside):
             if self._kind is None:
                 self._kind = step_kind(self.running)
             plan.decode = self._decode_step()
-        if mixed:
+        if beside and not self.engine.context_parallel:
             lo, room = self._next, self.engine.step_tokens - len(self.running)
             end = min(len(self.prefilling.prompt_ids), lo + self.engine.prefill_chunk)  # (its temporaries)
             self._next = chunk_end(lo, end, room, self._key_rows)
@@ -361,10 +361,6 @@ class Scheduler:
         UserError."""
         engine = self.engine
         size = engine.region_size(seq.context)
-        if self.one_sequence and self.capacity != size:
-            if self.running:
-                return False
-            self._reallocate(size, size, seq.context)
         prefix, shared = self.best_prefix(seq)
         if prefix is not None and prefix.running is not None:
             return self._place_from_running(seq, size, prefix, shared)

@@ -33,7 +33,7 @@ def warm_up(engine: Engine) -> None:
             engine.resize(capacity)
             if i == 0:
                 engine.prefill(list(range(1, 17)), 0, capacity, 0)
-                if not engine.one_sequence:  # (context parallelism runs no mixed steps)
+                if not engine.context_parallel:  # (which runs no mixed steps)
                     warm_up_mixed(engine)
             for rows in batch_buckets(engine):
                 engine.prepare(rows, SamplingParams().mode, False)
@@ -79,8 +79,7 @@ def warm_up_sizes(engine: Engine) -> list[int]:
     it reads decide, the regions and the spare granule after them), smallest first; the first
     also holds a short prompt's prefill."""
     cfg, granule = engine.config, engine.granule
-    spare = 0 if engine.one_sequence else granule  # one_sequence reads its region only
     fp8 = engine.kv_dtype == torch.float8_e4m3fn
     sizes = ops.decode_cache_sizes(cfg.head_dim, engine.dtype, fp8, cfg.num_kv_heads)
-    capacities = [-(-max(size - spare, 1) // granule) * granule for size in sizes]
+    capacities = [-(-max(size - granule, 1) // granule) * granule for size in sizes]
     return [max(capacities[0], engine.region_size(64)), *capacities[1:]]

@@ -558,8 +558,8 @@ class Transformer(nn.Module):
 
         Fixed shapes, nothing read on the host where chunk.host is None: the engine captures it
         as a CUDA graph per (C, B) and replays it for every chunk of that size. One process or
-        tensor-parallel ranks (context parallelism runs one sequence at a time: never beside
-        decode rows)."""
+        tensor-parallel ranks (context parallelism runs no mixed steps: a prefill beside decode
+        rows goes a unit of its whole prefill a step)."""
         C, B, device = chunk.ids.shape[0], tokens.shape[0], tokens.device
         lo, count, start, length = chunk.where.unbind()  # 0-d int64 device tensors
         rows = torch.arange(C, device=device)

@@ -18,8 +18,9 @@ reads one row of it).
 
 Context parallel (cp): the context's positions are dealt over the ranks (sharding.deal: the
 prompt in 2 cp chunks, rank i taking chunks i and 2 cp - 1 - i, so every rank has the same causal
-work; the positions after them round robin), each rank holding its positions' K/V compactly plus
-one scratch row, and attention runs as ContextParallelAttention: in prefill, the one prefill loop
+work; the positions after them round robin), each rank holding its positions' K/V compactly in
+each sequence's region (its share of the region's positions), and attention runs as
+ContextParallelAttention: in prefill, the one prefill loop
 (Transformer.prefill_units) computes each rank's rows, and a layer's attention gathers the
 prompt's K/V one KV head at a time and attends each run of the rank's positions over the keys
 before it; in decode, the new token's K/V go to the one rank that holds its position and every
@@ -132,13 +133,13 @@ def _row_parallel_add_to(
 
 class ContextParallelAttention:
     """Attention over a context dealt over the context-parallel ranks (sharding.deal): each rank
-    holds its positions' K/V compactly, at its cache positions 0, 1, ..., plus a scratch row at
-    the end; each rank attends over what it holds and the partial results are merged exactly by
-    log-sum-exp. Position order within a rank does not matter: RoPE was applied at the true
-    positions before the K/V were cached.
+    holds its positions' K/V compactly, at positions 0, 1, ... of the sequence's region (a batch's
+    sequences each in a region of their own); each rank attends over what it holds and the
+    partial results are merged exactly by log-sum-exp. Position order within a rank does not
+    matter: RoPE was applied at the true positions before the K/V were cached.
 
     Decode (`__call__`, ops.decode_attention's form: Attention.attend): the new token's K/V go to
-    the one rank that holds its position (`slots`), the scratch row elsewhere; every rank attends
+    the one rank that holds its position (`slots`), the spare position elsewhere; every rank attends
     over its positions and the per-head (o, lse) partials are all-gathered and merged
     (ops.merge_ranks): one B x Hq x (D + 1) float32 gather per layer, whatever the context.
 
@@ -157,19 +158,21 @@ class ContextParallelAttention:
 
     # ---- decode -----------------------------------------------------------------------------------
     def slots(
-        self, positions: torch.Tensor, span: int, active: torch.Tensor | None = None
+        self, positions: torch.Tensor, spare: int, starts: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B] int64 of the new tokens, in a cache of span positions plus the scratch row
-        -> (written [B] int64: this rank's cache position of the token where it holds it (rank
-        p mod cp, at p // cp: sharding.deal), else the scratch row; lengths [B] int32: how many of
-        positions 0..p it holds). active [B] int32 0/1: an idle row (a graph's warm-up) writes only
-        the scratch row and reads nothing."""
+        """positions [B] int64 of the new tokens, each sequence's region at cache position starts
+        [B] int64 (None: 0) -> (written [B] int64: this rank's cache position of the token where it
+        holds it (rank p mod cp, at p // cp of its region: sharding.deal), else `spare`; lengths
+        [B] int32: how many of positions 0..p it holds). active [B] int32 0/1: an idle row (a
+        graph's warm-up) writes only `spare` and reads nothing."""
         cp, rank = self.parallel.cp, self.parallel.cp_rank
         held = positions % cp == rank
         if active is not None:
             held = held & (active > 0)
-        written = torch.where(held, positions // cp, span)
-        lengths = ((positions - rank + cp) // cp).clamp(max=span).to(torch.int32)  # [B] (p - rank) // cp + 1
+        slot = positions // cp if starts is None else starts + positions // cp
+        written = torch.where(held, slot, spare)
+        lengths = ((positions - rank + cp) // cp).to(torch.int32)  # [B] (p - rank) // cp + 1
         return written, lengths if active is None else lengths * active
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
@@ -356,14 +359,13 @@ class ParallelTransformer(Transformer):
         active: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As Transformer.decode; with cp > 1, the new K/V go to the rank that holds the position
-        (the scratch row elsewhere) and attention runs over each rank's positions
-        (ContextParallelAttention.slots). Under cp a sequence owns the whole row (the engine runs
-        one sequence at a time under cp, in a cache of exactly its positions), so `starts` (all
-        0) is not read."""
+        (elsewhere to the cache's last position, in the spare granule after every region, where
+        idle rows write too) and attention runs over each rank's positions of each sequence's
+        region (ContextParallelAttention.slots)."""
         if self.parallel.cp == 1:
             return super().decode(tokens, positions, cache, pdl, starts, active)
-        written, lengths = self.context.slots(positions, cache.max_len - 1, active)
-        return self.decode_layers(tokens, positions, written, lengths, cache, pdl)
+        written, lengths = self.context.slots(positions, cache.max_len - 1, starts, active)
+        return self.decode_layers(tokens, positions, written, lengths, cache, pdl, starts)
 
 
 def _count(runs: list[tuple[int, int]]) -> int:

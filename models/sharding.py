@@ -116,9 +116,8 @@ def rank_config(cfg: ModelConfig, plan: ShardPlan) -> ModelConfig:
 
 def rank_positions(context: int, cp: int) -> int:
     """Cache positions each context-parallel rank holds for a context: its ceil(context / cp) share
-    of the positions (`deal`: no rank ever holds more) plus one scratch row (where the other
-    ranks' new tokens are written)."""
-    return context if cp == 1 else -(-context // cp) + 1
+    of the positions (`deal`: no rank ever holds more)."""
+    return -(-context // cp)
 
 
 def deal(prompt_len: int, cp: int) -> list[list[tuple[int, int]]]:

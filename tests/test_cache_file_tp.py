@@ -147,6 +147,7 @@ def test_a_one_process_cache_is_refused_under_tp_and_cp_in_one_line(tmp_path):
     )
     cp = ranks("-p", DOC + QUESTION, "--load-cache", "doc.cache", *COMMON, cwd=tmp_path, split="--cp")
     assert one_error(cp) == (
-        "error: --load-cache / --save-cache are not supported with --cp (context parallel runs one "
-        "sequence and keeps no prefixes to save or reuse): use --tp, or one process"
+        "error: --load-cache / --save-cache: not supported with --cp (context parallel deals a "
+        "prompt's positions by its length, so a saved prefix is not where a longer prompt would put "
+        "it): use --tp, or one process"
     )

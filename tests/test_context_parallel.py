@@ -169,26 +169,29 @@ def test_balanced_prefill_attention_with_the_fp8_kernel(cp, monkeypatch):
 
 def test_decode_slots_continue_the_dealing():
     """After a prompt dealt by `deal`, each decode step's token is written by exactly one rank, at
-    the next free cache position of its own (its count so far), the others writing the scratch
-    row; each rank's lengths are its count of positions 0..p (summing to p + 1), within one of
-    each other, and never past the rank's share of the context."""
-    cp, T, context = 3, 11, 40
-    span = -(-context // cp)  # the cache's positions a rank holds (the scratch row after them)
+    the next free cache position of its own in the sequence's region (its region's start plus its
+    count so far), the others writing the spare position; each rank's lengths are its count of
+    positions 0..p (summing to p + 1), within one of each other, and never past the rank's share
+    of the context. Two sequences in one batch, each in its region."""
+    cp, context, spare = 3, 40, 999
+    share = -(-context // cp)  # a region's positions on a rank (sharding.rank_positions)
+    prompts, starts = (11, 7), torch.tensor([0, 2 * share])  # [B]: each sequence's region
     ranks = [ContextParallelAttention(Rank(Group(cp), r)) for r in range(cp)]
-    held = [sum(hi - lo for lo, hi in runs) for runs in deal(T, cp)]
-    for p in range(T, context):
-        position = torch.tensor([p])
-        slots = [attention.slots(position, span) for attention in ranks]
-        writers = [r for r, (written, _) in enumerate(slots) if int(written) != span]
-        assert len(writers) == 1, (p, slots)
-        (w,) = writers
-        assert int(slots[w][0]) == held[w]
-        held[w] += 1
-        lengths = [int(length) for _, length in slots]
-        assert lengths == held and sum(lengths) == p + 1 and max(lengths) - min(lengths) <= 1
-        assert max(lengths) <= span
-    idle = ranks[0].slots(torch.tensor([0]), span, active=torch.tensor([0], dtype=torch.int32))
-    assert int(idle[0]) == span and int(idle[1]) == 0  # an idle row writes the scratch row, reads nothing
+    held = [[sum(hi - lo for lo, hi in runs) for runs in deal(T, cp)] for T in prompts]  # [B][cp]
+    for step in range(context - max(prompts)):
+        position = torch.tensor([T + step for T in prompts])
+        slots = [attention.slots(position, spare, starts) for attention in ranks]
+        for b in range(2):
+            writers = [r for r, (written, _) in enumerate(slots) if int(written[b]) != spare]
+            assert len(writers) == 1, (b, position, slots)
+            (w,) = writers
+            assert int(slots[w][0][b]) == int(starts[b]) + held[b][w]
+            held[b][w] += 1
+            lengths = [int(length[b]) for _, length in slots]
+            assert lengths == held[b] and sum(lengths) == int(position[b]) + 1
+            assert max(lengths) - min(lengths) <= 1 and max(lengths) <= share
+    idle = ranks[0].slots(torch.tensor([0]), spare, torch.tensor([5]), torch.tensor([0], dtype=torch.int32))
+    assert int(idle[0]) == spare and int(idle[1]) == 0  # an idle row writes the spare, reads nothing
 
 
 @pytest.mark.parametrize("cp, T", [(2, 9), (3, 12), (4, 2)])

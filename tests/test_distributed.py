@@ -69,7 +69,8 @@ def decode_logits(llm: LLM, prompt: list[int], steps: int) -> torch.Tensor:
     step's, through the model's own prefill and decode (the engine's step without sampling)."""
     model, engine = llm.model, llm.engine
     with torch.inference_mode():
-        cfg, positions = model.config, model.cache_len(len(prompt) + steps)
+        # (+ 1: the spare position after the region, where a rank writes a token it does not hold)
+        cfg, positions = model.config, model.cache_len(len(prompt) + steps) + 1
         layout = (cfg.num_layers, 1, cfg.num_kv_heads, positions, cfg.head_dim)
         cache = KVCache(*layout, engine.kv_dtype, llm.device)
         hidden = model.prefill(torch.tensor([prompt], device=llm.device), cache, engine.prefill_chunk)
@@ -630,7 +631,7 @@ def test_info_plans_each_gpu():
     """`info --tp 4` on Llama-3-70B shapes: one GPU's weights (a quarter of every layer's
     projections, the whole embedding, a quarter of the lm_head's 128,256 rows, rounded up) and
     KV cache (2 of the 8 KV heads), counted here from the published shape; `--cp 4` holds a
-    quarter of the positions (plus one scratch row)."""
+    quarter of the positions."""
     from minidecode.info import describe
 
     h, inter, layers, vocab, d = 8192, 28672, 80, 128256, 128
@@ -643,7 +644,7 @@ def test_info_plans_each_gpu():
     assert "per GPU" in plan and "16 q / 2 kv heads" in plan
     plan = describe("synthetic:llama-3-70b", context=524288, dtype="bf16", device="cpu", cp=4)
     assert (
-        f"KV cache {(131072 + 1) * 320 * 1024 / 2**30:.2f} GiB" in plan and "131,073 cache positions" in plan
+        f"KV cache {131072 * 320 * 1024 / 2**30:.2f} GiB" in plan and "131,072 cache positions" in plan
     )
     assert "context parallel pays at long contexts" in plan  # where it helps, measured
     assert "context parallel" not in describe("synthetic:llama-3-70b", context=4096, device="cpu", tp=4)

@@ -266,6 +266,25 @@ def test_a_stream_gets_a_token_every_step_of_a_long_prefill(llama, greedy, monke
     assert mixed == prefill  # every plan of its prefill, none of a whole prefill's units
 
 
+def test_without_mixed_steps_a_prefill_goes_a_unit_a_step_beside_the_stream(llama, greedy, monkeypatch):
+    """An engine that runs no mixed steps (context parallelism's: Engine.context_parallel): a
+    prompt arriving while a stream decodes is planned as the stream's decode step plus one unit of
+    its whole prefill, plan after plan, never a chunk; both equal transformers' greedy."""
+    llm, plans = load(llama), []
+    llm.engine.context_parallel = True
+    record_plans(monkeypatch, plans)
+    short, long = random_ids(12, seed=1), random_ids(400, seed=2)
+    a = Submitted(llm, token_ids=short, max_new_tokens=150)
+    wait_for(a.started, "the stream's first token")
+    b = Submitted(llm, token_ids=long, max_new_tokens=5)
+    result_a, result_b = results_of([a, b])
+    assert result_b.token_ids == greedy(long, 5) and result_a.token_ids == greedy(short, 150)
+    prefill = [p for p in plans if p.prefill is not None and p.prefill.seq == b.seq.id]
+    assert all(p.prefill.chunk is None and p.prefill.units == 1 for p in prefill)
+    assert all(p.decode is not None and p.decode.rows == 1 for p in prefill)  # the stream steps each plan
+    assert len(prefill) >= 3 * llm.config.num_layers  # a layer's units: projections, attention, MLP
+
+
 def test_a_token_after_every_mixed_step(llama, monkeypatch):
     """The loop's order of plans and handed-out tokens: each mixed step is followed by exactly one
     token of the running stream before the next plan (no step without one, none stalled)."""

@@ -119,7 +119,7 @@ def ask_together(base: str, prompts: list[str]) -> list:
 @pytest.mark.parametrize("split", ["--tp", "--cp"])
 def test_serve_on_two_ranks_answers_eight_clients_with_one_process_text(one_process, split):
     """8 concurrent openai clients against a 2-rank server: each gets one process's greedy text
-    (under --tp they decode as one batch; under --cp one sequence at a time)."""
+    (they decode as one batch, each rank holding its heads (--tp) or its positions (--cp))."""
     with served(split, "2") as (base, _, log):
         answers = ask_together(base, PROMPTS)
         assert all(a is not None for a in answers), log.read_text()
@@ -138,7 +138,45 @@ def test_prefix_reuse_across_requests_under_tp(one_process):
         assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_batch_under_torchrun_writes_one_process_results(tmp_path):
+def test_a_request_arriving_beside_a_running_one_under_cp():
+    """Under --cp a prompt that arrives while another request decodes prefills a unit of its whole
+    prefill after each of the running row's decode steps (no mixed steps under cp), then decodes
+    beside it: both texts are one process's, and the second ended while the first still decoded."""
+    from minidecode import LLM
+
+    long_prompt, new, short = PROMPTS[5] * 6, 300, 4
+    llm = LLM(device="cpu")
+    alone = llm.generate(PROMPTS[0], max_new_tokens=new, temperature=0).text
+    second_alone = llm.generate(long_prompt, max_new_tokens=short, temperature=0).text
+    llm.close()
+    with served("--cp", "2") as (base, _, log):
+        first = client(base).completions.create(
+            model="stdlib-tiny", prompt=PROMPTS[0], max_tokens=new, temperature=0, stream=True
+        )
+        arrivals: list[tuple[float, str]] = []
+        started = threading.Event()
+
+        def read() -> None:
+            for chunk in first:
+                if chunk.choices:
+                    arrivals.append((time.monotonic(), chunk.choices[0].text))
+                    started.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(WAIT), log.read_text()  # the first request decodes
+        second = client(base).completions.create(
+            model="stdlib-tiny", prompt=long_prompt, max_tokens=short, temperature=0
+        )
+        second_done = time.monotonic()
+        reader.join(WAIT)
+        assert "".join(text for _, text in arrivals) == alone, log.read_text()
+        assert second.choices[0].text == second_alone
+        assert arrivals[-1][0] > second_done  # the first was still decoding: the second ran beside it
+
+
+@pytest.mark.parametrize("split", ["--tp", "--cp"])
+def test_batch_under_torchrun_writes_one_process_results(tmp_path, split):
     lines = [{"prompt": p, "id": f"r{i}"} for i, p in enumerate(PROMPTS[:5])]
     lines.append({"prompt": "import os", "max_new_tokens": 4, "id": "short"})
     requests = tmp_path / "requests.jsonl"
@@ -156,7 +194,7 @@ def test_batch_under_torchrun_writes_one_process_results(tmp_path):
         return {r["id"]: {k: r[k] for k in fields} for r in results}
 
     single = run([sys.executable, "-m", "minidecode_cli.cli", "batch"], tmp_path / "one.jsonl")
-    ranks = run(_torchrun("batch", "--tp", "2"), tmp_path / "two.jsonl")
+    ranks = run(_torchrun("batch", split, "2"), tmp_path / "two.jsonl")
     assert len(single) == len(lines) and ranks == single
 
 
