@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import random_ids
@@ -25,6 +26,16 @@ openai = pytest.importorskip("openai")
 from minidecode import LLM, Request  # noqa: E402
 
 MODEL = "stdlib-tiny"
+
+
+def access_line(log: Path, request_id: str) -> str:
+    """The server's access line of a request: written once its response has gone, so a client
+    may read the response before the line is in the log."""
+    deadline = time.monotonic() + WAIT
+    while not (found := [x for x in log.read_text().splitlines() if x.startswith(request_id)]):
+        assert time.monotonic() < deadline, f"no access line for {request_id}"
+        time.sleep(0.05)
+    return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +146,7 @@ def test_n_greedy_choices_are_equal_and_share_one_prefill(shipped_server):
     assert [ch.index for ch in out.choices] == [0, 1, 2] and len({ch.text for ch in out.choices}) == 1
     assert metrics(base)["minidecode_prefix_cache_hits_total"] == before + 2
     assert out.usage.prompt_tokens == len(prompt) and out.usage.prompt_tokens_details.cached_tokens == 0
-    line = next(x for x in shipped_server.log.read_text().splitlines() if x.startswith(out.id))
+    line = access_line(shipped_server.log, out.id)
     assert f" cached=0,{len(prompt) - 1},{len(prompt) - 1} " in line
     single = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert out.choices[0].text == single.choices[0].text
@@ -317,7 +328,7 @@ def test_api_key_extrapolation_and_the_access_line():
         right = openai.OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0, timeout=WAIT)
         out = right.completions.create(model=MODEL, prompt="x " * 5000, max_tokens=3, temperature=0)
         assert out.usage.prompt_tokens > 4096  # past the model's positions: --allow-extrapolation
-        line = next(x for x in served.log.read_text().splitlines() if x.startswith(out.id))
+        line = access_line(served.log, out.id)
         assert " POST /v1/completions 200 " in line and f"prompt={out.usage.prompt_tokens}" in line
         assert f"completion={out.usage.completion_tokens}" in line and "ttft=" in line and "finish=" in line
         assert any(" GET /v1/models 401 " in x for x in served.log.read_text().splitlines())
