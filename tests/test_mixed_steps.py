@@ -244,19 +244,25 @@ def read(engine: Engine, tensors: dict, position: int) -> tuple[torch.Tensor, to
     return k, v * tensors["kv_scale"][:, 0, :, position, 1:].float()
 
 
-def test_a_stream_gets_a_token_every_step_of_a_long_prefill(llama, greedy, monkeypatch):
-    """A 400-token prompt beside a running stream: every plan of its prefill is one mixed step of a
-    chunk within the budget (the chunks follow one another from position 0 to its end) and the
-    stream's row, and after each the stream gets one token; both equal transformers' greedy."""
-    llm, plans = load(llama), []
-    record_plans(monkeypatch, plans)
+def long_prompt_beside_a_stream(llm: LLM, greedy, plans: list) -> list:
+    """A 400-token prompt submitted once a 150-token stream has its first token; both checked
+    against transformers' greedy -> the plans of the long prompt's prefill (record_plans' log)."""
     short, long = random_ids(12, seed=1), random_ids(400, seed=2)
     a = Submitted(llm, token_ids=short, max_new_tokens=150)
     wait_for(a.started, "the stream's first token")
     b = Submitted(llm, token_ids=long, max_new_tokens=5)
     result_a, result_b = results_of([a, b])
     assert result_b.token_ids == greedy(long, 5) and result_a.token_ids == greedy(short, 150)
-    prefill = [p for p in plans if p.prefill is not None and p.prefill.seq == b.seq.id]
+    return [p for p in plans if p.prefill is not None and p.prefill.seq == b.seq.id]
+
+
+def test_a_stream_gets_a_token_every_step_of_a_long_prefill(llama, greedy, monkeypatch):
+    """A 400-token prompt beside a running stream: every plan of its prefill is one mixed step of a
+    chunk within the budget (the chunks follow one another from position 0 to its end) and the
+    stream's row, and after each the stream gets one token; both equal transformers' greedy."""
+    llm, plans = load(llama), []
+    record_plans(monkeypatch, plans)
+    prefill = long_prompt_beside_a_stream(llm, greedy, plans)
     mixed = [p for p in prefill if p.prefill.chunk is not None]
     ends = [p.prefill.chunk[1] for p in mixed]
     assert [p.prefill.chunk for p in mixed] == list(zip([0, *ends[:-1]], ends, strict=True))
@@ -273,13 +279,7 @@ def test_without_mixed_steps_a_prefill_goes_a_unit_a_step_beside_the_stream(llam
     llm, plans = load(llama), []
     llm.engine.context_parallel = True
     record_plans(monkeypatch, plans)
-    short, long = random_ids(12, seed=1), random_ids(400, seed=2)
-    a = Submitted(llm, token_ids=short, max_new_tokens=150)
-    wait_for(a.started, "the stream's first token")
-    b = Submitted(llm, token_ids=long, max_new_tokens=5)
-    result_a, result_b = results_of([a, b])
-    assert result_b.token_ids == greedy(long, 5) and result_a.token_ids == greedy(short, 150)
-    prefill = [p for p in plans if p.prefill is not None and p.prefill.seq == b.seq.id]
+    prefill = long_prompt_beside_a_stream(llm, greedy, plans)
     assert all(p.prefill.chunk is None and p.prefill.units == 1 for p in prefill)
     assert all(p.decode is not None and p.decode.rows == 1 for p in prefill)  # the stream steps each plan
     assert len(prefill) >= 3 * llm.config.num_layers  # a layer's units: projections, attention, MLP
