@@ -8,12 +8,14 @@ progress, and a decode step of the running sequences. A prefill beside running s
 chunks, one a step, each run with the running rows' decode step as one mixed step: its chunk is
 as long as the step's budget (Engine.step_tokens, rows through the weights) leaves beside the
 decode rows, its rows' attention to their past counted in (`mixed.chunk_end`), so that the prefill
-advances every step and the streams get a token every step, each step about as long. A prefill
-beside none (or once the running sequences have all ended) runs as one unit of a whole prefill a
-plan, its fastest form. Sequences admitted together start together (their prefills run back to
-back, without steps between them). Where running sequences speculate, the step carries their
-drafts (prompt lookup on the tokens the host has: speculation.py); a step with drafts runs as its
-own graph (the engine then runs the chunk alone after it), one without rides in the chunk.
+advances every step and the streams get a token every step, each step about as long (under
+context parallelism, which runs no mixed steps, a unit of its whole prefill follows each of their
+decode steps instead). A prefill beside none (or once the running sequences have all ended) runs
+as one unit of a whole prefill a plan, its fastest form. Sequences admitted together start
+together (their prefills run back to back, without steps between them). Where running
+sequences speculate, the step carries their drafts (prompt lookup on the tokens the host has:
+speculation.py); a step with drafts runs as its own graph (the engine then runs the chunk alone
+after it), one without rides in the chunk.
 `update()` takes the plan's StepOutput back: tokens fed, a prefill ended (its sequence now runs)
 or failed.
 
