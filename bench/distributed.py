@@ -284,9 +284,8 @@ def rank_step_bytes(llm: LLM, context: int) -> int:
     if cfg.tie_word_embeddings:
         read += (model.plan.vocab_rows if par is not None else cfg.vocab_size) * cfg.hidden_size
     held = context
-    if par is not None and par.cp > 1:
-        span = llm.engine.capacity - 1  # the rank's range; its last position is the scratch row
-        held = min(max(context - par.cp_rank * span, 0), span)
+    if par is not None and par.cp > 1:  # the positions 0..context it holds (ContextParallelAttention.slots)
+        held = (context - par.cp_rank + par.cp) // par.cp
     return read * llm.dtype.itemsize + held * llm.engine.planner.kv_bytes_per_token
 
 
