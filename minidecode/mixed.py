@@ -26,7 +26,7 @@ from .decode import DecodeState, bucket, capture
 
 # A mixed step's work, in rows through the weights: its decode rows plus its chunk's prompt rows,
 # each prompt row's attention to its earlier positions counted as the rows of projections its time
-# would run (`key_rows`), so that a step's time stays about the same as the prefill advances. The
+# would run (`rows_per_key`), so that a step's time stays about the same as the prefill advances. The
 # budget is set by the streams' gap: on an H200 a steady step of 8 rows at 4k-12k of context takes
 # 5.6 ms, a mixed step's fixed part (every weight read, the decode rows' attention, the small
 # kernels) ~7 ms, and a row of projections and MLP ~21 us (an 8B's 14 GFLOP at ~680 TFLOP/s). With
@@ -52,7 +52,7 @@ MIN_CHUNK = 16
 CHUNK_MULTIPLE = 32
 
 
-def key_rows(model: Transformer, device: torch.device) -> float:
+def rows_per_key(model: Transformer, device: torch.device) -> float:
     """A prompt row's attention to one key, in rows through the weights (Transformer.key_flops over
     flops_per_row, weighed by ATTENTION_SLOWDOWN)."""
     qkv, out = model.flops_per_row()

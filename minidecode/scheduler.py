@@ -42,7 +42,7 @@ from .cache_file import CacheFile
 from .decode import draft_bucket, step_queries
 from .engine import Engine
 from .errors import UserError
-from .mixed import chunk_end, key_rows
+from .mixed import chunk_end, rows_per_key
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
@@ -125,7 +125,7 @@ class Scheduler:
         self._beside = False  # ... beside running ones: the prefills go in mixed steps with them
         self._next = 0  # the prefill in progress's next prompt position to plan (mixed steps' chunks)
         self._kind: DecodeKind | None = None  # the running rows' step (changes when a row starts or ends)
-        self._key_rows = key_rows(engine.model, engine.device)  # a prompt row's attention to a key, in rows
+        self._key_rows = rows_per_key(engine.model, engine.device)  # a key of attention, in rows
 
     # ---- plans -------------------------------------------------------------------------------
     @property
