@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from minidecode.models.cache import KVCache
+from minidecode.kernels import ops
+from minidecode.models.cache import FP8, KVCache
 from minidecode.models.llama import Transformer
 
 from .errors import UserError
@@ -306,6 +307,15 @@ def _warm_up_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+def launch_config(model: Transformer, dtype: torch.dtype, cache: KVCache) -> int:
+    """Which of the decode kernel's launch configs a step of a `dtype` model over `cache` takes (how
+    many of ops.decode_cache_sizes its positions reach): a kernel of its own each, so a warm-up
+    stands for every cache of the same config, and only for those."""
+    cfg = model.config
+    sizes = ops.decode_cache_sizes(cfg.head_dim, dtype, cache.dtype == FP8, cfg.num_kv_heads)
+    return sum(cache.max_len >= size for size in sizes)
+
+
 def capture(step: Callable[[], None], warm_up: Callable[[], None], pool: Any = None) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `step`, after `warm_up` ran once on a side stream (kernel compilation,
     workspaces, library handles: nothing may allocate or compile during capture); `pool`: a
@@ -333,11 +343,23 @@ class DecodeGraphs:
     """The decode step of rows 0..n-1 of `state` as one CUDA graph per (bucket, mode, log-probs,
     logits processors, top log-probs, query rows), captured on first use or ahead of it
     (`prepare`: before a prefill, so the capture stays out of the decode steps' time) and dropped
-    with the cache their addresses are in (`reset`); eagerly where graphs are off."""
+    with the cache their addresses are in (`reset`); eagerly where graphs are off. A graph's
+    warm-up runs once a process for its key and launch config (`warmed`, kept over resets): after
+    the cache grows, a capture is the recording alone (~half the time the streams wait)."""
 
-    def __init__(self, model: Transformer, state: DecodeState, max_batch: int, graphed: bool, pdl: bool):
-        self.model, self.state, self.max_batch, self.graphed, self.pdl = model, state, max_batch, graphed, pdl
+    def __init__(
+        self,
+        model: Transformer,
+        dtype: torch.dtype,
+        state: DecodeState,
+        max_batch: int,
+        graphed: bool,
+        pdl: bool,
+    ):
+        self.model, self.dtype, self.state, self.max_batch = model, dtype, state, max_batch
+        self.graphed, self.pdl = graphed, pdl
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.warmed: set[tuple] = set()
         self.captures, self.capture_seconds = 0, 0.0
 
     def reset(self) -> None:
@@ -363,13 +385,17 @@ class DecodeGraphs:
         if adjust:  # the graph reads the processors' buffers: they exist before it is captured
             self.state.add_processors(self.model.config.vocab_size)
         step = functools.partial(decode_step, self.model, cache, self.state.rows(b), *args)
-        idle = DecodeState.zeros(b, self.state.tokens.device)  # the warm-up writes only the spare granule
-        idle.starts.fill_(spare)
-        if adjust:
-            idle.add_processors(self.model.config.vocab_size)
-        warm_up = functools.partial(decode_step, self.model, cache, idle, *args)
+        warm = (b, *kind, launch_config(self.model, self.dtype, cache))
+        warm_up: Callable[[], None] = lambda: None  # noqa: E731
+        if warm not in self.warmed:
+            idle = DecodeState.zeros(b, self.state.tokens.device)  # the warm-up writes only the spare granule
+            idle.starts.fill_(spare)
+            if adjust:
+                idle.add_processors(self.model.config.vocab_size)
+            warm_up = functools.partial(decode_step, self.model, cache, idle, *args)
         t0 = time.perf_counter()
         self._graphs[(b, *kind)] = capture(step, warm_up)
+        self.warmed.add(warm)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
 

@@ -112,7 +112,7 @@ class Engine:
         # Work that stops the loop outside prefill and decode (monitoring: the server's /metrics):
         # cache reallocations (each also drops the graphs), and graph captures with their time.
         self.resizes = 0
-        self.graphs = DecodeGraphs(model, self.state, self.max_batch, self.use_cuda_graph, pdl)
+        self.graphs = DecodeGraphs(model, dtype, self.state, self.max_batch, self.use_cuda_graph, pdl)
         # the mixed step's inputs and graphs (mixed.py; the graphs dropped with the cache)
         mixed = (self.step_tokens, self.use_cuda_graph, self.max_batch, self.prefill_chunk)
         self.mixed = MixedSteps(model, device, dtype, self.kv_dtype, *mixed)

@@ -22,7 +22,7 @@ from minidecode.kernels.device import sm_count
 from minidecode.models.cache import KVCache
 from minidecode.models.llama import PromptChunk, Transformer
 
-from .decode import DecodeState, bucket, capture
+from .decode import DecodeState, bucket, capture, launch_config
 
 # A mixed step's work, in rows through the weights: its decode rows plus its chunk's prompt rows,
 # each prompt row's attention to its earlier positions counted as the rows of projections its time
@@ -135,6 +135,9 @@ class MixedSteps:
         self._ids = torch.zeros(chunk_bucket(max(16, step_tokens)), dtype=torch.long, device=device)
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (decode bucket, launch config) whose step has run in this process (kept over resets):
+        # the kernels compiled for it, the decode attention's workspace made
+        self.warmed: set[tuple[int, int]] = set()
         self.captures, self.capture_seconds = 0, 0.0
 
     def reset(self) -> None:
@@ -182,6 +185,18 @@ class MixedSteps:
         hidden = self.model.mixed(chunk, rows.tokens, rows.positions, rows.starts, rows.active, cache)
         return self.model.logits(hidden)
 
+    def warm_up(self, chunk: PromptChunk, buckets: list[int], cache: KVCache) -> None:
+        """Run `chunk`'s step eagerly beside no decode rows and beside each bucket's idle rows (which
+        write only the spare granule): every kernel its graphs will launch compiled and its
+        workspaces made, so that no later capture beside those rows needs a warm-up run."""
+        for rows in [0, *buckets]:
+            idle = DecodeState.zeros(rows, self.device)
+            idle.starts.fill_(chunk.spare)
+            hidden = self.model.mixed(chunk, idle.tokens, idle.positions, idle.starts, idle.active, cache)
+            self.model.logits(hidden)
+            if self.graphed:
+                self.warmed.add((rows, launch_config(self.model, self.dtype, cache)))
+
     def _replay(self, chunk: PromptChunk, state: DecodeState, b: int, cache: KVCache) -> torch.Tensor:
         """Replay the graph of chunk's rows beside decode rows 0..b-1 (idle past the running ones),
         captured on first use -> its logits [1 + b, V]."""
@@ -193,14 +208,15 @@ class MixedSteps:
             def forward() -> None:
                 out["logits"] = self.model.logits(self.model.mixed(chunk, *decode_rows, cache))
 
-            # The warm-up is the step itself (it writes the K/V the replay writes again), run before
-            # the first capture with these decode rows only: after it every kernel of such a step
-            # is compiled for its specialization (row counts alike mod 16: chunk_bucket) and the
-            # decode attention's workspace exists, and an eager run is ~40 ms of an 8B's launches,
-            # which the streams would wait for again at each chunk size.
-            seen = any(decode == b for _, decode in self._graphs)
+            # A warm-up only where no step beside b rows has run on a cache of this launch config in
+            # this process (warm_up at load runs them all): then it is the step itself (it writes
+            # the K/V the replay writes again), before the capture. Every chunk size's kernels
+            # share one specialization (row counts alike mod 16: chunk_bucket); an eager run is ~40
+            # ms of an 8B's launches, which the streams would wait for again after each resize.
+            warm = (b, launch_config(self.model, self.dtype, cache))
             t0 = time.perf_counter()
-            graph = capture(forward, (lambda: None) if seen else forward, pool=self._pool)
+            graph = capture(forward, (lambda: None) if warm in self.warmed else forward, pool=self._pool)
+            self.warmed.add(warm)
             self._graphs[key] = graph, out["logits"]
             self.captures += 1
             self.capture_seconds += time.perf_counter() - t0

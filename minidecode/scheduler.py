@@ -42,7 +42,7 @@ from .cache_file import CacheFile
 from .decode import draft_bucket, step_queries
 from .engine import Engine
 from .errors import UserError
-from .mixed import chunk_end, rows_per_key
+from .mixed import chunk_bucket, chunk_end, rows_per_key
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
@@ -125,6 +125,9 @@ class Scheduler:
         self._beside = False  # ... beside running ones: the prefills go in mixed steps with them
         self._next = 0  # the prefill in progress's next prompt position to plan (mixed steps' chunks)
         self._kind: DecodeKind | None = None  # the running rows' step (changes when a row starts or ends)
+        # The prefill in progress's decode graphs, to capture during its mixed steps (_spread_prepare)
+        self._to_prepare: list[tuple[int, DecodeKind, int]] = []
+        self._last_step: tuple[int, int, int] | None = None  # the last mixed step's graph (its shape)
         self._key_rows = rows_per_key(engine.model, engine.device)  # a key of attention, in rows
 
     # ---- plans -------------------------------------------------------------------------------
@@ -157,6 +160,10 @@ class Scheduler:
             end = min(len(self.prefilling.prompt_ids), lo + self.engine.prefill_chunk)  # (its temporaries)
             self._next = chunk_end(lo, end, room, self._key_rows)
             plan.prefill.chunk = (lo, self._next)
+            self._spread_prepare(plan, last=self._next == len(self.prefilling.prompt_ids))
+        elif self._to_prepare:  # the prefill runs on as a whole prefill's units (or has ended)
+            plan.prepare += self._to_prepare if self.prefilling is not None else []
+            self._to_prepare = []
         done = self.pending()  # rows freed and cache work, this admission's included
         done.admit, done.prepare = plan.admit, plan.prepare
         done.prefill, done.decode = plan.prefill, plan.decode
@@ -221,10 +228,32 @@ class Scheduler:
             # the plain step's, and where a row can speculate each draft bucket its steps may take.
             rows, together = len(self.running) + 1, [*self.running, seq]
             most = max((s.speculate for s in together if s.lookup is not None), default=0)
-            plan.prepare += [(rows, step_kind(together), queries) for queries in step_queries(most)]
+            prepare = [(rows, step_kind(together), queries) for queries in step_queries(most)]
+            if self._beside and not self.engine.context_parallel:  # mixed steps: in theirs
+                self._to_prepare, self._last_step = prepare, None
+            else:
+                plan.prepare += prepare
             plan.prefill = self._prefill_work(seq, begin=True)
             return
         self._round = False
+
+    def _spread_prepare(self, plan: StepPlan, last: bool) -> None:
+        """The decode graphs that a prefill beside running rows will need, captured one a plan
+        during its mixed steps: in a plan whose step has the shape of the one before (chunk rows,
+        decode rows, queries: its graphs exist, so it captures nothing else), all that are left
+        with its last chunk. A capture (~40 ms for an 8B) then holds the streams up once, where
+        several with a new chunk size's graph, after the cache grew for the prompt, held them up
+        for two captures and a warm-up (~100 ms: bench/NOTES-engine.md)."""
+        decode = plan.decode
+        shape = (chunk_bucket(plan.prefill.chunk[1] - plan.prefill.chunk[0]), *(
+            (decode.rows, decode.queries) if decode is not None else (0, 0)
+        ))  # fmt: skip
+        if last:
+            plan.prepare += self._to_prepare
+            self._to_prepare = []
+        elif self._to_prepare and shape == self._last_step:
+            plan.prepare.append(self._to_prepare.pop(0))
+        self._last_step = shape
 
     def _prefill_work(self, seq: Sequence, begin: bool) -> Prefill:
         row = RowStart(len(self.running), seq.start, len(seq.prompt_ids), seq.params)

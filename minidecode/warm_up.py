@@ -13,7 +13,7 @@ import torch
 from minidecode.kernels import ops
 from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention
 
-from .decode import DecodeState, bucket
+from .decode import bucket
 from .engine import Engine
 from .sampling import SamplingParams
 
@@ -55,17 +55,11 @@ def warm_up_mixed(engine: Engine) -> None:
     where the engine captures them: their compiles, and the chunk attention's first call and
     imports, kept out of the first step beside running streams): a chunk of positions 16..31
     after a 16-position prefill at the cache's start, beside no decode rows and beside each batch
-    bucket's idle rows (the decode attention is specialized to its rows; idle rows write only the
-    spare granule)."""
+    bucket's idle rows (the decode attention is specialized to its rows)."""
     region = engine.region(0, 32)
     ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
     chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
-    for rows in [0, *batch_buckets(engine)]:
-        state = DecodeState.zeros(rows, engine.device)
-        state.starts.fill_(engine.spare_start)
-        rows_in = (state.tokens, state.positions, state.starts, state.active)
-        hidden = engine.model.mixed(chunk, *rows_in, engine.cache)
-        engine.model.logits(hidden)
+    engine.mixed.warm_up(chunk, batch_buckets(engine), engine.cache)
 
 
 def batch_buckets(engine: Engine) -> list[int]:

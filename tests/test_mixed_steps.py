@@ -19,7 +19,7 @@ from ranks import as_torchrun_rank
 
 from minidecode import LLM, Request, UserError
 from minidecode.engine import Engine
-from minidecode.mixed import CHUNK_MULTIPLE, MIN_CHUNK, chunk_end
+from minidecode.mixed import CHUNK_MULTIPLE, MIN_CHUNK, chunk_bucket, chunk_end
 from minidecode.models.llama import Transformer
 from minidecode.plan import Decode, DecodeKind, Prefill, RowStart, StepPlan
 from minidecode.sampling import SamplingParams
@@ -270,6 +270,28 @@ def test_a_stream_gets_a_token_every_step_of_a_long_prefill(llama, greedy, monke
     assert all(p.decode.rows == 1 and p.decode.queries == 1 for p in mixed)
     assert all(hi - lo <= max(MIN_CHUNK, BUDGET - 1) for lo, hi in (p.prefill.chunk for p in mixed))
     assert mixed == prefill  # every plan of its prefill, none of a whole prefill's units
+
+
+def test_a_prefill_beside_a_stream_prepares_its_decode_graph_in_a_step_that_captures_nothing(
+    llama, greedy, monkeypatch
+):
+    """The decode graph the long prompt will join the stream in (2 rows) is not prepared with its
+    admission (whose mixed step captures its own graph after the cache grew) but once, in a later
+    plan of its prefill whose step has the shape of the one before (its graphs exist), before the
+    prompt's first decode step."""
+    llm, plans = load(llama), []
+    record_plans(monkeypatch, plans)
+    prefill = long_prompt_beside_a_stream(llm, greedy, plans)
+    assert prefill[0].admit is not None and prefill[0].prepare == []
+
+    def shape(plan: StepPlan) -> tuple:
+        lo, hi = plan.prefill.chunk
+        return chunk_bucket(hi - lo), plan.decode.rows, plan.decode.queries
+
+    prepared = [(i, entry) for i, plan in enumerate(prefill) for entry in plan.prepare]
+    assert [(rows, queries) for _, (rows, _, queries) in prepared] == [(2, 1)]
+    i = prepared[0][0]
+    assert 0 < i < len(prefill) - 1 and shape(prefill[i]) == shape(prefill[i - 1])
 
 
 def test_without_mixed_steps_a_prefill_goes_a_unit_a_step_beside_the_stream(llama, greedy, monkeypatch):
