@@ -326,10 +326,11 @@ def capture(step: Callable[[], None], warm_up: Callable[[], None], pool: Any = N
         warm_up()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # Captured on the side stream after the queued work, as torch.cuda.graph captures, but without
-    # its empty_cache(): with the allocator's cache freed, every later allocation is a cudaMalloc
-    # again, and a mixed step captures a graph at each new chunk size while streams wait.
-    torch.cuda.synchronize()
+    # Captured on the side stream as torch.cuda.graph captures, but without its synchronize() and
+    # empty_cache(): a capture records and launches nothing, so the queued steps run on during it
+    # (a mixed step captures a graph at each new chunk size while streams wait: the ~15 ms of the
+    # step before it would add to their gap), and with the allocator's cache freed every later
+    # allocation would be a cudaMalloc again.
     with torch.cuda.stream(stream):
         graph.capture_begin(*([] if pool is None else [pool]))
         try:
