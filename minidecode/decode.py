@@ -96,6 +96,14 @@ class DecodeState:
             lead, drafts, draft_lens, accepted,
         )  # fmt: skip
 
+    @classmethod
+    def idle(cls, batch: int, device: torch.device, spare: int) -> DecodeState:
+        """`batch` idle rows (active 0) that read nothing and write only cache position `spare`
+        (the spare granule): a warm-up's."""
+        state = cls.zeros(batch, device)
+        state.starts.fill_(spare)
+        return state
+
     def add_processors(self, vocab: int) -> ProcessorRows:
         """The logits-processor state ([B, vocab] buffers), allocated on first use."""
         if self.processors is None:
@@ -387,18 +395,19 @@ class DecodeGraphs:
             self.state.add_processors(self.model.config.vocab_size)
         step = functools.partial(decode_step, self.model, cache, self.state.rows(b), *args)
         warm = (b, *kind, launch_config(self.model, self.dtype, cache))
-        warm_up: Callable[[], None] = lambda: None  # noqa: E731
-        if warm not in self.warmed:
-            idle = DecodeState.zeros(b, self.state.tokens.device)  # the warm-up writes only the spare granule
-            idle.starts.fill_(spare)
-            if adjust:
-                idle.add_processors(self.model.config.vocab_size)
-            warm_up = functools.partial(decode_step, self.model, cache, idle, *args)
         t0 = time.perf_counter()
+        warm_up = self._warm_up(cache, b, spare, adjust, args) if warm not in self.warmed else lambda: None
         self._graphs[(b, *kind)] = capture(step, warm_up)
         self.warmed.add(warm)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
+
+    def _warm_up(self, cache: KVCache, b: int, spare: int, adjust: bool, args: tuple) -> Callable[[], None]:
+        """A step of b idle rows (writing only the spare granule), run before a capture."""
+        idle = DecodeState.idle(b, self.state.tokens.device, spare)
+        if adjust:
+            idle.add_processors(self.model.config.vocab_size)
+        return functools.partial(decode_step, self.model, cache, idle, *args)
 
     def _args(self, kind: tuple, spare: int) -> tuple:
         mode, logprobs, adjust, top, queries = kind

@@ -190,8 +190,7 @@ class MixedSteps:
         write only the spare granule): every kernel its graphs will launch compiled and its
         workspaces made, so that no later capture beside those rows needs a warm-up run."""
         for rows in [0, *buckets]:
-            idle = DecodeState.zeros(rows, self.device)
-            idle.starts.fill_(chunk.spare)
+            idle = DecodeState.idle(rows, self.device, chunk.spare)
             hidden = self.model.mixed(chunk, idle.tokens, idle.positions, idle.starts, idle.active, cache)
             self.model.logits(hidden)
             if self.graphed:

@@ -161,8 +161,9 @@ class Scheduler:
             self._next = chunk_end(lo, end, room, self._key_rows)
             plan.prefill.chunk = (lo, self._next)
             self._spread_prepare(plan, last=self._next == len(self.prefilling.prompt_ids))
-        elif self._to_prepare:  # the prefill runs on as a whole prefill's units (or has ended)
-            plan.prepare += self._to_prepare if self.prefilling is not None else []
+        elif self._to_prepare:  # the prefill runs on as a whole prefill's units, or failed
+            if self.prefilling is not None:
+                plan.prepare += self._to_prepare
             self._to_prepare = []
         done = self.pending()  # rows freed and cache work, this admission's included
         done.admit, done.prepare = plan.admit, plan.prepare
@@ -241,13 +242,12 @@ class Scheduler:
         """The decode graphs that a prefill beside running rows will need, captured one a plan
         during its mixed steps: in a plan whose step has the shape of the one before (chunk rows,
         decode rows, queries: its graphs exist, so it captures nothing else), all that are left
-        with its last chunk. A capture (~40 ms for an 8B) then holds the streams up once, where
-        several with a new chunk size's graph, after the cache grew for the prompt, held them up
-        for two captures and a warm-up (~100 ms: bench/NOTES-engine.md)."""
-        decode = plan.decode
-        shape = (chunk_bucket(plan.prefill.chunk[1] - plan.prefill.chunk[0]), *(
-            (decode.rows, decode.queries) if decode is not None else (0, 0)
-        ))  # fmt: skip
+        with its last chunk. So no plan holds two captures (~40 ms each for an 8B): the
+        admission's, which grew the cache and captured its mixed step's graph beside the decode
+        graph, held the streams for ~100 ms (bench/NOTES-engine.md)."""
+        decode, (lo, hi) = plan.decode, plan.prefill.chunk
+        rows, queries = (decode.rows, decode.queries) if decode is not None else (0, 0)
+        shape = (chunk_bucket(hi - lo), rows, queries)
         if last:
             plan.prepare += self._to_prepare
             self._to_prepare = []
