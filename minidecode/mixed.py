@@ -132,7 +132,8 @@ class MixedSteps:
         # GPU. float32 (no flash kernel) and the CPU: PyTorch's choice.
         self.backend = "flash" if device.type == "cuda" and half else None
         self._where = ChunkWhere(device)
-        self._ids = torch.zeros(chunk_bucket(max(16, step_tokens)), dtype=torch.long, device=device)
+        self.max_chunk_rows = chunk_bucket(max(16, step_tokens))  # the largest graph's chunk rows
+        self._ids = torch.zeros(self.max_chunk_rows, dtype=torch.long, device=device)
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # (decode bucket, launch config) whose step has run in this process (kept over resets):

@@ -55,11 +55,23 @@ def warm_up_mixed(engine: Engine) -> None:
     where the engine captures them: their compiles, and the chunk attention's first call and
     imports, kept out of the first step beside running streams): a chunk of positions 16..31
     after a 16-position prefill at the cache's start, beside no decode rows and beside each batch
-    bucket's idle rows (the decode attention is specialized to its rows)."""
+    bucket's idle rows (the decode attention is specialized to its rows); and, where its steps are
+    graphs, the projections at every row count those graphs take (their matmuls' kernel choice,
+    which a capture at a new row count would otherwise wait for)."""
     region = engine.region(0, 32)
     ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
     chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
     engine.mixed.warm_up(chunk, batch_buckets(engine), engine.cache)
+    if engine.mixed.graphed:
+        for rows in mixed_rows(engine):
+            engine.model.run_projections(rows)
+
+
+def mixed_rows(engine: Engine) -> list[int]:
+    """The row counts of a mixed-step graph's matmuls, smallest first: each chunk bucket's rows
+    beside no decode rows and beside each batch bucket's (mixed.chunk_bucket)."""
+    chunks = [16, *range(32, engine.mixed.max_chunk_rows + 1, 32)]
+    return sorted({c + b for c in chunks for b in [0, *batch_buckets(engine)]})
 
 
 def batch_buckets(engine: Engine) -> list[int]:

@@ -630,6 +630,19 @@ class Transformer(nn.Module):
         q[count:] = 0
         return q
 
+    def run_projections(self, rows: int) -> None:
+        """One layer's projections (q/k/v, o_proj, gate/up, down) once on `rows` rows of zeros: the
+        matmul library's choice of kernel for that row count made, so that a CUDA graph captured at
+        a new row count does not wait for it (bench/NOTES-engine.md). One process only (a
+        tensor-parallel projection's all-reduce is a collective)."""
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        embed, cfg = self.model.embed_tokens.weight, self.config
+        like = {"device": embed.device, "dtype": embed.dtype}
+        x = torch.zeros(rows, cfg.hidden_size, **like)  # [rows, hidden]
+        ops.linear(x, attn.qkv_weight, attn.qkv_bias)
+        attn.o_proj(torch.zeros(rows, cfg.num_heads * cfg.head_dim, **like))
+        mlp(x)
+
     def flops_per_row(self) -> tuple[float, float]:
         """Multiply-adds x 2 of one prompt row through one layer's q/k/v projection, and through its
         o_proj and MLP: a prefill's two passes over each chunk, weighed apart (8B: 50 and 386

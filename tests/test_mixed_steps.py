@@ -562,6 +562,21 @@ def test_the_warm_up_mixed_step_writes_its_chunk_and_the_spare_granule(llama, kv
         )
 
 
+def test_the_warm_up_runs_the_projections_at_every_row_count_of_a_mixed_step_graph(llama):
+    """A mixed-step graph's matmuls take its chunk's padded rows plus its decode bucket's rows, at
+    every chunk size the budget allows beside every number of running rows: each is among the row
+    counts warm_up_mixed runs the projections at (mixed_rows)."""
+    from minidecode.decode import bucket
+    from minidecode.warm_up import mixed_rows
+
+    engine = LLM(llama, device="cpu", dtype="float32", max_batch=12, step_tokens=200).engine
+    warmed = set(mixed_rows(engine))
+    for count in range(1, 201):
+        for running in range(13):
+            rows = chunk_bucket(count) + (min(bucket(running), 12) if running else 0)
+            assert rows in warmed, (count, running)
+
+
 def test_a_length_dependent_rope_prompt_in_mixed_steps(checkpoint_factory, hf, monkeypatch):
     """Dynamic NTK (angles rescaled past 64 positions): a 120-token prompt prefilled chunk by chunk
     beside a stream rotates every chunk by the whole prompt's length, as transformers' one pass
