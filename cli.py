@@ -43,7 +43,6 @@ from minidecode.validate import (
     DTYPE_NAMES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
-    check_cache_files_layout,
     check_choice,
     check_device_name,
     check_dtype_name,
@@ -571,8 +570,6 @@ def check_generate_args(
     runtime.check()
     check_parallel(runtime.tp, runtime.cp, world_size())
     check_speculate(runtime, request.speculate)
-    if load_cache or save_cache:  # under --tp each rank saves and reads its part
-        check_cache_files_layout("--load-cache / --save-cache", runtime.cp)
     if load_cache is not None and load_cache.is_dir():
         raise UserError(
             f"cache file {load_cache} is a directory; give the path of a file that --save-cache wrote"

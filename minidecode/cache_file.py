@@ -14,9 +14,11 @@ first with placeholders of the same length, is rewritten at the end) and checked
 back in. Writes go to a temporary file in the same folder, fsynced and renamed over the target: a
 crash mid-write leaves no half-written file under the target name.
 
-Under torchrun (--tp N) a cache is one such file per rank, of that rank's KV heads: rank 0's at the
-path given, rank k's beside it (part_path); each records its place (tp, cp, rank, world size), its
-shard's weights fingerprint and the save's id, and is checked by the rank that reads it.
+Under torchrun a cache is one such file per rank, of that rank's KV heads (--tp) and of its share
+of the positions (--cp: `length` is the prefix's, the tensors hold the rank's positions of it):
+rank 0's at the path given, rank k's beside it (part_path); each records its place (tp, cp, rank,
+world size, the dealing's chunk), its shard's weights fingerprint and the save's id, and is checked
+by the rank that reads it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from minidecode.models.sharding import CP_CHUNK
 
 from .errors import UserError
 
@@ -166,11 +170,12 @@ def weights_fingerprint(model: nn.Module) -> str:
 
 
 # ---- parts: under torchrun each rank saves and reads its own --------------------------------------
-# A cache saved under --tp N is one part per rank, each a whole cache file of that rank's KV heads:
-# rank 0's is the path given, rank k's lies beside it as PATH.rank{k}-of-{N}. Every part records
-# its place (PLACE_KEYS; a file without them is one process's) and the save's id (the same in
-# every part of one save); each part is checked against the rank that reads it.
-PLACE_KEYS = ("tp", "cp", "rank", "world_size")
+# A cache saved under torchrun is one part per rank, each a whole cache file of that rank's KV heads
+# (--tp) and its share of the positions (--cp: models/sharding.py's dealing, in chunks of cp_chunk
+# positions): rank 0's is the path given, rank k's lies beside it as PATH.rank{k}-of-{N}. Every part
+# records its place (PLACE_KEYS; a file without them is one process's) and the save's id (the same
+# in every part of one save); each part is checked against the rank that reads it.
+PLACE_KEYS = ("tp", "cp", "rank", "world_size", "cp_chunk")
 
 
 def part_path(path: Path, rank: int, world: int) -> Path:
@@ -179,7 +184,8 @@ def part_path(path: Path, rank: int, world: int) -> Path:
 
 
 def place_metadata(tp: int = 1, cp: int = 1, rank: int = 0) -> dict[str, str]:
-    return {"tp": str(tp), "cp": str(cp), "rank": str(rank), "world_size": str(tp * cp)}
+    place = {"tp": str(tp), "cp": str(cp), "rank": str(rank), "world_size": str(tp * cp)}
+    return {**place, "cp_chunk": str(CP_CHUNK)}
 
 
 def launch_name(tp: int, cp: int = 1) -> str:
@@ -206,6 +212,11 @@ def _check_place(meta: dict[str, str], place: dict[str, str], bad: Callable[[str
         raise bad(
             f"was saved {saved}, but this run is {here}: load it {how}, or prefill the prompt again "
             "and save a new cache file"
+        )
+    if cp > 1 and found["cp_chunk"] != place["cp_chunk"]:
+        raise bad(
+            f"deals its positions over the ranks in chunks of {found['cp_chunk']}, but this version "
+            f"deals them in chunks of {place['cp_chunk']}: prefill the prompt again and save a new cache file"
         )
     if (found["rank"], found["world_size"]) != (place["rank"], place["world_size"]):
         raise bad(

@@ -44,9 +44,11 @@ class CacheParts:
         return self._fingerprint
 
     def layout(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """{name: (dtype, shape)} of this rank's saved cache tensors holding `length` positions."""
-        cfg = self.model.config
-        template = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, length, cfg.head_dim, self.kv_dtype, "meta")
+        """{name: (dtype, shape)} of this rank's saved cache tensors of a `length`-position prefix
+        (its share of the positions under context parallelism)."""
+        cfg, positions = self.model.config, self.model.held_positions(length)
+        shape = (cfg.num_layers, 1, cfg.num_kv_heads, positions, cfg.head_dim)
+        template = KVCache(*shape, self.kv_dtype, "meta")
         return {name: (t.dtype, tuple(t.shape)) for name, t in template.tensors().items()}
 
     def save(self, op: FileSave, tensors: dict[str, torch.Tensor]) -> int:

@@ -95,8 +95,7 @@ class Engine:
         self.use_cuda_graph = use_cuda_graph and device.type == "cuda"
         self.pdl = pdl  # chain the decode step's kernels by programmatic dependent launch (Hopper+)
         # context_parallel: the model's ranks each hold a share of every sequence's positions
-        # (models/parallel.py): its prefills run as whole prefills' units (no mixed steps), and no
-        # prefix is reused (a prompt's positions are dealt by its length).
+        # (models/parallel.py): its prefills run as whole prefills' units (no mixed steps).
         self.context_parallel = context_parallel
         self.prefill_attention = prefill_attention  # "auto": SDPA's faster backend; "fp8": the e4m3 kernel
         self.max_batch = check_max_batch(max_batch)
@@ -200,6 +199,7 @@ class Engine:
     def copy_positions(self, src: int, dst: int, count: int) -> None:
         """Positions src..src+count-1 of the cache to dst.. (a cached prefix moved to a larger
         region: device copies, ordered after the queued work). src and dst are region starts."""
+        count = self.model.held_positions(count)  # (context parallel: this rank's share of them)
         source, target = self.region(src, count).tensors(), self.region(dst, count).tensors()
         for name, t in target.items():
             t.copy_(source[name])
@@ -279,7 +279,8 @@ class Engine:
                     self.copy_positions(op.src, op.dst, op.count)
                 elif isinstance(op, FileRead):
                     t0 = time.perf_counter()
-                    self.files.read(op, self.region(op.start, op.count).tensors())
+                    region = self.region(op.start, self.model.held_positions(op.count))
+                    self.files.read(op, region.tensors())
                     out.file_seconds = time.perf_counter() - t0
                 else:
                     self.release()
@@ -294,8 +295,9 @@ class Engine:
     def _file_work(self, op: FileSave | FileOpen, out: StepOutput) -> None:
         """Save or open this rank's part of a cache file; a UserError is `out.file_error`."""
         try:
-            if isinstance(op, FileSave):  # the valid positions of the prefix's region
-                out.file_results = [self.files.save(op, self.region(op.start, len(op.ids)).tensors())]
+            if isinstance(op, FileSave):  # the valid positions of the prefix's region (this rank's)
+                region = self.region(op.start, self.model.held_positions(len(op.ids)))
+                out.file_results = [self.files.save(op, region.tensors())]
             else:
                 out.file_results = [self.files.open(op)]
         except UserError as e:

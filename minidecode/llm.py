@@ -40,7 +40,7 @@ from .scheduler import check_fits
 from .sequence import Event, GenerationResult, GenerationStats, Sequence
 from .streams import BatchProgress, BatchStream, Stream
 from .tokenizer import ByteTokenizer, Tokenizer
-from .validate import check_cache_files_layout, check_speculate_layout, check_vocab
+from .validate import check_speculate_layout, check_vocab
 from .warm_up import warm_up
 
 if TYPE_CHECKING:
@@ -124,7 +124,6 @@ class LLM:
             check_prefill_attention(prefill_attention, self.device, self.config.head_dim)
         except ValueError as e:
             raise UserError(str(e)) from None
-        # Context-parallel ranks deal each sequence's positions by its prompt's length: no prefix reuse.
         self.engine = Engine(
             self.model, self.device, self.dtype, self.kv_dtype, prefill_chunk, use_cuda_graph=cuda_graph,
             max_batch=max_batch, step_tokens=step_tokens, context_parallel=cp_ranks > 1,
@@ -404,10 +403,9 @@ class LLM:
 
     def save_cache(self, path: str | Path) -> int:
         """Save the last finished request's cache (its prompt and the answer tokens fed back) to
-        `path`, a safetensors file, atomically; returns its size in bytes. Under torchrun (--tp)
-        every rank saves its part of it in the same plan: rank 0's to `path`, rank k's beside it
-        (cache_file.part_path); the size is all the parts'."""
-        self._check_cache_files("saving a cache")
+        `path`, a safetensors file, atomically; returns its size in bytes. Under torchrun every
+        rank saves its part of it (--tp: its KV heads; --cp: its positions) in the same plan: rank
+        0's to `path`, rank k's beside it (cache_file.part_path); the size is all the parts'."""
         identity = self.identity
 
         def save() -> int:
@@ -423,9 +421,8 @@ class LLM:
     def load_cache(self, path: str | Path) -> int:
         """Check the cache file at `path` against this model (refusing a mismatch) and keep it as a
         cached prefix: a request that starts with its tokens reads them from the file instead of
-        prefilling them. Returns the number of tokens it holds. Under torchrun (--tp) every rank
-        opens and checks its own part."""
-        self._check_cache_files("loading a cache")
+        prefilling them. Returns the number of tokens it holds. Under torchrun every rank opens
+        and checks its own part."""
         if not self.loop.scheduler.prefix_reuse:
             raise UserError("prefix reuse is off (prefix_reuse=False): a loaded cache would never be used")
         path = Path(path)
@@ -453,9 +450,6 @@ class LLM:
         if out.file_error is not None:
             raise UserError(out.file_error)
         return out.file_results
-
-    def _check_cache_files(self, what: str) -> None:
-        check_cache_files_layout(what, 1 if self.parallel is None else self.parallel.cp)
 
     @property
     def kv_cache_dtype(self) -> str:

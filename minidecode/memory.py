@@ -67,12 +67,13 @@ def activation_bytes(
     the prompt (the staging buffer) and one chunk's float32 quantization temporaries.
     rank_positions: the cache positions of a context-parallel rank, if fewer than the prompt's: it
     prefills only its share of the rows (at most rank_positions), and a layer's attention gathers
-    one KV head's K and V of the whole prompt at a time (models/parallel.py's
-    ContextParallelAttention): its own part padded to the longest share, every rank's parts (at
-    most the prompt plus a row a rank), and the head in position order (the prompt)."""
+    the layer's K and V of the whole prompt, every KV head (models/parallel.py's
+    ContextParallelAttention): the K in position order (the prompt) kept while the V gathers, its
+    own part padded to the longest share, every rank's parts (about the prompt plus a share) and
+    their copy in rank order (as many), before it too is put in position order."""
     received = 0
     if rank_positions is not None and rank_positions < prompt_len:
-        received = 2 * cfg.head_dim * (2 * prompt_len + 2 * rank_positions)  # K and V of one head
+        received = 3 * cfg.num_kv_heads * cfg.head_dim * (prompt_len + rank_positions)
         prompt_len = rank_positions
     T, c = prompt_len, min(chunk, prompt_len)
     whole_prompt = T * (cfg.hidden_size + cfg.num_heads * cfg.head_dim + cfg.group_size * cfg.head_dim)

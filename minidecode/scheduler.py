@@ -104,9 +104,7 @@ class Scheduler:
 
     def __init__(self, engine: Engine, prefix_reuse: bool, free_bytes: Callable[[], int] | None = None):
         self.engine, self.free_bytes = engine, free_bytes or engine.free_bytes
-        # Context parallelism deals a prompt's positions by its length, so a prefix's are not where
-        # a longer prompt would deal them: no reuse; and it runs no mixed steps (models/parallel.py)
-        self.prefix_reuse = prefix_reuse and not engine.context_parallel
+        self.prefix_reuse = prefix_reuse
         self.capacity = engine.capacity  # the cache's region positions once the planned work has run
         self.regions = Regions(engine.capacity)
         self.waiting: deque[Sequence] = deque()

@@ -80,15 +80,3 @@ def check_speculate_layout(speculate: int | None, cp: int) -> None:
     loads and the runtime runs on each request (context-parallel ranks verify no drafts yet)."""
     if speculate and cp > 1:
         raise UserError("--speculate is not supported with --cp yet", field="speculate")
-
-
-def check_cache_files_layout(what: str, cp: int) -> None:
-    """Cache files and the launch's layout: the one check, which the CLI runs before the model
-    loads and the runtime runs on each save or load. A file holds a prefix to reuse, and context
-    parallelism deals a prompt's positions by its length (a prefix's are not where a longer
-    prompt would deal them)."""
-    if cp > 1:
-        raise UserError(
-            f"{what}: not supported with --cp (context parallel deals a prompt's positions by its "
-            "length, so a saved prefix is not where a longer prompt would put it): use --tp, or one process"
-        )

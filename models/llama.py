@@ -296,10 +296,12 @@ class Backbone(nn.Module):
 @dataclass(frozen=True)
 class PromptRows:
     """The prompt positions one rank prefills: `runs` of consecutive positions [lo, hi), in the
-    order of its rows, row r going to cache position first_slot + r; `end`, the prompt's end
-    (start + T: RoPE's length, and the keys its last position reads)."""
+    order of its rows, row r going to cache position first_slot + r; `start` and `end`, the
+    positions every rank prefills (start: after a cached prefix; end: RoPE's length, and the keys
+    the last position reads)."""
 
     runs: tuple[tuple[int, int], ...]
+    start: int
     first_slot: int
     end: int
     # The rows every rank's loop goes over (>= count: the longest rank's share), so that every
@@ -361,7 +363,7 @@ class WholeContext:
         self.config = cfg
 
     def rows(self, prompt_len: int, start: int) -> PromptRows:
-        return PromptRows(((start, start + prompt_len),), start, start + prompt_len, prompt_len)
+        return PromptRows(((start, start + prompt_len),), start, start, start + prompt_len, prompt_len)
 
     def attention(
         self,
@@ -414,6 +416,12 @@ class Transformer(nn.Module):
         """Cache positions this model's ranks each hold for a context (context parallelism splits it)."""
         return context
 
+    def held_positions(self, count: int) -> int:
+        """How many of a sequence's positions 0..count-1 this rank holds, at the start of its region
+        (context parallelism deals them over the ranks: a prefix's copy or cache file is each
+        rank's share of it)."""
+        return count
+
     def setup_rope(self, device: torch.device | str) -> None:
         self.rope = RotaryEmbedding(self.config, device)
 
@@ -449,7 +457,8 @@ class Transformer(nn.Module):
         Which positions this rank's rows are and how a layer's attention runs over them are the
         model's `context` (PromptRows, WholeContext): one process holds every position, at
         cache positions start..start+T-1; a context-parallel rank (models/parallel.py) its share
-        of them, at cache positions 0.. of its own. Everything else runs the same on each row.
+        of them, after its share of the prefix (held_positions(start)) at cache positions of its
+        own. Everything else runs the same on each row.
 
         A resumable prefill: it yields each unit of work's FLOPs (about) once the unit is queued (a
         chunk of projections, an attention call, a chunk of o_proj + MLP), so its owner (the
@@ -496,8 +505,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             k_cache, v_cache = staging if quantized else cache.layer(i)[:2]  # [B, Hkv, S or first + n, D]
-            if quantized and start:
-                _dequantize_prefix(cache.layer(i), staging, start, chunk)
+            if quantized and first:
+                _dequantize_prefix(cache.layer(i), staging, first, chunk)
             for j, (s, e) in enumerate(spans):
                 if e > s:
                     cos, sin = chunk_angles[j] if angles_for_all_layers else angles(s, e)  # [B, c, D]
@@ -624,7 +633,7 @@ class Transformer(nn.Module):
             ops.rope_into(*own, heads, k[:, :, lo:hi], v[:, :, lo:hi], *norms, attn.norm_eps)
         else:
             k, v = chunk.region.layer(i)[:2]  # [1, Hkv, size, D]
-        rows = PromptRows(((lo, hi),), lo, hi, count)  # the chunk's attention reads keys 0..hi-1
+        rows = PromptRows(((lo, hi),), lo, lo, hi, count)  # the chunk's attention reads keys 0..hi-1
         for _ in self.context.attention(heads, k, v, rows, attn.scale, chunk.backend, chunk.copy_rows):
             pass  # (the heads overwritten by their output, call by call)
         q[count:] = 0

@@ -16,16 +16,16 @@ The lm_head is split by vocabulary rows and the logits all-gathered ([B, V] per 
 per-step reads, about 6% of a 70B rank's weights at tp 4. The embedding stays whole (a step
 reads one row of it).
 
-Context parallel (cp): the context's positions are dealt over the ranks (sharding.deal: the
-prompt in 2 cp chunks, rank i taking chunks i and 2 cp - 1 - i, so every rank has the same causal
-work; the positions after them round robin), each rank holding its positions' K/V compactly in
-each sequence's region (its share of the region's positions), and attention runs as
-ContextParallelAttention: in prefill, the one prefill loop
+Context parallel (cp): the context's positions are dealt over the ranks (sharding.deal: chunks of
+CP_CHUNK positions by rounds, ranks 0..cp-1 in even rounds and cp-1..0 in odd ones, so that every
+rank has the same causal work and a position's rank depends on the position alone: a cached prefix
+or a cache file is every rank's share of it, where a longer prompt would put it), each rank holding
+its positions' K/V compactly and in order in each sequence's region (its share of the region's
+positions), and attention runs as ContextParallelAttention: in prefill, the one prefill loop
 (Transformer.prefill_units) computes each rank's rows, and a layer's attention gathers the
-prompt's K/V one KV head at a time and attends each run of the rank's positions over the keys
-before it; in decode, the new token's K/V go to the one rank that holds its position and every
-rank's partial result over its positions is merged exactly by log-sum-exp. ParallelTransformer
-has no prefill of its own.
+context's K/V and attends each run of the rank's positions over the keys before it; in decode, the
+new token's K/V go to the one rank that holds its position and every rank's partial result over its
+positions is merged exactly by log-sum-exp. ParallelTransformer has no prefill of its own.
 """
 
 from __future__ import annotations
@@ -43,7 +43,17 @@ from minidecode.kernels.prefill import causal_attention
 from .cache import KVCache
 from .config import ConfigError, FP8Scheme, ModelConfig
 from .llama import FP8Linear, NormAfter, Projection, PromptRows, Transformer
-from .sharding import Collectives, ShardPlan, deal, rank_config, rank_positions, shard_plan
+from .sharding import (
+    CP_CHUNK,
+    Collectives,
+    ShardPlan,
+    deal,
+    held,
+    owner,
+    rank_config,
+    rank_positions,
+    shard_plan,
+)
 
 
 class RowParallelProjection(Projection):
@@ -132,11 +142,11 @@ def _row_parallel_add_to(
 
 
 class ContextParallelAttention:
-    """Attention over a context dealt over the context-parallel ranks (sharding.deal): each rank
-    holds its positions' K/V compactly, at positions 0, 1, ... of the sequence's region (a batch's
-    sequences each in a region of their own); each rank attends over what it holds and the
-    partial results are merged exactly by log-sum-exp. Position order within a rank does not
-    matter: RoPE was applied at the true positions before the K/V were cached.
+    """Attention over a context dealt over the context-parallel ranks (sharding.deal: chunks of
+    `chunk` positions by rounds, whatever the context's length): each rank holds its positions'
+    K/V compactly and in order in each sequence's region (a batch's sequences each in a region of
+    their own); each rank attends over what it holds and the partial results are merged exactly
+    by log-sum-exp. RoPE was applied at the true positions before the K/V were cached.
 
     Decode (`__call__`, ops.decode_attention's form: Attention.attend): the new token's K/V go to
     the one rank that holds its position (`slots`), the spare position elsewhere; every rank attends
@@ -144,17 +154,17 @@ class ContextParallelAttention:
     (ops.merge_ranks): one B x Hq x (D + 1) float32 gather per layer, whatever the context.
 
     Prefill (`rows`, `attention`, `output`: the Transformer's context, as models/llama.py's
-    WholeContext): each rank computes the rows of its positions (projections, MLP) in the one
-    prefill loop (Transformer.prefill_units); a layer's attention gathers every rank's K/V of
-    the prompt, one KV head at a time, puts it in position order, and attends each run of the
-    rank's consecutive positions causally over its own keys and fully over every earlier one
+    WholeContext): each rank computes the rows of its new positions (projections, MLP) in the one
+    prefill loop (Transformer.prefill_units), after a cached prefix as well (each rank holds its
+    share of the prefix where the prompt's dealing puts it); a layer's attention gathers every
+    rank's K/V of the context, prefix included, puts it in position order, and attends each run of
+    the rank's consecutive positions causally over its own keys and fully over every earlier one
     (kernels/prefill.py's causal_attention with the run's start as its past: the same calls, and
-    the same backends, FP8 included, as a suffix after a cached prefix in one process). The
-    dealing gives every rank the same causal work."""
+    the same backends, FP8 included, as a suffix after a cached prefix in one process)."""
 
-    def __init__(self, parallel: Collectives):
-        self.parallel = parallel
-        self._order: tuple[tuple[int, torch.device], torch.Tensor, int] | None = None
+    def __init__(self, parallel: Collectives, chunk: int = CP_CHUNK):
+        self.parallel, self.chunk = parallel, chunk
+        self._order: tuple[tuple[int, int, torch.device], torch.Tensor, int] | None = None
 
     # ---- decode -----------------------------------------------------------------------------------
     def slots(
@@ -163,16 +173,21 @@ class ContextParallelAttention:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B] int64 of the new tokens, each sequence's region at cache position starts
         [B] int64 (None: 0) -> (written [B] int64: this rank's cache position of the token where it
-        holds it (rank p mod cp, at p // cp of its region: sharding.deal), else `spare`; lengths
-        [B] int32: how many of positions 0..p it holds). active [B] int32 0/1: an idle row (a
-        graph's warm-up) writes only `spare` and reads nothing."""
-        cp, rank = self.parallel.cp, self.parallel.cp_rank
-        held = positions % cp == rank
+        holds it (sharding.owner), else `spare`; lengths [B] int32: how many of positions 0..p it
+        holds (sharding.held)). active [B] int32 0/1: an idle row (a graph's warm-up) writes only
+        `spare` and reads nothing. Device ops only (a decode graph captures them)."""
+        cp, rank, chunk = self.parallel.cp, self.parallel.cp_rank, self.chunk
+        c = positions // chunk
+        rnd, j = c // cp, c % cp
+        holder = torch.where(rnd % 2 == 0, j, cp - 1 - j)
+        mine = holder == rank
         if active is not None:
-            held = held & (active > 0)
-        slot = positions // cp if starts is None else starts + positions // cp
-        written = torch.where(held, slot, spare)
-        lengths = ((positions - rank + cp) // cp).to(torch.int32)  # [B] (p - rank) // cp + 1
+            mine = mine & (active > 0)
+        slot = rnd * chunk + positions % chunk
+        written = torch.where(mine, slot if starts is None else starts + slot, spare)
+        rounds, rest = (positions + 1) // (cp * chunk), (positions + 1) % (cp * chunk)
+        last = torch.where(rounds % 2 == 0, rank, cp - 1 - rank)  # its chunk in the partial round
+        lengths = (rounds * chunk + (rest - last * chunk).clamp(0, chunk)).to(torch.int32)
         return written, lengths if active is None else lengths * active
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
@@ -191,14 +206,17 @@ class ContextParallelAttention:
         return ops.merge_ranks(parts, dtype, triton, pdl)
 
     # ---- prefill ----------------------------------------------------------------------------------
+    def held_positions(self, count: int) -> int:
+        """How many of positions 0..count-1 this rank holds (at its cache positions 0..)."""
+        return held(count, self.parallel.cp, self.parallel.cp_rank, self.chunk)
+
     def rows(self, prompt_len: int, start: int) -> PromptRows:
-        """This rank's positions of a fresh prompt (sharding.deal), at its cache positions 0..
-        (start must be 0: prefix reuse is off under cp); padded to the longest share."""
-        if start:
-            raise ValueError("context-parallel prefill starts at position 0 (no prefix reuse)")
-        shares = deal(prompt_len, self.parallel.cp)
+        """This rank's positions of start..start+prompt_len-1 (sharding.deal), at its cache positions
+        from held(start) on; padded to the longest share."""
+        end = start + prompt_len
+        shares = deal(start, end, self.parallel.cp, self.chunk)
         most = max(_count(runs) for runs in shares)
-        return PromptRows(tuple(shares[self.parallel.cp_rank]), 0, prompt_len, most)
+        return PromptRows(tuple(shares[self.parallel.cp_rank]), start, self.held_positions(start), end, most)
 
     def attention(
         self,
@@ -211,68 +229,65 @@ class ContextParallelAttention:
         chunk: int,
     ) -> Iterator[float]:
         """A layer's causal attention of this rank's queries q [B, Hq, n, D] (its rows, in their
-        order) over the whole prompt's keys, the output overwriting q; k/v [B, Hkv, >= n, D]: this
-        rank's K/V of its rows (the cache, or the FP8 cache's staging buffer).
+        order) over the whole context's keys, the output overwriting q; k/v [B, Hkv, >= held(end),
+        D]: this rank's K/V of positions 0..end-1 (the cache, or the FP8 cache's staging buffer).
 
-        One KV head at a time: its keys and values gathered in position order [B, 1, T, D] (every
-        rank takes part in every gather), then per run [lo, hi) of the rank's rows a causal call
-        with past lo, one unit each. Every rank yields as many units per head (the most any rank
-        has; the others pad with empty units), so that the gathers of every head fall in the same
-        unit on every rank. `chunk` (the one-process grouping of
-        KV heads) is not needed: the gathered head is each call's whole operand."""
+        The layer's keys and values gathered in position order [B, Hkv, end, D] (every rank takes
+        part), then per run [lo, hi) of the rank's rows one causal call over every head with past
+        lo, one unit each: a chunk's 1024 rows of every query head fill a GPU where one head's
+        would not. Every rank yields as many units (the most runs any rank has; the others pad with
+        empty units), so that the gathers fall in the same unit on every rank. `chunk` (the
+        one-process grouping of KV heads) is not needed."""
         B, Hq, n, D = q.shape
-        Hkv, T = k.shape[1], rows.end
-        G = Hq // Hkv
-        shares = deal(T, self.parallel.cp)
-        units = max(sum(hi > lo for lo, hi in runs) for runs in shares)
-        for h in range(Hkv):
-            keys = self._gather_in_order(k[:, h : h + 1, :n], T)  # [B, 1, T, D]
-            values = self._gather_in_order(v[:, h : h + 1, :n], T)
-            group, row, ran = q[:, h * G : (h + 1) * G], 0, 0  # group [B, G, n, D]
-            for lo, hi in rows.runs:
-                if hi > lo:  # positions lo..hi-1, rows row..
-                    part = group[:, :, row : row + hi - lo]  # overwritten by its output
-                    causal_attention(part, keys[:, :, :hi], values[:, :, :hi], scale, backend, out=part)
-                    yield 4 * B * G * D * (hi - lo) * hi
-                    ran += 1
-                row += hi - lo
-            for _ in range(units - ran):
-                yield 0.0
+        end, own = rows.end, rows.first_slot + n
+        shares = deal(rows.start, end, self.parallel.cp, self.chunk)
+        units = max(len(runs) for runs in shares)
+        keys = self._gather_in_order(k[:, :, :own], 0, end)  # [B, Hkv, end, D]
+        values = self._gather_in_order(v[:, :, :own], 0, end)
+        row = 0
+        for lo, hi in rows.runs:  # positions lo..hi-1, rows row..
+            part = q[:, :, row : row + hi - lo]  # overwritten by its output
+            causal_attention(part, keys[:, :, :hi], values[:, :, :hi], scale, backend, out=part)
+            yield 4 * B * Hq * D * (hi - lo) * hi
+            row += hi - lo
+        for _ in range(units - len(rows.runs)):
+            yield 0.0
 
     def output(self, x: torch.Tensor, rows: PromptRows, last_only: bool) -> torch.Tensor:
         """This rank's residual stream x [B, n, hidden] -> the last position's [B, hidden] (from the
-        rank that holds it), or every position's [B, T, hidden] in order, on every rank."""
+        rank that holds it), or every new position's [B, end - start, hidden] in order, on every
+        rank."""
         if not last_only:
-            return self._gather_in_order(x, rows.end)
-        shares = deal(rows.end, self.parallel.cp)
-        owner = next(c for c, runs in enumerate(shares) if runs and runs[-1][1] == rows.end)
-        held = self.parallel.cp_rank == owner
-        last = x[:, -1].contiguous() if held else x.new_empty(x.shape[0], x.shape[-1])
-        self.parallel.broadcast_cp(last, owner)
+            return self._gather_in_order(x, rows.start, rows.end)
+        holder = owner(rows.end - 1, self.parallel.cp, self.chunk)[0]
+        mine = self.parallel.cp_rank == holder
+        last = x[:, -1].contiguous() if mine else x.new_empty(x.shape[0], x.shape[-1])
+        self.parallel.broadcast_cp(last, holder)
         return last
 
-    def _gather_in_order(self, own: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """own [..., n, E]: this rank's rows on dim -2 -> every rank's, in position order
-        [..., prompt_len, E] (an all-gather of the parts padded to the longest share)."""
-        order, most = self._positions_order(prompt_len, own.device)
+    def _gather_in_order(self, own: torch.Tensor, lo: int, end: int) -> torch.Tensor:
+        """own [..., n, E]: this rank's rows of positions lo..end-1 on dim -2 -> every rank's, in
+        position order [..., end - lo, E] (an all-gather of the parts padded to the longest)."""
+        order, most = self._positions_order(lo, end, own.device)
         part = F.pad(own, (0, 0, 0, most - own.shape[-2]))  # [..., most, E]
         every = self.parallel.all_gather_cp(part)  # [cp, ..., most, E]
         every = every.movedim(0, -3).flatten(-3, -2)  # [..., cp * most, E]: rank c's rows from c * most
         return every.index_select(-2, order)
 
-    def _positions_order(self, prompt_len: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        """-> (for each prompt position, its row in the gathered parts [cp * most] int64; most, the
-        longest share): kept for the last prompt (every layer of a prefill gathers with it)."""
-        key = (prompt_len, device)
+    def _positions_order(self, lo: int, end: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """-> (for each position lo..end-1, its row in the gathered parts [cp * most] int64; most, the
+        longest share): kept for the last (every layer of a prefill gathers with it)."""
+        key = (lo, end, device)
         if self._order is None or self._order[0] != key:
-            shares = deal(prompt_len, self.parallel.cp)
-            most = max(_count(runs) for runs in shares)
-            order = torch.empty(prompt_len, dtype=torch.long)
-            for c, runs in enumerate(shares):
+            cp = self.parallel.cp
+            first = [held(lo, cp, c, self.chunk) for c in range(cp)]
+            most = max(held(end, cp, c, self.chunk) - first[c] for c in range(cp))
+            order = torch.empty(end - lo, dtype=torch.long)
+            for c, runs in enumerate(deal(lo, end, cp, self.chunk)):
                 row = c * most
-                for lo, hi in runs:
-                    order[lo:hi] = torch.arange(row, row + hi - lo)
-                    row += hi - lo
+                for a, b in runs:
+                    order[a - lo : b - lo] = torch.arange(row, row + b - a)
+                    row += b - a
             self._order = (key, order.to(device), most)
         return self._order[1], self._order[2]
 
@@ -348,6 +363,9 @@ class ParallelTransformer(Transformer):
     # ---- context parallel -------------------------------------------------------------------------
     def cache_len(self, context: int) -> int:
         return rank_positions(context, self.parallel.cp)
+
+    def held_positions(self, count: int) -> int:
+        return count if self.parallel.cp == 1 else self.context.held_positions(count)
 
     def decode(
         self,

@@ -2,8 +2,9 @@
 a part per rank (F and F.rank1-of-2), `--load-cache F` under --tp 2 reads them back (the stats count
 its tokens as from the cache, the greedy text is one process's), and a file of another launch (one
 process's under --tp 2, a --tp 2 one in one process), a missing part, or parts of two saves are
-refused with one `error:` line; --cp refuses cache files in one line. Every launch runs in a session
-of its own and is killed with everything it started after a deadline."""
+refused with one `error:` line. Under --cp 2 each part holds its rank's positions of the prefix
+(models/sharding.py's dealing) and a longer prompt reuses them. Every launch runs in a session of
+its own and is killed with everything it started after a deadline."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ WAIT = 120
 DOC = "def add(a, b):\n    return a + b\n\n" * 6
 QUESTION = "# and now subtract\ndef sub(a, b):"
 COMMON = ["--device", "cpu", "--temperature", "0", "-n", "12", "--json"]
+# ~1,800 tokens: past the dealing's first chunk (1,024 positions), so each --cp 2 rank holds a part
+LONG_DOC = "".join(f"def add{i}(a, b):\n    return a + b + {i}\n\n" for i in range(100))
 
 
 def _free_port() -> int:
@@ -147,7 +150,39 @@ def test_a_one_process_cache_is_refused_under_tp_and_cp_in_one_line(tmp_path):
     )
     cp = ranks("-p", DOC + QUESTION, "--load-cache", "doc.cache", *COMMON, cwd=tmp_path, split="--cp")
     assert one_error(cp) == (
-        "error: --load-cache / --save-cache: not supported with --cp (context parallel deals a "
-        "prompt's positions by its length, so a saved prefix is not where a longer prompt would put "
-        "it): use --tp, or one process"
+        "error: cache file doc.cache was saved by one process, but this run is --cp 2 (2 ranks): load "
+        "it in one process (without torchrun), or prefill the prompt again and save a new cache file"
+    )
+
+
+def test_a_cp_cache_holds_each_ranks_positions_and_is_reused_under_cp(tmp_path):
+    """--cp 2 --save-cache: each rank's part holds its share of the prefix's positions (the first
+    1,024 on rank 0, the rest on rank 1); a longer prompt under --cp 2 reads them back instead of
+    prefilling (its stats count them) and gives one process's greedy tokens; the parts are refused
+    under --tp 2 in one line."""
+    from minidecode.models.sharding import held
+
+    saved = ranks("-p", LONG_DOC, "--save-cache", "doc.cache", *COMMON, cwd=tmp_path, split="--cp")
+    assert saved.returncode == 0, saved.stderr
+    doc_tokens = json.loads(saved.stdout)["stats"]["prompt_tokens"]
+    for rank, name in enumerate(["doc.cache", "doc.cache.rank1-of-2"]):
+        meta = _metadata(tmp_path / name)
+        assert (meta["tp"], meta["cp"], meta["rank"], meta["cp_chunk"]) == ("1", "2", str(rank), "1024")
+        length = int(meta["length"])
+        assert _header(tmp_path / name)["k"]["shape"][3] == held(length, 2, rank) > 0
+
+    longer = ("-p", LONG_DOC + QUESTION, "--load-cache", "doc.cache", *COMMON)
+    reused = ranks(*longer, cwd=tmp_path, split="--cp")
+    assert reused.returncode == 0, reused.stderr
+    alone = one("-p", LONG_DOC + QUESTION, *COMMON, cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    got, want = json.loads(reused.stdout), json.loads(alone.stdout)
+    assert got["stats"]["reused_tokens"] >= doc_tokens - 1 > 1024
+    assert got["token_ids"] == want["token_ids"]
+
+    tp = ranks(*longer, cwd=tmp_path)
+    assert one_error(tp) == (
+        "error: cache file doc.cache was saved under --cp 2 (a part per rank), but this run is --tp 2 "
+        "(2 ranks): load it under torchrun --nproc-per-node 2 with --cp 2, or prefill the prompt again "
+        "and save a new cache file"
     )

@@ -1,7 +1,7 @@
 """One engine on several CPU processes: `torchrun --nproc-per-node 2 -m minidecode serve` and
 `batch` with --tp 2 / --cp 2 (gloo) give one process's greedy text. Rank 0 runs the engine loop
 and listens (or reads and writes); rank 1 runs each of its step plans. Prefix reuse works across
-requests under --tp; a killed rank ends the server and its clients with an error, not a hang.
+requests under --tp and --cp; a killed rank ends the server and its clients with an error, not a hang.
 Every launch runs in a session of its own and is killed with everything it started after a
 deadline."""
 
@@ -136,6 +136,26 @@ def test_prefix_reuse_across_requests_under_tp(one_process):
         assert first.choices[0].text == again.choices[0].text == one_process[3]
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_prefix_reuse_across_requests_under_cp():
+    """Under --cp 2 a prompt of ~1,900 tokens holds positions on both ranks (the dealing's first
+    chunk of 1,024 on rank 0, the rest on rank 1); a second prompt that starts with it reuses both
+    ranks' shares (cached_tokens past the first chunk) and both texts are one process's."""
+    from minidecode import LLM
+
+    doc = "".join(f"def add{i}(a, b):\n    return a + b + {i}\n\n" for i in range(100))
+    prompts = [doc + "def sub(a, b):", doc + "def mul(a, b):"]
+    llm = LLM(device="cpu")
+    alone = [llm.generate(p, max_new_tokens=NEW, temperature=0, reuse_prefix=False).text for p in prompts]
+    llm.close()
+    with served("--cp", "2") as (base, _, log):
+        c = client(base)
+        ask = dict(model="stdlib-tiny", max_tokens=NEW, temperature=0)
+        got = [c.completions.create(prompt=p, **ask) for p in prompts]
+        assert [g.choices[0].text for g in got] == alone, log.read_text()
+        assert got[0].usage.prompt_tokens_details.cached_tokens == 0
+        assert got[1].usage.prompt_tokens_details.cached_tokens > 1024
 
 
 def test_a_request_arriving_beside_a_running_one_under_cp():
