@@ -183,9 +183,9 @@ def part_path(path: Path, rank: int, world: int) -> Path:
     return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}-of-{world}")
 
 
-def place_metadata(tp: int = 1, cp: int = 1, rank: int = 0) -> dict[str, str]:
-    place = {"tp": str(tp), "cp": str(cp), "rank": str(rank), "world_size": str(tp * cp)}
-    return {**place, "cp_chunk": str(CP_CHUNK)}
+def place_metadata(tp: int = 1, cp: int = 1, rank: int = 0, cp_chunk: int = CP_CHUNK) -> dict[str, str]:
+    place = {"tp": tp, "cp": cp, "rank": rank, "world_size": tp * cp, "cp_chunk": cp_chunk}
+    return {key: str(value) for key, value in place.items()}
 
 
 def launch_name(tp: int, cp: int = 1) -> str:
@@ -215,8 +215,8 @@ def _check_place(meta: dict[str, str], place: dict[str, str], bad: Callable[[str
         )
     if cp > 1 and found["cp_chunk"] != place["cp_chunk"]:
         raise bad(
-            f"deals its positions over the ranks in chunks of {found['cp_chunk']}, but this version "
-            f"deals them in chunks of {place['cp_chunk']}: prefill the prompt again and save a new cache file"
+            f"deals its positions over the ranks in chunks of {found['cp_chunk']}, but this run deals "
+            f"them in chunks of {place['cp_chunk']}: prefill the prompt again and save a new cache file"
         )
     if (found["rank"], found["world_size"]) != (place["rank"], place["world_size"]):
         raise bad(

@@ -130,7 +130,8 @@ class LLM:
             prefill_attention=prefill_attention,
         )  # fmt: skip
         if self.parallel is not None:  # its part of a cache file (cache_file.part_path)
-            self.engine.files.place = (self.parallel.tp, self.parallel.cp, self.parallel.rank)
+            par = self.parallel
+            self.engine.files.place = (par.tp, par.cp, par.rank, self.model.cp_chunk)
         self.fanout = None  # rank 0's channel to the other ranks
         if self.parallel is not None and self.parallel.rank == 0:
             from .fanout import Fanout

@@ -40,6 +40,7 @@ from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows
 from minidecode.kernels.prefill import causal_attention
 
+from . import sharding
 from .cache import KVCache
 from .config import ConfigError, FP8Scheme, ModelConfig
 from .llama import FP8Linear, NormAfter, Projection, PromptRows, Transformer
@@ -300,6 +301,9 @@ class ParallelTransformer(Transformer):
         plan = shard_plan(cfg, parallel.tp, parallel.tp_rank)
         super().__init__(rank_config(cfg, plan))
         self.full_config, self.parallel, self.plan = cfg, parallel, plan
+        # The positions a dealt chunk holds (models/sharding.py), read when the model is built: a
+        # test's ranks may deal a small model's short prompts in smaller chunks.
+        self.cp_chunk = sharding.CP_CHUNK
         self._checkpoint_shapes: dict[str, torch.Size] | None = None  # built on first use
         if parallel.tp > 1:
             for layer in self.model.layers:
@@ -313,7 +317,7 @@ class ParallelTransformer(Transformer):
             if not cfg.tie_word_embeddings:
                 self.lm_head = nn.Linear(cfg.hidden_size, plan.vocab_rows, bias=False)
         if parallel.cp > 1:  # the prefill's rows and attention, and each layer's decode attention
-            self.context = ContextParallelAttention(parallel)
+            self.context = ContextParallelAttention(parallel, self.cp_chunk)
             for layer in self.model.layers:
                 layer.self_attn.attend = self.context
 
@@ -362,7 +366,7 @@ class ParallelTransformer(Transformer):
 
     # ---- context parallel -------------------------------------------------------------------------
     def cache_len(self, context: int) -> int:
-        return rank_positions(context, self.parallel.cp)
+        return rank_positions(context, self.parallel.cp, self.cp_chunk)
 
     def held_positions(self, count: int) -> int:
         return count if self.parallel.cp == 1 else self.context.held_positions(count)

@@ -25,6 +25,7 @@ from minidecode import LLM, UserError
 from minidecode.distributed import OneShot
 from minidecode.kernels import collectives, ops
 from minidecode.kernels.reference import decode_attention_reference
+from minidecode.models import sharding
 from minidecode.models.cache import KVCache
 from minidecode.models.config import ConfigError, ModelConfig
 from minidecode.models.presets import PRESETS
@@ -87,6 +88,8 @@ def run_job(job: dict) -> dict:
     """The job's generations and logits, every tensor on the CPU (ranks on different GPUs save
     theirs, and the test compares them with a reference computed on another)."""
     PRESETS.update(job.get("presets", {}))  # a test's random-weight shape (spawned ranks import afresh)
+    if "cp_chunk" in job:  # a small model's short prompts dealt in small chunks (spawned ranks only)
+        sharding.CP_CHUNK = job["cp_chunk"]
     llm = LLM(
         job["model"],
         device=job.get("device", "cpu"),
@@ -203,7 +206,7 @@ def randomize_biases(model_dir: Path) -> None:
 
 
 def check_ranks_match_one_process(results: list[dict], job: dict) -> None:
-    split = ("tp", "cp", "sample", "one_shot", "gloo_one_shot")
+    split = ("tp", "cp", "cp_chunk", "sample", "one_shot", "gloo_one_shot")
     reference = run_job({k: v for k, v in job.items() if k not in split})
     for rank, result in enumerate(results):
         assert "error" not in result, result
@@ -322,8 +325,9 @@ def test_one_shot_paths_match_one_process(checkpoints, tmp_path, split):
     the context-parallel partials are gathered. The ranks give one process's logits and tokens."""
     family = split.pop("family")
     job = dict(
-        model=checkpoints(family), prompt=random_ids(21, seed=8), new=8, chunk=8, gloo_one_shot=True, **split
-    )
+        model=checkpoints(family), prompt=random_ids(21, seed=8), new=8, chunk=8, gloo_one_shot=True,
+        cp_chunk=4, **split,
+    )  # fmt: skip
     results = spawn(2, job, tmp_path)
     assert all(result.get("one_shot_calls", 0) > 0 for result in results)
     if "tp" in split:  # every all-reduce of a decode step brought its norm
@@ -335,35 +339,52 @@ def test_one_shot_paths_match_one_process(checkpoints, tmp_path, split):
 
 
 def test_context_parallel_2_ranks_match_one_process(checkpoints, tmp_path):
-    """cp 2, a 21-token prompt: 4 chunks of 5 (rank 0 the first and the last, rank 1 the middle
-    two) and position 20 on rank 0, prefilled in chunks of 4 rows (rank 0's 11 rows and rank 1's
-    10 run the same units); 12 decode steps write positions 21.. round robin, each merging both
-    ranks' partials."""
-    job = dict(model=checkpoints("llama"), cp=2, prompt=random_ids(21, seed=3), new=12, chunk=4, sample=True)
+    """cp 2, a 21-token prompt dealt in chunks of 4: rank 0 positions 0-3, 12-19, rank 1 4-11, 20
+    (two rounds, the second dealt back), prefilled in chunks of 4 rows (rank 0's 12 rows and rank
+    1's 9 run the same units); 12 decode steps write positions 21.. where the dealing puts them,
+    each merging both ranks' partials."""
+    job = dict(
+        model=checkpoints("llama"), cp=2, cp_chunk=4, prompt=random_ids(21, seed=3), new=12, chunk=4,
+        sample=True,
+    )  # fmt: skip
     check_ranks_match_one_process(spawn(2, job, tmp_path), job)
 
 
+def test_prefix_reuse_and_a_batch_under_context_parallel(checkpoints, tmp_path):
+    """Under cp 2 (chunks of 4) the same prompt again reuses every rank's share of its cached
+    positions (each where the prompt's dealing put it), and a batch of two decodes together, each
+    with one process's tokens."""
+    job = dict(model=checkpoints("llama"), cp=2, cp_chunk=4, prompt=random_ids(19, seed=6), new=6, reuse=True)
+    results = spawn(2, job, tmp_path)
+    check_ranks_match_one_process(results, job)
+    reference = run_job({k: v for k, v in job.items() if k not in ("cp", "cp_chunk")})
+    tokens, reused = results[0]["again"]
+    assert tokens == reference["tokens"] and reused == len(job["prompt"]) - 1
+    assert results[0]["batch"] == reference["batch"] and results[0]["batch"][0] == reference["tokens"]
+
+
 def test_context_parallel_3_ranks_odd_split(checkpoints, tmp_path):
-    """cp 3, a 17-token prompt: 6 chunks of 2 and 5 positions round robin (ranks of 6, 6 and 5
-    rows); 16 decode steps, past the prompt's length, on every rank in turn."""
-    job = dict(model=checkpoints("qwen2"), cp=3, prompt=random_ids(17, seed=9), new=16, chunk=4)
+    """cp 3, a 17-token prompt in chunks of 2: three rounds (ranks of 6, 6 and 5 rows); 16 decode
+    steps, past the prompt's length, on every rank in turn."""
+    job = dict(model=checkpoints("qwen2"), cp=3, cp_chunk=2, prompt=random_ids(17, seed=9), new=16, chunk=4)
     check_ranks_match_one_process(spawn(3, job, tmp_path), job)
 
 
-def test_context_parallel_4_ranks_prompt_shorter_than_its_chunks(checkpoints, tmp_path):
-    """cp 4, a 7-token prompt, fewer positions than 2 x 4 chunks: all dealt round robin (rank 3
-    holds one row fewer), and decode goes on round robin, each step merging 4 partials."""
-    job = dict(model=checkpoints("qwen2"), cp=4, prompt=random_ids(7, seed=4), new=14, chunk=4)
+def test_context_parallel_4_ranks_prompt_shorter_than_a_round(checkpoints, tmp_path):
+    """cp 4, a 7-token prompt in chunks of 2, fewer positions than a round: rank 3 holds one row,
+    and decode goes on into the next rounds, each step merging 4 partials."""
+    job = dict(model=checkpoints("qwen2"), cp=4, cp_chunk=2, prompt=random_ids(7, seed=4), new=14, chunk=4)
     check_ranks_match_one_process(spawn(4, job, tmp_path), job)
 
 
 def test_tensor_and_context_parallel_combined_fp8_cache(checkpoints, tmp_path):
-    """tp 2 x cp 2 with an FP8 cache: each rank holds one KV head over half the positions; its
-    prefill quantizes its own rows after attending over the gathered unquantized K/V, like one
-    process."""
+    """tp 2 x cp 2 with an FP8 cache (chunks of 4): each rank holds one KV head over half the
+    positions; its prefill quantizes its own rows after attending over the gathered unquantized
+    K/V, like one process."""
     job = dict(
-        model=checkpoints("llama"), tp=2, cp=2, prompt=random_ids(12, seed=5), new=8, chunk=5, kv="fp8"
-    )
+        model=checkpoints("llama"), tp=2, cp=2, cp_chunk=4, prompt=random_ids(12, seed=5), new=8, chunk=5,
+        kv="fp8",
+    )  # fmt: skip
     check_ranks_match_one_process(spawn(4, job, tmp_path), job)
 
 
