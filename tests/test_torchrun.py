@@ -28,6 +28,8 @@ pytest.importorskip("fastapi")
 WAIT = 120
 PROMPTS = [f"def f{i}(x):" for i in range(8)]
 NEW = 16
+# ~1,900 tokens: past the first chunk of positions --cp deals (1,024), so both ranks hold some
+DOC = "".join(f"def add{i}(a, b):\n    return a + b + {i}\n\n" for i in range(100))
 
 
 def _env() -> dict[str, str]:
@@ -116,14 +118,30 @@ def ask_together(base: str, prompts: list[str]) -> list:
     return [got.get(i) for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("split", ["--tp", "--cp"])
-def test_serve_on_two_ranks_answers_eight_clients_with_one_process_text(one_process, split):
-    """8 concurrent openai clients against a 2-rank server: each gets one process's greedy text
-    (they decode as one batch, each rank holding its heads (--tp) or its positions (--cp))."""
-    with served(split, "2") as (base, _, log):
+def test_serve_on_two_ranks_answers_eight_clients_with_one_process_text(one_process):
+    """8 concurrent openai clients against a --tp 2 server: each gets one process's greedy text
+    (they decode as one batch, each rank holding its heads)."""
+    with served("--tp", "2") as (base, _, log):
         answers = ask_together(base, PROMPTS)
         assert all(a is not None for a in answers), log.read_text()
         assert [a.choices[0].text for a in answers] == one_process
+
+
+def test_serve_under_cp_answers_eight_clients_of_a_long_document_with_one_process_text():
+    """8 concurrent clients against a --cp 2 server, each prompt a ~1,900-token document and its
+    own question: every rank holds positions of each (the dealing's first chunk of 1,024 on rank
+    0, the rest on rank 1), later prompts reuse the document's cached positions, and each answer
+    is one process's greedy text."""
+    from minidecode import LLM
+
+    prompts = [DOC + p for p in PROMPTS]
+    llm = LLM(device="cpu")
+    alone = [llm.generate(p, max_new_tokens=NEW, temperature=0, reuse_prefix=False).text for p in prompts]
+    llm.close()
+    with served("--cp", "2") as (base, _, log):
+        answers = ask_together(base, prompts)
+        assert all(a is not None for a in answers), log.read_text()
+        assert [a.choices[0].text for a in answers] == alone
 
 
 def test_prefix_reuse_across_requests_under_tp(one_process):
@@ -144,8 +162,7 @@ def test_prefix_reuse_across_requests_under_cp():
     ranks' shares (cached_tokens past the first chunk) and both texts are one process's."""
     from minidecode import LLM
 
-    doc = "".join(f"def add{i}(a, b):\n    return a + b + {i}\n\n" for i in range(100))
-    prompts = [doc + "def sub(a, b):", doc + "def mul(a, b):"]
+    prompts = [DOC + "def sub(a, b):", DOC + "def mul(a, b):"]
     llm = LLM(device="cpu")
     alone = [llm.generate(p, max_new_tokens=NEW, temperature=0, reuse_prefix=False).text for p in prompts]
     llm.close()
