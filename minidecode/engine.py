@@ -63,7 +63,6 @@ class Prefilling:
     start: int
     size: int
     done: int  # prompt positions whose K/V its region holds: the reused prefix, then each chunk run
-    ids: torch.Tensor | None = None  # [T] int64 on the device, from its first chunk on
     staging: tuple[torch.Tensor, torch.Tensor] | None = None  # its chunks' FP8 staging (chunk_staging)
     units: Generator[float, None, torch.Tensor] | None = None  # the rest as a whole prefill, once begun
 
@@ -360,13 +359,11 @@ class Engine:
     def _mixed_logits(self, work: Prefilling, chunk: tuple[int, int], n: int) -> torch.Tensor:
         """The mixed step's forward -> float32 logits [1 + n, V] (the chunk's last position, then
         decode rows 0..n-1): its graph's replay, or eagerly."""
-        region = self.region(work.start, work.size)
-        if work.ids is None:  # the prefill's first chunk
-            work.ids = torch.tensor(work.prompt, device=self.device)
+        region, (lo, hi) = self.region(work.start, work.size), chunk
+        if work.staging is None:  # (an FP8 cache's, made at the prefill's first chunk)
             work.staging = self.model.chunk_staging(region, len(work.prompt))
-        lo, hi = chunk
         where = (lo, work.start, len(work.prompt), region, work.staging, self.spare_start)
-        return self.mixed.logits(self.mixed.chunk(work.ids[lo:hi], *where), self.state, n, self.cache)
+        return self.mixed.logits(self.mixed.chunk(work.prompt[lo:hi], *where), self.state, n, self.cache)
 
     def _prefill_units(self, p: Prefill, out: StepOutput, on_progress) -> None:
         """Run p.units units of the prefill in progress as a whole prefill of the positions not yet

@@ -6,8 +6,8 @@ A mixed step carries a prompt chunk and the running sequences' decode rows in on
 GPU's work (a 384-row step of an 8B: ~40 ms of launching against ~16 ms of work on an H200;
 bench/NOTES-engine.md), so on CUDA with a model-dtype cache it is a graph: one per (chunk rows,
 decode rows) bucket, captured when first used and dropped with the cache (its addresses are in
-it). The chunk is padded to chunk_bucket rows and where it lies goes in a device tensor
-(ChunkWhere), so one graph serves every chunk of its size. Eagerly (the CPU, float32, an FP8
+it). The chunk is padded to chunk_bucket rows and its ids and where it lies go in a device tensor
+(ChunkInputs), so one graph serves every chunk of its size. Eagerly (the CPU, float32, an FP8
 cache, tensor-parallel ranks) the same forward runs with those values on the host too.
 """
 
@@ -79,29 +79,35 @@ def chunk_bucket(count: int) -> int:
     return 16 if count <= 16 else -(-count // 32) * 32
 
 
-class ChunkWhere:
-    """A mixed step's (lo, count, start, length) as a [4] int64 device tensor (`values`), set each
-    step with no wait for the device: through a ring of pinned host rows, each written again only
-    once its copy, RING steps back and long since run, is done."""
+class ChunkInputs:
+    """A mixed step's chunk on the device, set each step with no wait for the device: one int64
+    tensor [4 + rows] of (lo, count, start, length) (`where`) then the chunk's prompt ids (`ids`),
+    copied from a ring of pinned host rows, each written again only once its copy, RING steps back
+    and long since run, is done. Only the chunk's ids cross: a 128k prompt made one device tensor
+    at its first chunk cost ~15 ms of the host's list conversion, and a copy that waited for the
+    queued steps, in the plan that admits it beside running streams."""
 
     RING = 4
 
-    def __init__(self, device: torch.device):
-        self.values = torch.zeros(4, dtype=torch.long, device=device)
+    def __init__(self, device: torch.device, rows: int):
+        self.values = torch.zeros(4 + rows, dtype=torch.long, device=device)
+        self.where, self.ids = self.values[:4], self.values[4:]  # [4], [rows]
         cuda = device.type == "cuda"
-        self._host = torch.zeros(self.RING, 4, dtype=torch.long, pin_memory=cuda)
+        self._host = torch.zeros(self.RING, 4 + rows, dtype=torch.long, pin_memory=cuda)
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
         self._turn = 0
 
-    def put(self, lo: int, count: int, start: int, length: int) -> torch.Tensor:
+    def put(self, ids: list[int], lo: int, start: int, length: int) -> None:
+        """Positions lo.. of a `length`-position prompt (ids: their tokens, at most `rows`) whose
+        region begins at cache position `start`."""
         slot, self._turn = self._turn, (self._turn + 1) % self.RING
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()
-        self._host[slot] = torch.tensor([lo, count, start, length])
-        self.values.copy_(self._host[slot], non_blocking=True)
+        n = 4 + len(ids)
+        self._host[slot, :n] = torch.tensor([lo, len(ids), start, length, *ids])
+        self.values[:n].copy_(self._host[slot, :n], non_blocking=True)
         if self._copied[slot] is not None:
             self._copied[slot].record()
-        return self.values
 
 
 class MixedSteps:
@@ -131,9 +137,8 @@ class MixedSteps:
         # would build a new graph (~0.4 s), and the FP8 kernel's few query blocks would not fill the
         # GPU. float32 (no flash kernel) and the CPU: PyTorch's choice.
         self.backend = "flash" if device.type == "cuda" and half else None
-        self._where = ChunkWhere(device)
         self.max_chunk_rows = chunk_bucket(max(16, step_tokens))  # the largest graph's chunk rows
-        self._ids = torch.zeros(self.max_chunk_rows, dtype=torch.long, device=device)
+        self._inputs = ChunkInputs(device, self.max_chunk_rows)
         self._pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # (decode bucket, launch config) whose step has run in this process (kept over resets):
@@ -152,7 +157,7 @@ class MixedSteps:
 
     def chunk(
         self,
-        ids: torch.Tensor,
+        ids: list[int],
         lo: int,
         start: int,
         length: int,
@@ -160,22 +165,22 @@ class MixedSteps:
         staging: tuple[torch.Tensor, torch.Tensor] | None,
         spare: int,
     ) -> PromptChunk:
-        """The PromptChunk of prompt ids [count] on the device: positions lo.. of a `length`-position
-        prompt whose region, at cache position `start`, is `region`; padding rows write cache
-        position `spare`. For a graph (the ids padded in the graphs' buffer, no host values), or
-        eager."""
-        count = ids.shape[0]
-        where = self._where.put(lo, count, start, length)
-        rows = chunk_bucket(count)
-        if self.graphed and rows <= self._ids.shape[0]:
-            self._ids[:count].copy_(ids)
+        """The PromptChunk of prompt positions lo..lo+len(ids)-1 (ids: their tokens, at most
+        max_chunk_rows) of a `length`-position prompt whose region, at cache position `start`, is
+        `region`; padding rows write cache position `spare`. For a graph (the ids padded in the
+        graphs' buffer, no host values), or eager."""
+        count = len(ids)
+        self._inputs.put(ids, lo, start, length)
+        where, rows = self._inputs.where, chunk_bucket(count)
+        if self.graphed and rows <= self.max_chunk_rows:
             from minidecode.kernels.chunk_attention import chunk_splits, default_config  # (imports triton)
 
             cfg, sms = self.model.config, sm_count(self.device)
             splits = chunk_splits(rows, cfg.num_heads, cfg.num_kv_heads, sms, default_config(self.dtype))
-            return PromptChunk(self._ids[:rows], where, spare, splits=splits)
+            return PromptChunk(self._inputs.ids[:rows], where, spare, splits=splits)
         host = (lo, count, start, length)
-        return PromptChunk(ids, where, spare, host, region, self.backend, self.prefill_chunk, staging)
+        chunk_ids = self._inputs.ids[:count]
+        return PromptChunk(chunk_ids, where, spare, host, region, self.backend, self.prefill_chunk, staging)
 
     def logits(self, chunk: PromptChunk, state: DecodeState, n: int, cache: KVCache) -> torch.Tensor:
         """The step of `chunk` beside decode rows 0..n-1 of `state` -> float32 logits [1 + n, V]: the

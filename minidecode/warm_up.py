@@ -59,8 +59,8 @@ def warm_up_mixed(engine: Engine) -> None:
     graphs, the projections at every row count those graphs take (their matmuls' kernel choice,
     which a capture at a new row count would otherwise wait for)."""
     region = engine.region(0, 32)
-    ids, staging = torch.arange(17, 33, device=engine.device), engine.model.chunk_staging(region, 32)
-    chunk = engine.mixed.chunk(ids, 16, 0, 32, region, staging, engine.spare_start)
+    staging = engine.model.chunk_staging(region, 32)
+    chunk = engine.mixed.chunk(list(range(17, 33)), 16, 0, 32, region, staging, engine.spare_start)
     engine.mixed.warm_up(chunk, batch_buckets(engine), engine.cache)
     if engine.mixed.graphed:
         for rows in mixed_rows(engine):
