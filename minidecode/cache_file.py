@@ -89,8 +89,10 @@ def _chunk_weights(words: int, device: torch.device) -> torch.Tensor:
 
 def run_words(run: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a contiguous run [entries, ...] as int16 words [entries, words per entry]
-    (e4m3 rows: pairs of bytes; an entry's byte count is even)."""
-    return run.view(torch.int16).reshape(run.shape[0], -1)
+    (e4m3 rows: pairs of bytes; an entry's byte count is even). A run may hold no entries (a
+    context-parallel rank's part of a prefix shorter than the dealing's first chunk)."""
+    words = torch.Size(run.shape[1:]).numel() * run.element_size() // 2
+    return run.view(torch.int16).reshape(run.shape[0], words)
 
 
 def chunk_entries(entry_bytes: int) -> int:
@@ -447,6 +449,8 @@ def open_cache_file(
 
 
 def _read_exactly(f, buffer, path: Path) -> None:
+    if not buffer.nbytes:  # (a run with no entries: a context-parallel rank's part of a short prefix)
+        return
     view, got = memoryview(buffer).cast("B"), 0
     while got < len(view):
         n = f.readinto(view[got:])

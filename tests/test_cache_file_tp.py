@@ -157,9 +157,9 @@ def test_a_one_process_cache_is_refused_under_tp_and_cp_in_one_line(tmp_path):
 
 def test_a_cp_cache_holds_each_ranks_positions_and_is_reused_under_cp(tmp_path):
     """--cp 2 --save-cache: each rank's part holds its share of the prefix's positions (the first
-    1,024 on rank 0, the rest on rank 1); a longer prompt under --cp 2 reads them back instead of
-    prefilling (its stats count them) and gives one process's greedy tokens; the parts are refused
-    under --tp 2 in one line."""
+    1,024 on rank 0, the rest on rank 1; a short prefix's rank 1 part none); a longer prompt under
+    --cp 2 reads them back instead of prefilling (its stats count them) and gives one process's
+    greedy tokens; the parts are refused under --tp 2 in one line."""
     from minidecode.models.sharding import held
 
     saved = ranks("-p", LONG_DOC, "--save-cache", "doc.cache", *COMMON, cwd=tmp_path, split="--cp")
@@ -179,6 +179,14 @@ def test_a_cp_cache_holds_each_ranks_positions_and_is_reused_under_cp(tmp_path):
     got, want = json.loads(reused.stdout), json.loads(alone.stdout)
     assert got["stats"]["reused_tokens"] >= doc_tokens - 1 > 1024
     assert got["token_ids"] == want["token_ids"]
+
+    short = ranks("-p", DOC, "--save-cache", "short.cache", *COMMON, cwd=tmp_path, split="--cp")
+    assert short.returncode == 0, short.stderr  # rank 1's part: none of the prefix's positions
+    assert _header(tmp_path / "short.cache.rank1-of-2")["k"]["shape"][3] == 0
+    again = ranks("-p", DOC + QUESTION, "--load-cache", "short.cache", *COMMON, cwd=tmp_path, split="--cp")
+    assert again.returncode == 0, again.stderr
+    want_short = json.loads(one("-p", DOC + QUESTION, *COMMON, cwd=tmp_path).stdout)
+    assert json.loads(again.stdout)["token_ids"] == want_short["token_ids"]
 
     tp = ranks(*longer, cwd=tmp_path)
     assert one_error(tp) == (
