@@ -283,9 +283,7 @@ def rank_step_bytes(llm: LLM, context: int) -> int:
     read = params - cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
     if cfg.tie_word_embeddings:
         read += (model.plan.vocab_rows if par is not None else cfg.vocab_size) * cfg.hidden_size
-    held = context
-    if par is not None and par.cp > 1:  # the positions 0..context it holds (ContextParallelAttention.slots)
-        held = (context - par.cp_rank + par.cp) // par.cp
+    held = model.held_positions(context + 1)  # the positions 0..context it holds (models/sharding.py)
     return read * llm.dtype.itemsize + held * llm.engine.planner.kv_bytes_per_token
 
 
