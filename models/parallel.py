@@ -235,10 +235,10 @@ class ContextParallelAttention:
 
         The layer's keys and values gathered in position order [B, Hkv, end, D] (every rank takes
         part), then per run [lo, hi) of the rank's rows one causal call over every head with past
-        lo, one unit each: a chunk's 1024 rows of every query head fill a GPU where one head's
-        would not. Every rank yields as many units (the most runs any rank has; the others pad with
-        empty units), so that the gathers fall in the same unit on every rank. `chunk` (the
-        one-process grouping of KV heads) is not needed."""
+        lo (cuDNN's only for a run without one), one unit each: a chunk's 1024 rows of every query
+        head fill a GPU where one head's would not. Every rank yields as many units (the most runs
+        any rank has; the others pad with empty units), so that the gathers fall in the same unit
+        on every rank. `chunk` (the one-process grouping of KV heads) is not needed."""
         B, Hq, n, D = q.shape
         end, own = rows.end, rows.first_slot + n
         shares = deal(rows.start, end, self.parallel.cp, self.chunk)
@@ -248,7 +248,11 @@ class ContextParallelAttention:
         row = 0
         for lo, hi in rows.runs:  # positions lo..hi-1, rows row..
             part = q[:, :, row : row + hi - lo]  # overwritten by its output
-            causal_attention(part, keys[:, :, :hi], values[:, :, :hi], scale, backend, out=part)
+            # A run after a past reads keys of a length of its own, for which cuDNN would build a
+            # graph (~0.4 s a shape: bench/NOTES-engine.md), dozens a prompt: SDPA's flash forward
+            # instead, one call over every head, as a mixed step's chunk runs.
+            call = "flash" if backend == "cudnn" and lo else backend
+            causal_attention(part, keys[:, :, :hi], values[:, :, :hi], scale, call, out=part)
             yield 4 * B * Hq * D * (hi - lo) * hi
             row += hi - lo
         for _ in range(units - len(rows.runs)):
