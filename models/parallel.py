@@ -178,17 +178,12 @@ class ContextParallelAttention:
         holds (sharding.held)). active [B] int32 0/1: an idle row (a graph's warm-up) writes only
         `spare` and reads nothing. Device ops only (a decode graph captures them)."""
         cp, rank, chunk = self.parallel.cp, self.parallel.cp_rank, self.chunk
-        c = positions // chunk
-        rnd, j = c // cp, c % cp
-        holder = torch.where(rnd % 2 == 0, j, cp - 1 - j)
+        holder, slot = owner(positions, cp, chunk)
         mine = holder == rank
         if active is not None:
             mine = mine & (active > 0)
-        slot = rnd * chunk + positions % chunk
         written = torch.where(mine, slot if starts is None else starts + slot, spare)
-        rounds, rest = (positions + 1) // (cp * chunk), (positions + 1) % (cp * chunk)
-        last = torch.where(rounds % 2 == 0, rank, cp - 1 - rank)  # its chunk in the partial round
-        lengths = (rounds * chunk + (rest - last * chunk).clamp(0, chunk)).to(torch.int32)
+        lengths = held(positions + 1, cp, rank, chunk).to(torch.int32)
         return written, lengths if active is None else lengths * active
 
     def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]

@@ -128,17 +128,21 @@ def rank_config(cfg: ModelConfig, plan: ShardPlan) -> ModelConfig:
 CP_CHUNK = 1024
 
 
-def owner(position: int, cp: int, chunk: int = CP_CHUNK) -> tuple[int, int]:
-    """(the rank that holds `position`, its cache position there)."""
-    rnd, j = divmod(position // chunk, cp)
-    return (j if rnd % 2 == 0 else cp - 1 - j), rnd * chunk + position % chunk
+def owner(position: int | torch.Tensor, cp: int, chunk: int = CP_CHUNK) -> tuple:
+    """(the rank that holds `position`, its cache position there): ints, or int64 tensors of a
+    tensor of positions (the decode step's, in its graph)."""
+    rnd, j = position // chunk // cp, position // chunk % cp
+    return j + rnd % 2 * (cp - 1 - 2 * j), rnd * chunk + position % chunk
 
 
-def held(count: int, cp: int, rank: int, chunk: int = CP_CHUNK) -> int:
-    """How many of positions 0..count-1 `rank` holds (its cache positions 0..held-1 hold them)."""
-    rounds, rest = divmod(count, cp * chunk)
-    j = rank if rounds % 2 == 0 else cp - 1 - rank  # the rank's chunk in the last, partial round
-    return rounds * chunk + min(max(rest - j * chunk, 0), chunk)
+def held(count: int | torch.Tensor, cp: int, rank: int, chunk: int = CP_CHUNK) -> int | torch.Tensor:
+    """How many of positions 0..count-1 `rank` holds (its cache positions 0..held-1 hold them): an
+    int, or an int64 tensor of a tensor of counts."""
+    rounds, rest = count // (cp * chunk), count % (cp * chunk)
+    j = rank + rounds % 2 * (cp - 1 - 2 * rank)  # the rank's chunk in the last, partial round
+    part = rest - j * chunk
+    part = part.clamp(0, chunk) if isinstance(part, torch.Tensor) else min(max(part, 0), chunk)
+    return rounds * chunk + part
 
 
 def rank_positions(context: int, cp: int, chunk: int = CP_CHUNK) -> int:
@@ -153,9 +157,10 @@ def deal(lo: int, end: int, cp: int, chunk: int = CP_CHUNK) -> list[list[tuple[i
     the rank holds them (its cache positions held(lo), held(lo) + 1, ...). Adjacent runs are
     joined (cp 1: one run)."""
     shares: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
-    for c in range(lo // chunk, -(-end // chunk) if end > lo else lo // chunk):
-        rank = owner(c * chunk, cp, chunk)[0]
-        _append_run(shares[rank], max(lo, c * chunk), min(end, (c + 1) * chunk))
+    for c in range(lo // chunk, -(-end // chunk)):
+        a, b = max(lo, c * chunk), min(end, (c + 1) * chunk)
+        if a < b:
+            _append_run(shares[owner(a, cp, chunk)[0]], a, b)
     return shares
 
 
