@@ -118,7 +118,8 @@ def run_job(job: dict) -> dict:
             "scores": llm.logits(prompt + greedy.token_ids).cpu(),  # every position, in one prefill
         }
         if job.get("sample"):  # no seed given: the ranks must still draw the same tokens
-            result["sampled"] = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=1.0).token_ids
+            sampled = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=1.0, ignore_eos=True)
+            result["sampled"] = sampled.token_ids  # (an unseeded draw may sample the eos id: every step runs)
         if job.get("reuse"):  # the same prompt again (its K/V cached on every rank), then a batch
             again = llm.generate(token_ids=prompt, max_new_tokens=new, temperature=0, ignore_eos=True)
             result["again"] = (again.token_ids, again.stats.reused_tokens)
