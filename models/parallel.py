@@ -142,6 +142,14 @@ def _row_parallel_add_to(
     return then(residual, pdl)
 
 
+# The context (positions) from which a context-parallel prefill runs its runs after a past through
+# cuDNN rather than flash: one rank's layer at 512k on 4 ranks (8 KV heads, H200) took 1.0 s through
+# cuDNN and 1.6 s through flash, and the first through cuDNN 5.0 s (65 key lengths' graphs built);
+# the saving grows as T^2 and the builds as T, so over 32 layers they break even near 128k
+# (bench/NOTES-distributed.md).
+CP_CUDNN_FROM = 131072
+
+
 class ContextParallelAttention:
     """Attention over a context dealt over the context-parallel ranks (sharding.deal: chunks of
     `chunk` positions by rounds, whatever the context's length): each rank holds its positions'
@@ -230,10 +238,10 @@ class ContextParallelAttention:
 
         The layer's keys and values gathered in position order [B, Hkv, end, D] (every rank takes
         part), then per run [lo, hi) of the rank's rows one causal call over every head with past
-        lo (cuDNN's only for a run without one), one unit each: a chunk's 1024 rows of every query
-        head fill a GPU where one head's would not. Every rank yields as many units (the most runs
-        any rank has; the others pad with empty units), so that the gathers fall in the same unit
-        on every rank. `chunk` (the one-process grouping of KV heads) is not needed."""
+        lo (below CP_CUDNN_FROM, cuDNN's only for a run without one), one unit each: a chunk's 1024
+        rows of every query head fill a GPU where one head's would not. Every rank yields as many
+        units (the most runs any rank has; the others pad with empty units), so that the gathers
+        fall in the same unit on every rank. `chunk` (the one-process grouping of KV heads) is not needed."""
         B, Hq, n, D = q.shape
         end, own = rows.end, rows.first_slot + n
         shares = deal(rows.start, end, self.parallel.cp, self.chunk)
@@ -243,10 +251,11 @@ class ContextParallelAttention:
         row = 0
         for lo, hi in rows.runs:  # positions lo..hi-1, rows row..
             part = q[:, :, row : row + hi - lo]  # overwritten by its output
-            # A run after a past reads keys of a length of its own, for which cuDNN would build a
-            # graph (~0.4 s a shape: bench/NOTES-engine.md), dozens a prompt: SDPA's flash forward
-            # instead, one call over every head, as a mixed step's chunk runs.
-            call = "flash" if backend == "cudnn" and lo else backend
+            # A run after a past reads keys of a length of its own, for which cuDNN builds a graph
+            # the first time (~75 ms a shape on an H200; later prompts reuse the chunk-aligned
+            # ones). Below CP_CUDNN_FROM those builds cost more than cuDNN saves over SDPA's flash
+            # forward (one call over every head, as a mixed step's chunk runs), above it less.
+            call = "flash" if backend == "cudnn" and lo and end < CP_CUDNN_FROM else backend
             causal_attention(part, keys[:, :, :hi], values[:, :, :hi], scale, call, out=part)
             yield 4 * B * Hq * D * (hi - lo) * hi
             row += hi - lo
