@@ -119,18 +119,23 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # Several query positions a sequence (q_lens) make a tile G * Q_MAX rows (padded to a power of
 # two, G_PAD) instead of G: the score and output tiles, and the shared memory that the segment's
 # stores stage through inside the tile loop, grow with them. The single-query configs hold up to
-# 32 rows (bf16: 147 KiB of shared memory at 16 rows, OutOfResources from 64 rows on an H200);
-# above, smaller tiles and fewer stages keep a CTA within the 227 KiB and its registers unspilled
-# as far as they can (the shared memory and spills of offline sm_90 compiles, Triton 3.6). The FP8
-# paths spill from 64 rows whatever the tile; the fp16 decode with q made per tile spills least.
+# 32 rows of a model-dtype cache; above, the configs of a sweep on an H200 (Triton 3.6, 32 / 8
+# heads, 32k and 512k; bench/NOTES-attention.md): 64 rows in 64-position tiles over one warpgroup,
+# two CTAs an SM (one warpgroup's MMA holds the 64 rows, so no reduction crosses warpgroups), 128
+# in 32-position tiles over 8 warps. An FP8 cache: 32 rows through FP8_SHORT_CONFIG's fp16 decode,
+# 64 through the e4m3 tensor-core tile over two warpgroups at one CTA an SM, 128 and up through
+# the fp16 decode of 128-position tiles with q made per tile (the e4m3 tile spills there).
 MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)
-MULTI_QUERY_BF16 = {  # G_PAD -> tile positions, pipeline stages (model-dtype cache, 8 warps)
-    64: (64, 3),
-    128: (64, 2),
-    256: (64, 1),
+MULTI_QUERY_BF16 = {  # G_PAD -> tile positions, warps, pipeline stages, CTAs an SM (model-dtype cache)
+    64: (64, 4, 3, 2),
+    128: (32, 8, 3, 1),
+    256: (64, 8, 1, 1),
 }
-MULTI_QUERY_FP8_WIDE = LeanConfig(  # FP8 cache from 64 rows: the fp16 decode, q per tile
-    block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
+MULTI_QUERY_FP8_MMA = LeanConfig(  # FP8 cache, 64 rows: the e4m3 tensor-core tile, 8 warps
+    block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=2, early_ticket=True, merge_chunk=8
+)
+MULTI_QUERY_FP8_WIDE = LeanConfig(  # FP8 cache from 128 rows: the fp16 decode, q per tile
+    block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
 )
 
 
@@ -140,19 +145,15 @@ def multi_query_config(config: LeanConfig, g_pad: int, dtype: torch.dtype, fp8: 
     if g_pad <= 16:
         return config
     if fp8:
-        if g_pad >= 64:
+        if g_pad >= 128:
             return MULTI_QUERY_FP8_WIDE
-        # 32 rows: the e4m3 tensor-core tile over two warpgroups (one CTA an SM: its registers),
-        # the fp16 decode at FP8_SHORT_CONFIG's tile; neither spills there.
-        if config.fp8_mma:
-            return dataclasses.replace(config, num_warps=8, ctas_per_sm=1)
-        return FP8_SHORT_CONFIG
+        return MULTI_QUERY_FP8_MMA if g_pad == 64 else FP8_SHORT_CONFIG
     if g_pad <= 32:
         return config
-    block_n, stages = MULTI_QUERY_BF16[min(g_pad, 256)]
+    block_n, warps, stages, ctas = MULTI_QUERY_BF16[min(g_pad, 256)]
     if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
-        block_n, stages = block_n // 2, max(1, stages - 1)
-    return dataclasses.replace(config, block_n=block_n, num_stages=stages)
+        block_n, stages = max(16, block_n // 2), max(1, stages - 1)
+    return dataclasses.replace(config, block_n=block_n, num_warps=warps, num_stages=stages, ctas_per_sm=ctas)
 
 
 # How the kernel reads an FP8 cache (kernel constexpr DEQUANT, from the config's fp8_mma;
@@ -336,6 +337,53 @@ def _e4m3_mma_tile(
 
 
 @triton.jit
+def _decoded_tile(
+    q, row_scale, k, v, k_scale, v_scale, seen, m_i, l_i, acc,
+    DEQUANT: tl.constexpr, UNIT: tl.constexpr, DOT_PRECISION: tl.constexpr, MULTI_Q: tl.constexpr,
+):  # fmt: skip
+    """One tile's online-softmax update with the query heads on the dots' M axis: q [G_PAD, D] in
+    the cache's dtype (DEQUANT 0; row_scale the softmax scale in log2 units) or the fp16 decode's
+    pre-scaled operand (_fp16_query; row_scale [G_PAD] its factor), k [BLOCK_N, D] and v (in K's
+    layout, or the FP8 cache's blocked [D, BLOCK_N]) as loaded, k_scale / v_scale [BLOCK_N] the FP8
+    scales. seen [1 or G_PAD, BLOCK_N]: the positions each row sees (valid ones; MULTI_Q: the
+    causal limits, under which a row may see none of the tile)."""
+    if DEQUANT == 0:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
+        qk = qk * row_scale
+    else:
+        # fp16 dot of the dequantized values (e4m3 / UNIT) with q's pre-scaled operand
+        # (_fp8_query); its undoing factor and the per-position K scale multiply the
+        # [G_PAD, BLOCK_N] score tile, not the K elements.
+        qk = tl.dot(q, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
+        qk = qk * row_scale[:, None] * k_scale[None, :]
+    qk = tl.where(seen, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MULTI_Q:
+        # A row may see none of this tile (the last one's draft positions past its limit): while
+        # it has seen nothing, m = -inf and alpha = p = 0, with no NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        # Every block holds a valid position, so m_new is finite and alpha is 0 on a segment's
+        # first block (m_i = -inf there).
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])  # [G_PAD, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DEQUANT == 0:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        # The per-position V scale multiplies p, relative to the tile's largest scale so that p
+        # stays in [0, 1] in fp16; that largest scale (and UNIT) multiplies the tile's fp32
+        # result. fp32 accumulation across tiles, never fp16/fp8. V is blocked: the B operand
+        # [BLOCK_N, HEAD_DIM] has its reduction axis contiguous.
+        v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
+        p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
+        pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))  # [G_PAD, HEAD_DIM] fp32
+        acc = acc * alpha[:, None] + pv * (v_top * UNIT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK: tl.constexpr):
     """[HEAD_DIM, BLOCK_N] of a blocked V head; n0 is a multiple of BLOCK_N, so of V_BLOCK. Masked
     by whole blocks (see V_BLOCK): every block that begins before the length is in the cache."""
@@ -474,8 +522,12 @@ def _merge_rows(
             lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
             o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
             m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse_c - m_new)
+            if MULTI_Q:  # a row with given limits may have seen nothing yet (lse -inf): no NaN
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_ref = m_new
+            alpha = tl.exp2(m - m_ref)
+            w = tl.exp2(lse_c - m_ref)
             o = o * alpha + o_c * w
             l_sum = l_sum * alpha + w
             m = m_new
@@ -497,7 +549,11 @@ def _merge_rows(
             m = m_new
     o_rows = _row_offsets(col_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
     o_ptrs = Out + o_rows + cols % HEAD_DIM
-    tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
+    if MULTI_Q:  # a row that saw no position of the segment (given limits): o = 0, lse = -inf
+        o = tl.where(l_sum > 0, o / l_sum, 0.0)
+    else:
+        o = o / l_sum
+    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=col_ok)
     if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
         lse_ptrs = Lse + _row_offsets(col_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
         first_col = col_ok & (cols % HEAD_DIM == 0)
@@ -588,6 +644,13 @@ def _store_segment(
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_g < n_rows
+    if MULTI_Q:
+        # A row that saw none of our positions has m = -inf, l = 0 (the tiles' guard): o = 0 and
+        # lse = -inf, weight 0 in a merge. In a partial: a segment's last tile, whose draft
+        # positions are past the row's causal limit; in a whole segment, or every partial of one:
+        # a limit of 0 (given limits, Limits: context parallelism's rank that holds none of the
+        # positions before a query).
+        o_seg = tl.where((l_row > 0)[:, None], o_seg, 0.0)
     if whole:  # no partials
         out_ptrs = Out + o_offs[:, None] + offs_d[None, :]
         tl.store(out_ptrs, o_seg.to(Out.dtype.element_ty), mask=row_ok[:, None])
@@ -596,12 +659,6 @@ def _store_segment(
             tl.store(lse_ptrs, (m_i + tl.log2(l_row)) * 0.6931471805599453, mask=row_ok)
     else:
         offs_part = offs_g[:, None] * HEAD_DIM + offs_d[None, :]  # [G_PAD, HEAD_DIM]
-        if MULTI_Q:
-            # A row that saw none of our positions (a segment's last tile, whose draft positions
-            # are past its causal limit) has m = -inf, l = 0 (the tiles' guard): its partial is
-            # o = 0, lse = -inf, weight 0 in the merge. Never the segment's first partial, whose
-            # tile 0 every row sees, so the merge's running max is finite by then.
-            o_seg = tl.where((l_row > 0)[:, None], o_seg, 0.0)
         tl.store(PartO + slot * (G_PAD * HEAD_DIM) + offs_part, o_seg, mask=row_ok[:, None])
         # each row's lse once per column, as the merge reads it (_ticket_and_merge)
         lse_row = tl.broadcast_to((m_i + tl.log2(l_row))[:, None], [G_PAD, HEAD_DIM])
@@ -619,6 +676,7 @@ def _lean_decode_kernel(
     Lengths,  # [B] int32
     Starts,  # [B] int64 with HAS_STARTS: sequence b's positions begin at Starts[b] of its cache row
     QLens,  # Q_MAX > 1: [B] int32, query positions of sequence b (1 <= QLens[b] <= min(Q_MAX, length))
+    Limits,  # HAS_LIMITS: [B, Q_MAX] int32, contiguous: the positions query j of sequence b sees
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD, D] fp32: log2-sum-exp of each partial row, once per column
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
@@ -655,6 +713,7 @@ def _lean_decode_kernel(
     UNIT: tl.constexpr,
     USE_PDL: tl.constexpr,
     HAS_STARTS: tl.constexpr,
+    HAS_LIMITS: tl.constexpr,  # MULTI_Q: each query position's causal limit given (Limits)
     V_BLOCK: tl.constexpr,  # 0: V in K's layout (model-dtype cache); > 0: FP8, "blocked_t"
     WRITE_LSE: tl.constexpr,
     E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
@@ -710,16 +769,18 @@ def _lean_decode_kernel(
         offs_v += offs_d[:, None] * stride_vd
         v_block_lo = (offs_n // V_BLOCK) * V_BLOCK  # [BLOCK_N] first position of each one's block
 
-    # ---- our tiles: one software-pipelined loop per sequence, across its heads -------------
-    # Tiles of several heads run through one loop (like a persistent GEMM's epilogue inside its
-    # K loop): the next head's K/V loads are already in flight while a head's result is stored,
-    # so crossing a head costs no pipeline drain and refill. Only a sequence boundary (found
-    # with reductions over the batch, too slow to repeat per tile) restarts the loop. The e4m3
-    # tensor-core path (MMA) runs one loop per head instead: its q operands are then
-    # loop-invariant and stay in shared memory (a head switch inside the loop makes Triton copy
-    # them there every tile; bench/NOTES-attention.md).
+    # ---- our tiles ------------------------------------------------------------------------------
+    # One query position a sequence (the decode step): the tiles of several heads run through one
+    # software-pipelined loop (like a persistent GEMM's epilogue inside its K loop): the next
+    # head's K/V loads are already in flight while a head's result is stored, so crossing a head
+    # costs no pipeline drain and refill. Only a sequence boundary (found with reductions over the
+    # batch, too slow to repeat per tile) restarts the loop. The e4m3 tensor-core path (MMA) and
+    # several query positions (MULTI_Q) run one loop per head instead: q's operand is then
+    # loop-invariant and stays in shared memory, where a head switch inside the loop makes Triton
+    # copy it there every tile, a cost that grows with the tile's rows (bench/NOTES-attention.md).
     MMA: tl.constexpr = DEQUANT == 3  # e4m3 tensor-core tile (_e4m3_mma_tile)
-    if not MMA:
+    PER_HEAD: tl.constexpr = MMA or MULTI_Q
+    if not PER_HEAD:
         m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
     tile = range_lo
     while tile < range_hi:
@@ -739,14 +800,23 @@ def _lean_decode_kernel(
         if MULTI_Q:  # this sequence's query positions: its rows and their causal limits
             q_len = tl.load(QLens + b)
             row_ok = offs_g < G * q_len
-            lim = _row_limits(length, q_len, offs_g, G)  # [G_PAD]
-        if MMA:
+            if HAS_LIMITS:  # padding rows see every position, as _row_limits has them
+                lim = tl.load(Limits + b * Q_MAX + offs_g // G, mask=row_ok, other=length)  # [G_PAD]
+            else:
+                lim = _row_limits(length, q_len, offs_g, G)  # [G_PAD]
+        if PER_HEAD:
             while tile < stop:  # our tiles of one head (segment) at a time
                 h = (tile - seq_lo) // n_blk
                 seg_lo = seq_lo + h * n_blk
                 seg_stop = tl.minimum(stop, seg_lo + n_blk)
                 q_offs = _row_offsets(offs_g, 0, h, G, 0, stride_qj, stride_qh, MULTI_Q)  # [G_PAD] rows' q
-                q_hi, q_mid, q_lo, row_scale = _e4m3_query(q_b, q_offs, offs_d, row_ok, qk_scale, E4M3_HW)
+                if MMA:
+                    q_hi, q_mid, q_lo, row_scale = _e4m3_query(q_b, q_offs, offs_d, row_ok, qk_scale, E4M3_HW)
+                elif DEQUANT == 0:
+                    q = tl.load(q_b + q_offs[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                    row_scale = qk_scale
+                elif not Q_PER_TILE:
+                    q, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
                 k_h = k_b + h.to(tl.int64) * stride_kh  # 64-bit head offset, int32 within (host check)
                 v_h = v_b + h.to(tl.int64) * stride_vh
                 s_h = s_b + h * stride_sh
@@ -755,18 +825,38 @@ def _lean_decode_kernel(
                     n0 = (t - seg_lo) * BLOCK_N
                     valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
                     k = tl.load(k_h + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0)
-                    k_scale, v_scale = _load_scales(KVScale + s_h + n0, offs_n, valid)
-                    v = _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK)
-                    if MULTI_Q:
-                        seen = (n0 + offs_n)[:, None] < lim[None, :]  # [BLOCK_N, G_PAD] causal
+                    if DEQUANT != 0:
+                        k_scale, v_scale = _load_scales(KVScale + s_h + n0, offs_n, valid)
                     else:
-                        seen = valid
-                    # fmt: off
-                    m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, seen, (q_hi, q_mid, q_lo),
-                                                   row_scale, m_i, l_i, acc, E4M3_HW, MULTI_Q)
-                    # fmt: on
-                l_row = tl.sum(l_i, 0)  # [G_PAD]
-                o_seg = tl.trans(acc / l_row[None, :])  # back to [G_PAD, HEAD_DIM]
+                        k_scale, v_scale = row_scale, row_scale  # unused
+                    if V_BLOCK == 0:
+                        v = tl.load(v_h + n0 * stride_vn + offs_v, mask=valid[:, None], other=0.0)
+                    else:
+                        v = _load_v_blocked(v_h, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK)
+                    if MMA:
+                        if MULTI_Q:
+                            seen = (n0 + offs_n)[:, None] < lim[None, :]  # [BLOCK_N, G_PAD] causal
+                        else:
+                            seen = valid
+                        # fmt: off
+                        q_ops = (q_hi, q_mid, q_lo)
+                        m_i, l_i, acc = _e4m3_mma_tile(k, v, k_scale, v_scale, valid, seen, q_ops, row_scale,
+                                                       m_i, l_i, acc, E4M3_HW, MULTI_Q)
+                        # fmt: on
+                    else:
+                        if Q_PER_TILE:  # its load is then pipelined with the tile's
+                            q, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
+                        seen = (n0 + offs_n)[None, :] < lim[:, None]  # [G_PAD, BLOCK_N] causal
+                        # fmt: off
+                        m_i, l_i, acc = _decoded_tile(q, row_scale, k, v, k_scale, v_scale, seen, m_i, l_i,
+                                                      acc, DEQUANT, UNIT, DOT_PRECISION, MULTI_Q)
+                        # fmt: on
+                if MMA:
+                    l_row = tl.sum(l_i, 0)  # [G_PAD]
+                    o_seg = tl.trans(acc / l_row[None, :])  # back to [G_PAD, HEAD_DIM]
+                else:
+                    l_row = l_i
+                    o_seg = acc / l_i[:, None]
                 whole = (seg_lo >= range_lo) & (seg_stop == seg_lo + n_blk)
                 slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
                 o_offs = _row_offsets(offs_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
@@ -789,50 +879,28 @@ def _lean_decode_kernel(
                 # q's fp16 operand depends only on the head: made once per segment, not per tile
                 h = (tile - seq_lo) // n_blk
                 q_offs = _row_offsets(offs_g, 0, h, G, 0, stride_qj, stride_qh, MULTI_Q)
-                q_h, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
+                q, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
             for t in range(tile, stop):
                 h = (t - seq_lo) // n_blk
                 seg_lo = seq_lo + h * n_blk
                 n0 = (t - seg_lo) * BLOCK_N
                 q_offs = _row_offsets(offs_g, 0, h, G, 0, stride_qj, stride_qh, MULTI_Q)  # [G_PAD] rows' q
                 if DEQUANT == 0:
-                    q_ptrs = q_b + q_offs[:, None] + offs_d[None, :]
-                    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                    q = tl.load(q_b + q_offs[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                    row_scale = qk_scale
                 elif Q_PER_TILE:  # its load is then pipelined with the tile's (FP8_TINY_CONFIG)
-                    q_h, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
+                    q, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
                 elif (t == seg_lo) & (t != tile):  # a new head starts inside our range
-                    q_h, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
+                    q, row_scale = _fp16_query(q_b, q_offs, offs_d, row_ok, qk_scale, UNIT)
                 valid = n0 + offs_n < length  # [BLOCK_N] only a sequence's last block is ragged
                 # 64-bit head offset; the offsets inside one head stay below 2^31 (checked on the host).
                 k = tl.load(
                     k_b + h.to(tl.int64) * stride_kh + n0 * stride_kn + offs_k, mask=valid[:, None], other=0.0
                 )
-                if DEQUANT == 0:
-                    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
-                    qk = qk * qk_scale
-                else:
-                    # fp16 dot of the dequantized values (e4m3 / UNIT) with q's pre-scaled operand
-                    # (_fp8_query); its undoing factor and the per-position K scale multiply the
-                    # [G_PAD, BLOCK_N] score tile, not the K elements.
+                if DEQUANT != 0:
                     k_scale, v_scale = _load_scales(KVScale + s_b + h * stride_sh + n0, offs_n, valid)
-                    qk = tl.dot(q_h, tl.trans(_e4m3_to_fp16(k, DEQUANT)))  # fp32 accumulation
-                    qk = qk * row_scale[:, None] * k_scale[None, :]
-                if MULTI_Q:
-                    qk = tl.where((n0 + offs_n)[None, :] < lim[:, None], qk, float("-inf"))  # causal
-                    # A row may see none of this tile (the last one's draft positions past its limit):
-                    # while it has seen nothing, m = -inf and alpha = p = 0, with no NaN.
-                    m_new = tl.maximum(m_i, tl.max(qk, 1))
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_i - m_ref)
-                    p = tl.exp2(qk - m_ref[:, None])  # [G_PAD, BLOCK_N]
                 else:
-                    qk = tl.where(valid[None, :], qk, float("-inf"))
-                    # Every block holds a valid position, so m_new is finite and alpha is 0 on a
-                    # segment's first block (m_i = -inf there).
-                    m_new = tl.maximum(m_i, tl.max(qk, 1))
-                    alpha = tl.exp2(m_i - m_new)
-                    p = tl.exp2(qk - m_new[:, None])  # [G_PAD, BLOCK_N]
-                l_i = l_i * alpha + tl.sum(p, 1)
+                    k_scale, v_scale = row_scale, row_scale  # unused
                 if V_BLOCK == 0:
                     v = tl.load(
                         v_b + h.to(tl.int64) * stride_vh + n0 * stride_vn + offs_v,
@@ -843,19 +911,10 @@ def _lean_decode_kernel(
                     v = _load_v_blocked(
                         v_b + h.to(tl.int64) * stride_vh, n0, offs_v, v_block_lo, length, stride_vn, V_BLOCK
                     )
-                if DEQUANT == 0:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                else:
-                    # The per-position V scale multiplies p, relative to the tile's largest scale so
-                    # that p stays in [0, 1] in fp16; that largest scale (and UNIT) multiplies the
-                    # tile's fp32 result. fp32 accumulation across tiles, never fp16/fp8. V is
-                    # blocked: the B operand [BLOCK_N, HEAD_DIM] has its reduction axis contiguous.
-                    v_top = tl.max(v_scale, 0)  # > 0: a tile holds a valid position, scales >= floor
-                    p16 = (p * (v_scale / v_top)[None, :]).to(tl.float16)
-                    pv = tl.dot(p16, tl.trans(_e4m3_to_fp16(v, DEQUANT)))  # [G_PAD, HEAD_DIM] fp32
-                    acc = acc * alpha[:, None] + pv * (v_top * UNIT)
-                m_i = m_new
-
+                # fmt: off
+                m_i, l_i, acc = _decoded_tile(q, row_scale, k, v, k_scale, v_scale, valid[None, :], m_i, l_i,
+                                              acc, DEQUANT, UNIT, DOT_PRECISION, MULTI_Q)
+                # fmt: on
                 seg_hi = seg_lo + n_blk
                 if (t == seg_hi - 1) | (t == range_hi - 1):  # our piece of this segment ends here
                     whole = (seg_lo >= range_lo) & (t == seg_hi - 1)
@@ -863,9 +922,8 @@ def _lean_decode_kernel(
                     o_offs = _row_offsets(offs_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
                     lse_offs = _row_offsets(offs_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
                     # fmt: off
-                    _store_segment(acc / l_i[:, None], m_i, l_i, whole, slot, G * q_len if MULTI_Q else G,
-                                   o_offs, lse_offs, Out, Lse, PartO, PartLse, G_PAD, HEAD_DIM, WRITE_LSE,
-                                   MULTI_Q)
+                    _store_segment(acc / l_i[:, None], m_i, l_i, whole, slot, G, o_offs, lse_offs, Out, Lse,
+                                   PartO, PartLse, G_PAD, HEAD_DIM, WRITE_LSE, MULTI_Q)
                     # fmt: on
                     m_i, l_i, acc = _empty_state(G_PAD, HEAD_DIM, BLOCK_N, MMA)
             tile = stop
@@ -880,7 +938,7 @@ def _lean_decode_kernel(
             tile = range_lo + at_end * (range_hi - 1 - range_lo)
             b, h, seg_lo, n_blk, _ = _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv)
             in_part = (seg_lo < range_lo) | (seg_lo + n_blk > range_hi)
-            if EARLY_TICKET and MMA and at_end == 0:
+            if EARLY_TICKET and PER_HEAD and at_end == 0:
                 in_part = in_part & (_ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi) == 0)
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
@@ -947,6 +1005,7 @@ def lean_attention(
     use_pdl: bool = False,
     lse: torch.Tensor | None = None,
     q_lens: torch.Tensor | None = None,  # [B] int32 on q's device: query positions of each sequence
+    row_limits: torch.Tensor | None = None,  # [B, Q_MAX] int32 with q_lens: what each query position sees
 ) -> torch.Tensor:  # [B, Hq, D] ([B, Q_MAX, Hq, D] with q_lens) in q.dtype
     """softmax(q k^T * scale) v over each sequence's lengths[b] cached positions, which begin at
     position starts[b] (default 0) of its cache row: row b, or the one row when C = 1 (a batch
@@ -979,6 +1038,11 @@ def lean_attention(
     heads for each position (G * Q_MAX of them, padded to a power of two), so K/V are read once for
     all of them, and the schedule is the same as with one position. q_lens is a device tensor: a
     graph captured once replays for any q_lens up to Q_MAX. Q_MAX = 1 runs the single-query kernel.
+
+    `row_limits` (with q_lens; context parallelism, where a rank holds only some of a step's new
+    positions) gives each query position's causal limit instead: query j of sequence b sees the
+    first row_limits[b, j] of its lengths[b] positions (0 <= row_limits[b, j] <= lengths[b]), and
+    lengths[b] need not count q_lens[b]. A query that sees no position gets o = 0 and lse = -inf.
     """
     if q_lens is not None:
         if q.dim() != 4:
@@ -988,9 +1052,20 @@ def lean_attention(
             raise ValueError(f"q_lens must be [B] = [{B}], got {tuple(q_lens.shape)}")
         if q_lens.device.type == "cpu" and bool(((q_lens < 1) | (q_lens > q_max)).any()):
             raise ValueError(f"every q_lens must be in [1, Q_MAX = {q_max}], got {q_lens.tolist()}")
-        if lengths.device.type == "cpu" and bool(((lengths > 0) & (lengths < q_lens.cpu())).any()):
+        if row_limits is not None:
+            if row_limits.shape != (B, q_max) or row_limits.dtype != torch.int32:
+                raise ValueError(f"row_limits must be [B, Q_MAX] = [{B}, {q_max}] int32, got "
+                                 f"{tuple(row_limits.shape)} {row_limits.dtype}")  # fmt: skip
+            row_limits = row_limits.contiguous()
+            if row_limits.device.type == "cpu" and bool(
+                ((row_limits < 0) | (row_limits > lengths.cpu()[:, None])).any()
+            ):
+                raise ValueError("every row limit must be in [0, the sequence's length]")
+        elif lengths.device.type == "cpu" and bool(((lengths > 0) & (lengths < q_lens.cpu())).any()):
             raise ValueError("a sequence's length must count its q_lens new positions")
         if q_max == 1:  # one position each: the single-query kernel, on [B, Hq, D] views
+            if row_limits is not None:  # the one query's limit is the positions it reads
+                lengths = row_limits[:, 0]
             return lean_attention(
                 q[:, 0], k_cache, v_cache, lengths, scale, kv_scale=kv_scale, starts=starts,
                 num_ctas=num_ctas, config=config, out=None if out is None else out[:, 0], use_pdl=use_pdl,
@@ -1000,6 +1075,8 @@ def lean_attention(
             q_lens = q_lens.to(torch.int32)
         q3 = q[:, 0]  # [B, Hq, D]: the checks below are the single-query ones
     else:
+        if row_limits is not None:
+            raise ValueError("row_limits come with q_lens")
         q_max, q3 = 1, q
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if q3.dim() != 3 or k_cache.dim() != 4 or (v_cache.shape != k_cache.shape and not fp8):
@@ -1092,6 +1169,7 @@ def lean_attention(
         lengths,
         lengths if starts is None else starts,  # unused pointer without starts
         lengths if q_lens is None else q_lens,  # unused pointer with one query position
+        lengths if row_limits is None else row_limits,  # unused pointer without row limits
         ws.part_o,
         ws.part_lse,
         ws.counters,
@@ -1128,6 +1206,7 @@ def lean_attention(
         UNIT=DEQUANT_UNIT.get(dequant, 1.0),
         USE_PDL=use_pdl,
         HAS_STARTS=starts is not None,
+        HAS_LIMITS=row_limits is not None,
         V_BLOCK=V_BLOCK if fp8 else 0,
         WRITE_LSE=lse is not None,
         E4M3_HW=q.device.type == "cuda",

@@ -396,6 +396,7 @@ def decode_attention(
     starts: torch.Tensor | None = None,  # [B] int64: first position of each sequence (default 0)
     return_lse: bool = False,
     q_lens: torch.Tensor | None = None,  # [B] int32 on q's device: query positions per sequence
+    row_limits: torch.Tensor | None = None,  # [B, Q_MAX] int32 with q_lens: positions each query sees
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Hq, D] (, lse [B, Hq] float32)
     """One decode step of attention: each sequence's single new query over its cached context,
     positions starts[b] .. starts[b] + lengths[b] - 1 of its cache row (the lean stream-K kernel,
@@ -415,7 +416,9 @@ def decode_attention(
     of the sequence's lengths[b] positions; query position j sees positions
     starts[b] .. starts[b] + lengths[b] - q_lens[b] + j. The result is [B, Q_MAX, Hq, D] (lse
     [B, Q_MAX, Hq]); rows j >= q_lens[b] are unwritten by the kernel, 0 (lse -inf) in the twin.
-    One launch whatever the q_lens (a device tensor: graph-safe), reading K/V once for all of them."""
+    One launch whatever the q_lens (a device tensor: graph-safe), reading K/V once for all of them.
+    row_limits instead gives each query's limit, the first row_limits[b, j] positions (a
+    context-parallel rank's share of a step with drafts; 0: o 0, lse -inf)."""
     if _triton(q, triton):
         from .lean_attention import lean_attention
 
@@ -423,7 +426,7 @@ def decode_attention(
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else None
         out = lean_attention(
             q, k_cache, v_cache, lengths, scale, kv_scale=kv_scale, starts=starts,
-            use_pdl=_pdl(q, pdl), lse=lse, q_lens=q_lens,
+            use_pdl=_pdl(q, pdl), lse=lse, q_lens=q_lens, row_limits=row_limits,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     out = torch.zeros_like(q)
@@ -446,8 +449,9 @@ def decode_attention(
             v = v_cache[row : row + 1, :, span]
         length = torch.tensor([n], device=lengths.device)
         if q_lens is not None:
+            limits = None if row_limits is None else row_limits[b : b + 1].cpu()
             got = multi_query_attention_reference(
-                q[b : b + 1], k, v, length, torch.tensor([t]), scale, return_lse=return_lse
+                q[b : b + 1], k, v, length, torch.tensor([t]), scale, return_lse=return_lse, limits=limits
             )
             if return_lse:
                 out[b : b + 1], lse[b : b + 1] = got

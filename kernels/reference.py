@@ -45,11 +45,13 @@ def multi_query_attention_reference(
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
     return_lse: bool = False,
+    limits: torch.Tensor | None = None,  # [B, Q_MAX] int: the positions each query sees (0..lengths[b])
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, Q_MAX, Hq, D] (, lse [B, Q_MAX, Hq])
     """Attention of several new query positions a sequence (verifying speculative drafts): query
     position j of sequence b sees its first lengths[b] - q_lens[b] + j + 1 positions (the whole
-    context before the new tokens, and the new tokens causally). Rows j >= q_lens[b] and idle
-    sequences are 0 (lse -inf). Host loops: for CPU runs and tests."""
+    context before the new tokens, and the new tokens causally), or its first limits[b, j] where
+    given (a query that sees none is 0, lse -inf). Rows j >= q_lens[b] and idle sequences are 0
+    (lse -inf). Host loops: for CPU runs and tests."""
     B, q_max, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -63,10 +65,14 @@ def multi_query_attention_reference(
         kb = k_cache[b, :, :n].to(compute_dtype)  # [Hkv, n, D]
         vb = v_cache[b, :, :n].to(compute_dtype)
         scores = qb @ kb.transpose(1, 2) * scale  # [Hkv, t * G, n], row j * G + g
-        limit = n - t + 1 + torch.arange(t, device=q.device)  # [t] positions query j sees
+        if limits is None:
+            limit = n - t + 1 + torch.arange(t, device=q.device)  # [t] positions query j sees
+        else:
+            limit = limits[b, :t].to(q.device)
         seen = torch.arange(n, device=q.device)[None, :] < limit[:, None]  # [t, n]
         scores = scores.masked_fill(~seen.repeat_interleave(G, 0)[None], float("-inf"))  # [t, n] -> rows
-        o = (torch.softmax(scores, dim=-1) @ vb).view(Hkv, t, G, D).permute(1, 0, 2, 3)  # [t, Hkv, G, D]
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing: all 0
+        o = (weights @ vb).view(Hkv, t, G, D).permute(1, 0, 2, 3)  # [t, Hkv, G, D]
         out[b, :t] = o.reshape(t, Hq, D).to(q.dtype)
         if return_lse:
             lse[b, :t] = torch.logsumexp(scores, dim=-1).view(Hkv, t, G).permute(1, 0, 2).reshape(t, Hq)

@@ -24,7 +24,8 @@ FP8_PATHS = [  # the single-query tiers, and what multi_query_config picks for w
     pytest.param(la.FP8_SHORT_CONFIG, id="fp16-decode"),
     pytest.param(la.FP8_CONFIG, id="e4m3-mma"),
     pytest.param(dataclasses.replace(la.FP8_CONFIG, num_warps=8, ctas_per_sm=1), id="e4m3-mma-8-warps"),
-    pytest.param(la.MULTI_QUERY_FP8_WIDE, id="fp16-decode-64"),
+    pytest.param(la.MULTI_QUERY_FP8_MMA, id="e4m3-mma-64"),
+    pytest.param(la.MULTI_QUERY_FP8_WIDE, id="fp16-decode-128"),
 ]
 
 
@@ -185,6 +186,85 @@ def test_regions_of_one_shared_row(device):
     assert (lse[rows].double() - ref_lse.to(device)[rows]).abs().max() < 50 * TOL[dtype]
 
 
+def per_row_reference(q, k, v, limits, q_lens, scale, fp8_cache=None):
+    """float64 [B, Q_MAX, Hq, D] and lse: each real query row alone over the first limits[b, j]
+    positions (the single-query reference); a row that sees none: 0 and -inf."""
+    from minidecode.kernels.reference import decode_attention_reference
+
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64)
+    for b in range(q.shape[0]):
+        for j in range(int(q_lens[b])):
+            n = int(limits[b, j])
+            if n:
+                length = torch.tensor([n])
+                got = decode_attention_reference(
+                    q[b : b + 1, j].double(), k[b : b + 1].double(), v[b : b + 1].double(), length, scale,
+                    torch.float64, return_lse=True,
+                )  # fmt: skip
+                out[b, j], lse[b, j] = got[0][0], got[1][0]
+    return out, lse
+
+
+# A context-parallel rank's view of a step with drafts: it holds some of the new positions (here
+# the rows whose limit grows), so each query's limit is given; some rows see none of its positions.
+LIMIT_LENGTHS = [BLOCK + 3, 7, 2 * BLOCK + 1, 0]
+LIMITS = [[BLOCK + 1, BLOCK + 1, BLOCK + 2, BLOCK + 3], [0, 0, 6, 7], [2 * BLOCK + 1] * 4, [0, 0, 0, 0]]
+LIMIT_Q_LENS = [4, 4, 3, 2]
+
+
+def check_limits(device, k, v, dtype, scale, kd=None, vd=None, tol=None, **kw):
+    gen = torch.Generator(device=device).manual_seed(3)
+    q = torch.randn(4, 4, 8, 64, generator=gen, device=device).to(dtype)
+    lens = torch.tensor(LIMIT_LENGTHS, dtype=torch.int32, device=device)
+    qls = torch.tensor(LIMIT_Q_LENS, dtype=torch.int32, device=device)
+    limits = torch.tensor(LIMITS, dtype=torch.int32, device=device)
+    out, lse, rows = run(q, k, v, lens, qls, scale, row_limits=limits, **kw)
+    kd, vd = (k if kd is None else kd).cpu(), (v if vd is None else vd).cpu()
+    ref, ref_lse = per_row_reference(q.cpu(), kd, vd, limits.cpu(), qls.cpu(), scale)
+    rows = rows.to(device)
+    tol = TOL[dtype] if tol is None else tol
+    assert rel_err(out[rows], ref.to(device)[rows]) < tol
+    unseen = (limits == 0) & rows
+    assert unseen.any() and (out[unseen] == 0).all() and (lse[unseen] == float("-inf")).all()
+    seen = rows & ~unseen
+    assert (lse[seen].double() - ref_lse.to(device)[seen]).abs().max().item() < 50 * tol
+    return q, lens, qls, limits, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_ctas", [1, 3, 8])
+def test_given_row_limits(device, num_ctas):
+    """row_limits: each query row attends to its given number of positions, rows that see none get
+    o = 0 and lse = -inf (in a whole segment and in a merge of partials), against each row alone;
+    and the twin (ops.decode_attention) gives the same."""
+    for dtype in DTYPES[device]:
+        gen = torch.Generator(device=device).manual_seed(4)
+        k = torch.randn(4, 2, 2 * BLOCK + 4, 64, generator=gen, device=device).to(dtype)
+        v = torch.randn_like(k)
+        for b, n in enumerate(LIMIT_LENGTHS):  # a read past a length shows
+            k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+        q, lens, qls, limits, out = check_limits(device, k, v, dtype, 0.125, num_ctas=num_ctas)
+        twin = ops.decode_attention(q, k, v, lens, 0.125, triton=False, q_lens=qls, row_limits=limits)
+        rows = written(lens, qls, 4).to(device)
+        assert rel_err(twin[rows].float(), out[rows].float()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", FP8_PATHS)
+def test_given_row_limits_fp8(device, config):
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(5)
+    k = torch.randn(4, 2, 2 * BLOCK + 4, 64, generator=gen, device=device).to(dtype)
+    v = torch.randn_like(k)
+    (k8, ks), (v8, vs) = quantize_fp8(k), quantize_fp8(v)
+    kd, vd = dequantize_fp8(k8, ks, torch.float64), dequantize_fp8(v8, vs, torch.float64)
+    tol = MMA_TOL if config.fp8_mma else FP8_TOL[dtype]
+    kv_scale = torch.stack((ks, vs), -1)
+    vt = blocked_v(v8, LIMIT_LENGTHS)
+    check_limits(device, k8, vt, dtype, 0.125, kd, vd, tol, kv_scale=kv_scale, config=config, num_ctas=3)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rejects_bad_input(device):
     q, k, v, lens, qls = make_inputs(device, [70, 20], [4, 2], 4, 2)
@@ -197,6 +277,13 @@ def test_rejects_bad_input(device):
             la.lean_attention(q, k, v, lens, 0.1, q_lens=torch.tensor([5, 1], dtype=torch.int32))
         with pytest.raises(ValueError, match="must count its q_lens"):
             la.lean_attention(q, k, v, torch.tensor([3, 20], dtype=torch.int32), 0.1, q_lens=qls)
+        with pytest.raises(ValueError, match="every row limit"):
+            limits = torch.tensor([[70, 71, 0, 0], [1, 2, 0, 0]], dtype=torch.int32)
+            la.lean_attention(q, k, v, lens, 0.1, q_lens=qls, row_limits=limits)
+    with pytest.raises(ValueError, match="row_limits must be"):
+        la.lean_attention(q, k, v, lens, 0.1, q_lens=qls, row_limits=qls)
+    with pytest.raises(ValueError, match="row_limits come with q_lens"):
+        la.lean_attention(q[:, 0], k, v, lens, 0.1, row_limits=qls)
     with pytest.raises(ValueError, match="lse must be"):
         la.lean_attention(q, k, v, lens, 0.1, q_lens=qls, lse=torch.empty(2, 4, device=device))
 
@@ -259,19 +346,21 @@ def test_fp8_llama_shape(device, config):
 
 
 def test_multi_query_configs():
-    """Tiles of up to 16 rows keep the single-query config; wider ones take smaller tiles (bf16)
-    or the fp16 decode of 64-position tiles (FP8); lean_attention launches what it picks."""
+    """Tiles of up to 16 rows keep the single-query config (bf16: up to 32); wider ones take the
+    swept tiles (bf16), the fp16 decode at 32 rows, the e4m3 tile over 8 warps at 64 and the fp16
+    decode at 128 (FP8); lean_attention launches what it picks."""
     bf16 = la.default_config(128, torch.bfloat16)
     assert la.multi_query_config(bf16, 16, torch.bfloat16, False) == bf16
     assert la.multi_query_config(bf16, 32, torch.bfloat16, False) == bf16
-    for rows, (block_n, stages) in la.MULTI_QUERY_BF16.items():
+    for rows, (block_n, warps, stages, ctas) in la.MULTI_QUERY_BF16.items():
         got = la.multi_query_config(bf16, rows, torch.bfloat16, False)
-        assert (got.block_n, got.num_stages) == (block_n, stages)
+        assert (got.block_n, got.num_warps, got.num_stages, got.ctas_per_sm) == (block_n, warps, stages, ctas)
     mma, short = la.FP8_CONFIG, la.FP8_SHORT_CONFIG
     assert la.multi_query_config(mma, 16, torch.bfloat16, True) == mma
-    assert la.multi_query_config(mma, 32, torch.bfloat16, True).num_warps == 8
+    assert la.multi_query_config(mma, 32, torch.bfloat16, True) == short
     assert la.multi_query_config(la.FP8_TINY_CONFIG, 32, torch.bfloat16, True) == short
-    assert la.multi_query_config(mma, 64, torch.bfloat16, True) == la.MULTI_QUERY_FP8_WIDE
+    assert la.multi_query_config(mma, 64, torch.bfloat16, True) == la.MULTI_QUERY_FP8_MMA
+    assert la.multi_query_config(mma, 128, torch.bfloat16, True) == la.MULTI_QUERY_FP8_WIDE
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -282,7 +371,7 @@ def test_default_configs_of_wide_tiles(device, fp8):
     lengths, q_lens = [5 * 64 + 3, 700, 40], [16, 9, 3]
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     if fp8:
-        check_fp8(device, lengths, q_lens, la.MULTI_QUERY_FP8_WIDE, hq=32, hkv=8, head_dim=128, dtype=dtype,
+        check_fp8(device, lengths, q_lens, la.MULTI_QUERY_FP8_MMA, hq=32, hkv=8, head_dim=128, dtype=dtype,
                   num_ctas=7, pick=True)  # fmt: skip
     else:
         check(device, lengths, q_lens, hq=32, hkv=8, head_dim=128, dtype=dtype, num_ctas=7)
