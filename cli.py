@@ -47,7 +47,6 @@ from minidecode.validate import (
     check_device_name,
     check_dtype_name,
     check_kv_cache_dtype_name,
-    check_speculate_layout,
 )
 
 if TYPE_CHECKING:
@@ -446,11 +445,6 @@ def shared_options(runtime: tuple[str, ...] = (), request: bool = False) -> Call
     return decorate
 
 
-def check_speculate(runtime: Runtime, speculate: int | None) -> None:
-    """Refuse speculation under --cp up front, before the model loads."""
-    check_speculate_layout(speculate, runtime.cp)
-
-
 def check_launch(runtime: Runtime) -> None:
     """Refuse a torchrun launch whose size is not --tp x --cp (every rank would run the whole
     command, and write its output), and --tp / --cp without torchrun."""
@@ -569,7 +563,6 @@ def check_generate_args(
 
     runtime.check()
     check_parallel(runtime.tp, runtime.cp, world_size())
-    check_speculate(runtime, request.speculate)
     if load_cache is not None and load_cache.is_dir():
         raise UserError(
             f"cache file {load_cache} is a directory; give the path of a file that --save-cache wrote"
@@ -727,7 +720,6 @@ def batch(
         runtime.check()
         check_launch(runtime)
         request.check(need_prompt=False)
-        check_speculate(runtime, request.speculate)
         if rank() != 0:  # rank 0 reads and writes; the others run its plans
             serve_rank0(runtime.load(model))
             return
@@ -818,7 +810,6 @@ def serve(
     try:
         runtime.check()
         Request(speculate=speculate).check(need_prompt=False, names={"speculate": "--speculate"})
-        check_speculate(runtime, speculate)
         check_launch(runtime)
         check_int("--port", port, 0)
         if port > 65535:
@@ -984,7 +975,6 @@ def bench(
             allow_extrapolation=allow_extrapolation, speculate=speculate,
         )  # fmt: skip
         check_bench_args(settings, runtime, compare, out, plot_file)
-        check_speculate(runtime, speculate)
     except UserError as e:
         fail(str(e))
     bench_lengths(model, runtime, settings, command_line(ctx), json_output, out, plot_file)

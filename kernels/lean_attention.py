@@ -57,7 +57,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 class LeanConfig:
     """Launch parameters: positions per tile, warps, pipeline depth of the tile loop, CTAs per SM,
     pipeline depth of the merge loop (iterations in flight), whether a CTA draws the ticket of its
-    first segment as soon as it leaves it (FP8 tensor-core path only; see FP8_CONFIG), how an FP8
+    first segment as soon as it leaves it (the loops of one head at a time: the FP8 tensor-core
+    path and several query positions; see FP8_CONFIG), how an FP8
     cache is read (e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots; see
     FP8_SHORT_CONFIG), how many partials a merge iteration takes (_ticket_and_merge), and whether
     the fp16 decode makes q's operand in every tile rather than once per segment (FP8_TINY_CONFIG)."""
@@ -122,14 +123,19 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # 32 rows of a model-dtype cache; above, the configs of a sweep on an H200 (Triton 3.6, 32 / 8
 # heads, 32k and 512k; bench/NOTES-attention.md): 64 rows in 64-position tiles over one warpgroup,
 # two CTAs an SM (one warpgroup's MMA holds the 64 rows, so no reduction crosses warpgroups), 128
-# in 32-position tiles over 8 warps. An FP8 cache: 32 rows through FP8_SHORT_CONFIG's fp16 decode,
-# 64 through the e4m3 tensor-core tile over two warpgroups at one CTA an SM, 128 and up through
-# the fp16 decode of 128-position tiles with q made per tile (the e4m3 tile spills there).
+# in 32-position tiles over 8 warps. A multi-query segment's merge (its rows in passes of
+# MULTI_MERGE_ROWS, each over every contributor) is most of what such a step costs over the plain
+# one below 128k, and it waits for the CTA that holds two partial segments: with 32 and 128 rows
+# that CTA draws its first segment's ticket as it leaves it (early_ticket; with 64 rows it only
+# helps at one CTA an SM, which is slower from 256k). An FP8 cache: 32 rows through
+# FP8_SHORT_CONFIG's fp16 decode, 64 through the e4m3 tensor-core tile over two warpgroups at one
+# CTA an SM, 128 and up through the fp16 decode of 128-position tiles with q made per tile (the
+# e4m3 tile spills there).
 MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)
-MULTI_QUERY_BF16 = {  # G_PAD -> tile positions, warps, pipeline stages, CTAs an SM (model-dtype cache)
-    64: (64, 4, 3, 2),
-    128: (32, 8, 3, 1),
-    256: (64, 8, 1, 1),
+MULTI_QUERY_BF16 = {  # G_PAD -> tile positions, warps, stages, CTAs an SM, early_ticket (model-dtype cache)
+    64: (64, 4, 3, 2, False),
+    128: (32, 8, 3, 1, True),
+    256: (64, 8, 1, 1, False),
 }
 MULTI_QUERY_FP8_MMA = LeanConfig(  # FP8 cache, 64 rows: the e4m3 tensor-core tile, 8 warps
     block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=2, early_ticket=True, merge_chunk=8
@@ -148,12 +154,14 @@ def multi_query_config(config: LeanConfig, g_pad: int, dtype: torch.dtype, fp8: 
         if g_pad >= 128:
             return MULTI_QUERY_FP8_WIDE
         return MULTI_QUERY_FP8_MMA if g_pad == 64 else FP8_SHORT_CONFIG
-    if g_pad <= 32:
-        return config
-    block_n, warps, stages, ctas = MULTI_QUERY_BF16[min(g_pad, 256)]
+    if g_pad <= 32:  # the single-query tile, drawing its first segment's ticket early
+        return dataclasses.replace(config, early_ticket=True)
+    block_n, warps, stages, ctas, early = MULTI_QUERY_BF16[min(g_pad, 256)]
     if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
         block_n, stages = max(16, block_n // 2), max(1, stages - 1)
-    return dataclasses.replace(config, block_n=block_n, num_warps=warps, num_stages=stages, ctas_per_sm=ctas)
+    return dataclasses.replace(
+        config, block_n=block_n, num_warps=warps, num_stages=stages, ctas_per_sm=ctas, early_ticket=early
+    )
 
 
 # How the kernel reads an FP8 cache (kernel constexpr DEQUANT, from the config's fp8_mma;
@@ -717,7 +725,7 @@ def _lean_decode_kernel(
     V_BLOCK: tl.constexpr,  # 0: V in K's layout (model-dtype cache); > 0: FP8, "blocked_t"
     WRITE_LSE: tl.constexpr,
     E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
-    EARLY_TICKET: tl.constexpr,  # MMA: draw a partial first segment's ticket on leaving it
+    EARLY_TICKET: tl.constexpr,  # PER_HEAD: draw a partial first segment's ticket on leaving it
     Q_PER_TILE: tl.constexpr,  # fp16 decode: q's operand made in every tile, not once a segment
     Q_MAX: tl.constexpr,  # query positions a sequence (q's axis 1); 1: the single-query decode step
 ):

@@ -40,7 +40,7 @@ from .scheduler import check_fits
 from .sequence import Event, GenerationResult, GenerationStats, Sequence
 from .streams import BatchProgress, BatchStream, Stream
 from .tokenizer import ByteTokenizer, Tokenizer
-from .validate import check_speculate_layout, check_vocab
+from .validate import check_vocab
 from .warm_up import warm_up
 
 if TYPE_CHECKING:
@@ -213,7 +213,6 @@ class LLM:
         self.check_context(context, request.allow_extrapolation)
         self.check_fits(context, len(ids))
         eos = frozenset() if request.ignore_eos else frozenset(self.eos_ids)
-        check_speculate_layout(request.speculate, 1 if self.parallel is None else self.parallel.cp)
         return dict(
             prompt_ids=ids, params=params, max_new_tokens=new, context=context, stops=request.stops,
             eos_ids=eos, want_logprobs=bool(request.logprobs or request.top_logprobs),

@@ -73,10 +73,3 @@ def check_parallel(tp: Any, cp: Any, world_size: int | None) -> int:
             f"give --nproc-per-node {needed}, or --tp / --cp whose product is {world_size}"
         )
     return needed
-
-
-def check_speculate_layout(speculate: int | None, cp: int) -> None:
-    """Speculation and the launch's layout: the one check, which the CLI runs before the model
-    loads and the runtime runs on each request (context-parallel ranks verify no drafts yet)."""
-    if speculate and cp > 1:
-        raise UserError("--speculate is not supported with --cp yet", field="speculate")

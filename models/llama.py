@@ -186,6 +186,7 @@ class Attention(nn.Module):
         then: NormAfter,
         starts: torch.Tensor | None = None,
         q_lens: torch.Tensor | None = None,
+        row_limits: torch.Tensor | None = None,
     ) -> torch.Tensor | QuantizedRows:
         """x [B, hidden] is the residual stream and h = input_layernorm(x): x += o_proj(attention(h))
         in place -> then(x). cos/sin [B, D]; written [B] int64: the cache positions the new K/V go to
@@ -195,7 +196,8 @@ class Attention(nn.Module):
 
         q_lens [S] int32 (verifying drafts): the B rows are S sequences' Q = B / S query positions
         each, sequence-major; sequence s has q_lens[s] of them and lengths, starts are [S]
-        (decode_attention's multi-query contract)."""
+        (decode_attention's multi-query contract); row_limits [S, Q] int32: each query row's causal
+        limit, where lengths alone do not give it (a context-parallel rank's share)."""
         B = x.shape[0]
         k_cache, v_cache, kv_scale = kv  # [B, Hkv, S, D]; FP8: V blocked, scales [B, Hkv, S, 2]
         qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, pdl=pdl)  # [B, (Hq + 2 Hkv) * D]
@@ -212,7 +214,7 @@ class Attention(nn.Module):
             queries = q.view(q_lens.shape[0], -1, *q.shape[1:])  # [S, Q, Hq, D]
             out = self.attend(
                 queries, k_cache, v_cache, lengths, self.scale, pdl=pdl, kv_scale=kv_scale, starts=starts,
-                q_lens=q_lens,
+                q_lens=q_lens, row_limits=row_limits,
             )  # fmt: skip
         return self.o_proj.add_to(x, out.view(B, -1), pdl, then)
 
@@ -743,11 +745,12 @@ class Transformer(nn.Module):
         pdl: bool,
         starts: torch.Tensor | None = None,
         q_lens: torch.Tensor | None = None,
+        row_limits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layers of a decode step: RoPE at `positions` [B], the new K/V written at cache
         positions `written` [B] (in the cache's row: region starts included), attention over
         `lengths` [B] (from `starts`) -> final-normed hidden. q_lens [S]: the B rows are S
-        sequences' queries (Attention.decode)."""
+        sequences' queries, row_limits [S, Q] their causal limits where given (Attention.decode)."""
         cos, sin = self.rope.cos_sin(positions, (positions + 1).unsqueeze(-1))  # [B, D]
         x = self.model.embed_tokens(tokens)  # [B, hidden]: the residual stream
         layers = self.model.layers
@@ -763,7 +766,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             then = NormAfter(layer.post_attention_layernorm, mlp.gate_up_weight)
-            h = attn.decode(x, h, cos, sin, written, lengths, cache.layer(i), pdl, then, starts, q_lens)
+            h = attn.decode(
+                x, h, cos, sin, written, lengths, cache.layer(i), pdl, then, starts, q_lens, row_limits
+            )
             h = mlp.decode(x, h, pdl, input_norm(i + 1))
         return h  # the final norm's
 

@@ -160,7 +160,10 @@ class ContextParallelAttention:
     Decode (`__call__`, ops.decode_attention's form: Attention.attend): the new token's K/V go to
     the one rank that holds its position (`slots`), the spare position elsewhere; every rank attends
     over its positions and the per-head (o, lse) partials are all-gathered and merged
-    (ops.merge_ranks): one B x Hq x (D + 1) float32 gather per layer, whatever the context.
+    (ops.merge_ranks): one B x Hq x (D + 1) float32 gather per layer, whatever the context. A step
+    with drafts (`draft_slots`) writes each row's K/V on the rank that holds its position, and each
+    query row attends to the first row_limits of the rank's positions (those up to its own): its
+    part is packed and merged as a row of its own.
 
     Prefill (`rows`, `attention`, `output`: the Transformer's context, as models/llama.py's
     WholeContext): each rank computes the rows of its new positions (projections, MLP) in the one
@@ -194,9 +197,40 @@ class ContextParallelAttention:
         lengths = held(positions + 1, cp, rank, chunk).to(torch.int32)
         return written, lengths if active is None else lengths * active
 
-    def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:  # [B, Hq, D]
+    def draft_slots(
+        self, positions: torch.Tensor, q_lens: torch.Tensor, queries: int, spare: int,
+        starts: torch.Tensor | None = None, active: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`slots` for a step with drafts: sequence b's q_lens[b] ([B] int32, 1..queries) new tokens
+        at positions positions[b] ([B] int64) + 0, 1, ... -> (written [B, Q = queries]
+        int64: this rank's cache position of each real row it holds, else `spare`; lengths [B]
+        int32: how many of positions 0..positions[b] + q_lens[b] - 1 it holds; row_limits [B, Q]
+        int32: how many of those query j sees (held(positions[b] + j + 1)), 0 for padding rows and
+        idle sequences). The drafts of one step may fall on several ranks (a chunk boundary
+        between them). Device ops only."""
+        cp, rank, chunk = self.parallel.cp, self.parallel.cp_rank, self.chunk
+        at = positions[:, None] + torch.arange(queries, device=positions.device)  # [B, Q]
+        real = at < (positions + q_lens)[:, None]
+        if active is not None:
+            real = real & (active[:, None] > 0)
+        holder, slot = owner(at, cp, chunk)
+        mine = real & (holder == rank)
+        written = torch.where(mine, slot if starts is None else starts[:, None] + slot, spare)
+        limits = held(at + 1, cp, rank, chunk).to(torch.int32) * real  # [B, Q]
+        lengths = held(positions + q_lens, cp, rank, chunk).to(torch.int32)
+        return written, lengths if active is None else lengths * active, limits
+
+    def __call__(self, q, k_cache, v_cache, lengths, scale, **kwargs) -> torch.Tensor:
+        """This rank's attention over its positions, merged with every other rank's: q [B, Hq, D]
+        -> [B, Hq, D]; with q_lens and row_limits (a step with drafts) q [B, Q, Hq, D] -> [B, Q,
+        Hq, D], each query row packed and merged as a row of its own."""
         o, lse = ops.decode_attention(q, k_cache, v_cache, lengths, scale, return_lse=True, **kwargs)
-        return self.merge(o, lse, lengths, q.dtype, kwargs.get("triton"), kwargs.get("pdl", False))
+        triton, pdl = kwargs.get("triton"), kwargs.get("pdl", False)
+        if kwargs.get("q_lens") is None:
+            return self.merge(o, lse, lengths, q.dtype, triton, pdl)
+        rows = kwargs["row_limits"].reshape(-1)  # [B * Q]: a row that sees nothing here is packed empty
+        merged = self.merge(o.flatten(0, 1), lse.flatten(0, 1), rows, q.dtype, triton, pdl)
+        return merged.view(q.shape)
 
     def merge(
         self, o: torch.Tensor, lse: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype,
@@ -396,6 +430,29 @@ class ParallelTransformer(Transformer):
             return super().decode(tokens, positions, cache, pdl, starts, active)
         written, lengths = self.context.slots(positions, cache.max_len - 1, starts, active)
         return self.decode_layers(tokens, positions, written, lengths, cache, pdl, starts)
+
+    def decode_drafts(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        q_lens: torch.Tensor,
+        cache: KVCache,
+        spare: int,
+        pdl: bool = False,
+        starts: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As Transformer.decode_drafts; with cp > 1, each real row's K/V go to the rank that holds
+        its position (the others write `spare`), and each query row attends over each rank's
+        positions up to its own (ContextParallelAttention.draft_slots), merged by log-sum-exp."""
+        if self.parallel.cp == 1:
+            return super().decode_drafts(tokens, positions, q_lens, cache, spare, pdl, starts, active)
+        B, Q = tokens.shape
+        written, lengths, limits = self.context.draft_slots(positions, q_lens, Q, spare, starts, active)
+        at = positions[:, None] + torch.arange(Q, device=tokens.device)  # [B, Q] sequence positions
+        rows = (tokens.reshape(-1), at.reshape(-1), written.reshape(-1))  # B * Q rows, sequence-major
+        hidden = self.decode_layers(*rows, lengths, cache, pdl, starts, q_lens, limits)  # [B * Q, hidden]
+        return hidden.view(B, Q, -1)
 
 
 def _count(runs: list[tuple[int, int]]) -> int:

@@ -84,6 +84,24 @@ def decode_logits(llm: LLM, prompt: list[int], steps: int) -> torch.Tensor:
     return torch.cat(logits)
 
 
+def draft_logits(llm: LLM, prompt: list[int], drafts: list[int], padding: int) -> torch.Tensor:
+    """float32 logits [len(drafts), V] of one step with drafts after the prompt's prefill: the rows
+    of `drafts` (the token after the prompt, then its drafts) through Transformer.decode_drafts,
+    with `padding` more query rows that are not real (they write only the spare position)."""
+    model, engine = llm.model, llm.engine
+    q_len, Q = len(drafts), len(drafts) + padding
+    with torch.inference_mode():
+        cfg, positions = model.config, model.cache_len(len(prompt) + Q) + 1  # + 1: the spare position
+        layout = (cfg.num_layers, 1, cfg.num_kv_heads, positions, cfg.head_dim)
+        cache = KVCache(*layout, engine.kv_dtype, llm.device)
+        model.prefill(torch.tensor([prompt], device=llm.device), cache, engine.prefill_chunk)
+        tokens = torch.tensor([drafts + [0] * padding], device=llm.device)  # [1, Q]
+        position = torch.tensor([len(prompt)], device=llm.device)
+        q_lens = torch.tensor([q_len], dtype=torch.int32, device=llm.device)
+        hidden = model.decode_drafts(tokens, position, q_lens, cache, positions - 1)  # [1, Q, hidden]
+        return model.logits(hidden)[0, :q_len]
+
+
 def run_job(job: dict) -> dict:
     """The job's generations and logits, every tensor on the CPU (ranks on different GPUs save
     theirs, and the test compares them with a reference computed on another)."""
@@ -125,8 +143,14 @@ def run_job(job: dict) -> dict:
             result["again"] = (again.token_ids, again.stats.reused_tokens)
             batch = llm.generate([prompt, prompt[::-1]], max_new_tokens=new, temperature=0, ignore_eos=True)
             result["batch"] = [r.token_ids for r in batch]
+        if job.get("speculate"):  # drafts by prompt lookup, verified in steps of several rows
+            settings = dict(max_new_tokens=new, temperature=0, ignore_eos=True, speculate=job["speculate"])
+            spec = llm.generate(token_ids=prompt, **settings)
+            result["speculated"] = (spec.token_ids, spec.stats.accepted_tokens)
         llm.loop.close()  # the other ranks leave serve_plans
     result["steps"] = decode_logits(llm, prompt, new).cpu()  # the model's own passes, every rank in step
+    if "drafts" in job:
+        result["drafts"] = draft_logits(llm, prompt, job["drafts"], job.get("padding", 0)).cpu()
     if llm.parallel is not None:
         par = llm.parallel
         result["one_shot"] = par.use_one_shot and (par.tp_one_shot or par.cp_one_shot) is not None
@@ -215,9 +239,14 @@ def check_ranks_match_one_process(results: list[dict], job: dict) -> None:
             assert result["plans"] > 0
         else:
             assert result["tokens"] == reference["tokens"], rank
-        for key in ("logprobs", "steps", "scores") if rank == 0 else ("steps",):
+        for key in ("logprobs", "steps", "scores", "drafts") if rank == 0 else ("steps", "drafts"):
+            if key not in reference:
+                continue
             err = max_rel_err(result[key], reference[key])
             assert err <= TOL, (rank, key, err)
+    if "speculated" in results[0]:  # greedy with speculation: the tokens of greedy without it
+        tokens, accepted = results[0]["speculated"]
+        assert tokens == reference["tokens"] and accepted > 0, (tokens, reference["tokens"], accepted)
     if "sampled" in results[0]:  # drawn with the other ranks' plans, agreeing at every step
         assert len(results[0]["sampled"]) == job["new"]
 
@@ -364,6 +393,20 @@ def test_prefix_reuse_and_a_batch_under_context_parallel(checkpoints, tmp_path):
     assert results[0]["batch"] == reference["batch"] and results[0]["batch"][0] == reference["tokens"]
 
 
+def test_context_parallel_verifies_drafts_across_ranks(checkpoints, tmp_path):
+    """cp 2, chunks of 4, an 18-token prompt that repeats itself: a step with 5 real query rows
+    and one padding row at positions 18-23 writes 18-19 on rank 0 and 20-22 on rank 1, and each
+    row attends to both ranks' positions up to its own (row_limits), merged: the logits of one
+    process's step. Then greedy generation with speculate 4 (drafts found in the prompt and the
+    output, each step's 5 rows on both ranks) gives the tokens of greedy without speculation."""
+    half = random_ids(9, seed=15)  # (in one process 20 drafts of 20 accepted, in 11 steps)
+    job = dict(
+        model=checkpoints("gqa"), cp=2, cp_chunk=4, prompt=half + half, new=32, chunk=4,
+        drafts=random_ids(5, seed=12), padding=1, speculate=4,
+    )  # fmt: skip
+    check_ranks_match_one_process(spawn(2, job, tmp_path), job)
+
+
 def test_context_parallel_3_ranks_odd_split(checkpoints, tmp_path):
     """cp 3, a 17-token prompt in chunks of 2: three rounds (ranks of 6, 6 and 5 rows); 16 decode
     steps, past the prompt's length, on every rank in turn."""
@@ -444,6 +487,60 @@ def test_context_parallel_merge_matches_float64(triton):
     merged = ops.merge_ranks(parts, torch.float32, triton=triton)  # the kernel, or the twin
     assert merged.dtype == torch.float32 and max_rel_err(merged, exact) < 2e-6
     assert max_rel_err(ops.merge_partials(parts[..., :-1], parts[..., -1]), exact) < 2e-6
+
+
+class RankPacks(KeepsPacked):
+    """KeepsPacked as context-parallel rank `cp_rank` of `cp`."""
+
+    def __init__(self, cp: int, cp_rank: int):
+        self.cp, self.cp_rank = cp, cp_rank
+
+
+# A query row that sees none of a rank's positions has lse -inf (log of 0), and padding rows none
+# anywhere: their merge is 0 / 0, as in a step without drafts an idle row's; the interpreter warns.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+@pytest.mark.parametrize("triton", [False, True], ids=["twin", "lean"])
+def test_context_parallel_step_with_drafts_matches_float64(triton):
+    """A step with drafts over a context dealt to 2 ranks in chunks of 16 (rank 0 holds 0-15 and
+    48-63): sequence 0's 5 query rows at positions 45-49 (padded to 6) and sequence 1's 3 at 14-16
+    fall on both ranks (where rank 1 holds none of sequence 1's rows 14 and 15 see: limit 0). Each rank
+    attends over the positions it holds with its row_limits (ContextParallelAttention.draft_slots:
+    the multi-query lean kernel, or the twin), packs every query row and the parts are merged:
+    each real row's float64 attention over the whole context up to its own position. A rank's
+    written slots are where the dealing puts each position it holds."""
+    from minidecode.kernels.reference import multi_query_attention_reference
+    from minidecode.models.parallel import ContextParallelAttention
+
+    torch.manual_seed(0)
+    B, Q, Hq, Hkv, S, D, cp, chunk = 2, 6, 8, 2, 64, 64, 2, 16
+    positions, q_lens = torch.tensor([45, 14]), torch.tensor([5, 3], dtype=torch.int32)
+    q, k, v = torch.randn(B, Q, Hq, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    scale = D**-0.5
+    context = positions + q_lens  # [B]: the new rows' K/V already in k and v
+    exact = multi_query_attention_reference(
+        q.double(), k.double(), v.double(), context, q_lens, scale, torch.float64
+    )  # [B, Q, Hq, D]
+    parts = []
+    for rank in range(cp):
+        mine = [p for p in range(S) if sharding.owner(p, cp, chunk)[0] == rank]
+        slots = torch.tensor([sharding.owner(p, cp, chunk)[1] for p in mine])
+        k_r, v_r = torch.zeros(B, Hkv, len(mine) + 1, D), torch.zeros(B, Hkv, len(mine) + 1, D)
+        k_r[:, :, slots], v_r[:, :, slots] = k[:, :, mine], v[:, :, mine]  # its positions, in order
+        gathered = RankPacks(cp, rank)
+        attend = ContextParallelAttention(gathered, chunk)
+        spare = len(mine)
+        written, lengths, limits = attend.draft_slots(positions, q_lens, Q, spare)
+        for b in range(B):
+            for j in range(Q):
+                p = int(positions[b]) + j
+                held_here = j < q_lens[b] and sharding.owner(p, cp, chunk)[0] == rank
+                assert written[b, j] == (sharding.owner(p, cp, chunk)[1] if held_here else spare)
+        attend(q, k_r, v_r, lengths, scale, q_lens=q_lens, row_limits=limits, triton=triton)
+        parts.append(gathered.packed)
+    merged = ops.merge_ranks(torch.stack(parts), torch.float32, triton=triton).view(B, Q, Hq, D)
+    for b in range(B):
+        assert max_rel_err(merged[b, : q_lens[b]], exact[b, : q_lens[b]]) < 2e-6
 
 
 # ---- errors ------------------------------------------------------------------------------------------

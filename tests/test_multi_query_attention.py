@@ -346,15 +346,17 @@ def test_fp8_llama_shape(device, config):
 
 
 def test_multi_query_configs():
-    """Tiles of up to 16 rows keep the single-query config (bf16: up to 32); wider ones take the
-    swept tiles (bf16), the fp16 decode at 32 rows, the e4m3 tile over 8 warps at 64 and the fp16
-    decode at 128 (FP8); lean_attention launches what it picks."""
+    """Tiles of up to 16 rows keep the single-query config (bf16: up to 32, with early tickets);
+    wider ones take the swept tiles (bf16), the fp16 decode at 32 rows, the e4m3 tile over 8 warps
+    at 64 and the fp16 decode at 128 (FP8); lean_attention launches what it picks."""
     bf16 = la.default_config(128, torch.bfloat16)
     assert la.multi_query_config(bf16, 16, torch.bfloat16, False) == bf16
-    assert la.multi_query_config(bf16, 32, torch.bfloat16, False) == bf16
-    for rows, (block_n, warps, stages, ctas) in la.MULTI_QUERY_BF16.items():
+    early = dataclasses.replace(bf16, early_ticket=True)
+    assert la.multi_query_config(bf16, 32, torch.bfloat16, False) == early
+    for rows, (block_n, warps, stages, ctas, early) in la.MULTI_QUERY_BF16.items():
         got = la.multi_query_config(bf16, rows, torch.bfloat16, False)
-        assert (got.block_n, got.num_warps, got.num_stages, got.ctas_per_sm) == (block_n, warps, stages, ctas)
+        tile = (got.block_n, got.num_warps, got.num_stages, got.ctas_per_sm, got.early_ticket)
+        assert tile == (block_n, warps, stages, ctas, early)
     mma, short = la.FP8_CONFIG, la.FP8_SHORT_CONFIG
     assert la.multi_query_config(mma, 16, torch.bfloat16, True) == mma
     assert la.multi_query_config(mma, 32, torch.bfloat16, True) == short

@@ -314,16 +314,12 @@ def test_serve_refuses_a_bad_default():
     assert refused.exit_code != 0 and "--speculate must be >= 0" in refused.output
 
 
-def test_context_parallel_refuses_it_in_one_line():
-    refused = CliRunner().invoke(app, ["serve", "--device", "cpu", "--cp", "2", "--speculate", "4"])
-    assert refused.exit_code != 0 and refused.output.strip().endswith(
-        "--speculate is not supported with --cp yet"
-    )
-
-
 @pytest.mark.slow
-def test_batch_under_tp_speculates_and_gives_one_process_greedy_text(tmp_path):
-    """torchrun --tp 2: rank 0's drafts go to both ranks in the plan; the text is one process's."""
+@pytest.mark.parametrize("split", ["--tp", "--cp"])
+def test_batch_under_torchrun_speculates_and_gives_one_process_greedy_text(tmp_path, split):
+    """torchrun --tp 2 / --cp 2: rank 0's drafts go to both ranks in the plan, and each rank
+    verifies them on its heads or its positions; the text is one process's. (The step with drafts
+    over positions dealt to both ranks: tests/test_distributed.py.)"""
     pytest.importorskip("fastapi")
     import subprocess
     import sys
@@ -350,7 +346,7 @@ def test_batch_under_tp_speculates_and_gives_one_process_greedy_text(tmp_path):
     single = run(
         [sys.executable, "-m", "minidecode_cli.cli", "batch"], tmp_path / "one.jsonl"
     )  # b speculates
-    ranks = run(_torchrun("batch", "--tp", "2"), tmp_path / "two.jsonl", "--speculate", "8")
+    ranks = run(_torchrun("batch", split, "2"), tmp_path / "two.jsonl", "--speculate", "8")
     for key, want in single.items():
         assert ranks[key]["token_ids"] == want["token_ids"] and ranks[key]["text"] == want["text"]
         assert ranks[key]["stats"]["accepted_tokens"] > 0
