@@ -26,7 +26,12 @@ dealt evenly to an SM-sized grid, like stream-K GEMM:
 Verifying speculative drafts (q_lens): each sequence has up to Q_MAX new query positions, causal
 among themselves over the whole cache. They join the group in a tile's rows (G * Q_MAX of them:
 the same K/V bytes read once for all), each row's causal limit masks its scores, and the schedule
-is the one above (positions, not queries, make the tiles). Q_MAX = 1 compiles none of it.
+is the one above (positions, not queries, make the tiles). Their partials are G * Q_MAX rows, too
+many for one CTA to merge from every contributor without holding up the step, so they merge up a
+fixed tree instead of one ticket a segment: the CTA that finishes last among a node's children
+(up to tree_fan) merges them and climbs, so the last CTA of a segment merges a few partials a
+level, and the tree depends only on the contributors' count (still bitwise reproducible). Q_MAX =
+1 compiles none of it.
 
 The schedule is computed inside the kernel from the device tensor of lengths: a growing context
 needs no host sync and no recompilation, and a CUDA graph captured once replays for every later
@@ -61,7 +66,9 @@ class LeanConfig:
     path and several query positions; see FP8_CONFIG), how an FP8
     cache is read (e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots; see
     FP8_SHORT_CONFIG), how many partials a merge iteration takes (_ticket_and_merge), and whether
-    the fp16 decode makes q's operand in every tile rather than once per segment (FP8_TINY_CONFIG)."""
+    the fp16 decode makes q's operand in every tile rather than once per segment (FP8_TINY_CONFIG),
+    and, with several query positions a sequence, how many children a node of the merge tree has
+    at most (_tree_merge)."""
 
     block_n: int
     num_warps: int
@@ -72,6 +79,7 @@ class LeanConfig:
     fp8_mma: bool = True
     merge_chunk: int = 1
     q_per_tile: bool = False
+    tree_fan: int = 8
 
 
 # Chosen by a sweep at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps the splits
@@ -123,11 +131,11 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # 32 rows of a model-dtype cache; above, the configs of a sweep on an H200 (Triton 3.6, 32 / 8
 # heads, 32k and 512k; bench/NOTES-attention.md): 64 rows in 64-position tiles over one warpgroup,
 # two CTAs an SM (one warpgroup's MMA holds the 64 rows, so no reduction crosses warpgroups), 128
-# in 32-position tiles over 8 warps. A multi-query segment's merge (its rows in passes of
-# MULTI_MERGE_ROWS, each over every contributor) is most of what such a step costs over the plain
-# one below 128k, and it waits for the CTA that holds two partial segments: with 32 and 128 rows
-# that CTA draws its first segment's ticket as it leaves it (early_ticket; with 64 rows it only
-# helps at one CTA an SM, which is slower from 256k). An FP8 cache: 32 rows through
+# in 32-position tiles over 8 warps. A multi-query segment's merge (_tree_merge; nodes of up to 8
+# children: 2 and 4 were slower on an H100, bench/NOTES-attention.md) is most of what such a step
+# costs over the plain one below 128k, and it waits for the CTA that holds two partial segments:
+# with 32 and 128 rows that CTA draws its first segment's ticket as it leaves it (early_ticket).
+# An FP8 cache: 32 rows through
 # FP8_SHORT_CONFIG's fp16 decode, 64 through the e4m3 tensor-core tile over two warpgroups at one
 # CTA an SM, 128 and up through the fp16 decode of 128-position tiles with q made per tile (the
 # e4m3 tile spills there).
@@ -231,7 +239,10 @@ P_RANGE = tl.constexpr(256.0)
 # the kernel instead (tl.where on the bytes or on the fp16 operand, even only in the last tile)
 # brings the shared-memory round trip back (offline sm_90 SASS, bench/NOTES-attention.md).
 V_BLOCK = quant.V_BLOCK  # 64: the layout the FP8 cache stores (kernels/quant.py)
-MULTI_MERGE_ROWS = 16  # q_lens: partial rows (query heads x positions) a merge pass takes at most
+# q_lens: a tree node's merge takes its children's rows in passes of at most this many elements
+# (children x rows x head_dim) a tensor: registers.
+TREE_MERGE_ELEMENTS = 4096
+TREE_COUNTER_STRIDE = tl.constexpr(8)  # int32s: a tree node's ticket counter on its own 32-byte sector
 
 
 @triton.jit
@@ -484,8 +495,6 @@ def _locate(tile, offs_b, seq_len, seq_blocks, seq_end, Hkv):
 
 @triton.jit
 def _merge_rows(
-    row0,  # the first partial row merged here
-    n_rows,  # the rows that are real: G (MULTI_Q: G * q_len)
     first,  # the segment's contributing CTAs: first .. last
     last,
     first_slot,  # the partial slot of CTA `first` (the others': 2 * c)
@@ -498,21 +507,18 @@ def _merge_rows(
     G,
     Hkv,
     stride_ob,
-    stride_oj,
     stride_oh,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    ROWS: tl.constexpr,  # rows row0 .. row0 + ROWS - 1 (those below n_rows)
+    ROWS: tl.constexpr,  # the group's G rows, padded to a power of two
     MERGE_STAGES: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    Q_MAX: tl.constexpr,
-    MULTI_Q: tl.constexpr,
 ):
-    """Merge the partials of segment (b, h) for ROWS of its rows, in CTA order; write them."""
-    cols = row0 * HEAD_DIM + tl.arange(0, ROWS * HEAD_DIM)
-    col_g = cols // HEAD_DIM  # row of the partial of each column (query head; MULTI_Q: and position)
-    col_ok = col_g < n_rows
+    """Merge the partials of segment (b, h) in CTA order; write its output (one query position)."""
+    cols = tl.arange(0, ROWS * HEAD_DIM)
+    col_g = cols // HEAD_DIM  # query head of the partial of each column
+    col_ok = col_g < G
     m = tl.full([ROWS * HEAD_DIM], float("-inf"), tl.float32)
     l_sum = tl.zeros([ROWS * HEAD_DIM], tl.float32)
     o = tl.zeros([ROWS * HEAD_DIM], tl.float32)
@@ -530,12 +536,8 @@ def _merge_rows(
             lse_c = tl.load(PartLse + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
             o_c = tl.load(PartO + slot * (G_PAD * HEAD_DIM) + cols, mask=col_ok, other=0.0)
             m_new = tl.maximum(m, lse_c)  # finite from the first contributor on (padding: 0)
-            if MULTI_Q:  # a row with given limits may have seen nothing yet (lse -inf): no NaN
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_ref = m_new
-            alpha = tl.exp2(m - m_ref)
-            w = tl.exp2(lse_c - m_ref)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse_c - m_new)
             o = o * alpha + o_c * w
             l_sum = l_sum * alpha + w
             m = m_new
@@ -555,17 +557,11 @@ def _merge_rows(
             o = o * alpha + tl.sum(o_c * w, 0)
             l_sum = l_sum * alpha + tl.sum(w, 0)
             m = m_new
-    o_rows = _row_offsets(col_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
-    o_ptrs = Out + o_rows + cols % HEAD_DIM
-    if MULTI_Q:  # a row that saw no position of the segment (given limits): o = 0, lse = -inf
-        o = tl.where(l_sum > 0, o / l_sum, 0.0)
-    else:
-        o = o / l_sum
-    tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=col_ok)
+    o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
+    tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
     if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
-        lse_ptrs = Lse + _row_offsets(col_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
-        first_col = col_ok & (cols % HEAD_DIM == 0)
-        tl.store(lse_ptrs, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=first_col)
+        lse_ptrs = Lse + b * (Hkv * G) + h * G + col_g
+        tl.store(lse_ptrs, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=col_ok & (cols % HEAD_DIM == 0))
 
 
 @triton.jit
@@ -583,25 +579,21 @@ def _ticket_and_merge(
     PartO,
     PartLse,
     Counters,
-    QLens,
     G,
     Hkv,
     stride_ob,
-    stride_oj,
     stride_oh,
     G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     G_MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
     MERGE_STAGES: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    Q_MAX: tl.constexpr,
-    MULTI_Q: tl.constexpr,
 ):
-    """Draw a ticket for segment (b, h); the CTA that draws the last one merges all its partials
-    in CTA order (bitwise reproducible), writes the output and zeroes the counter."""
+    """One query position: draw a ticket for segment (b, h); the CTA that draws the last one
+    merges all its partials in CTA order (bitwise reproducible), writes the output and zeroes the
+    counter."""
     counter = Counters + (b * Hkv + h) * COUNTER_STRIDE  # one cache line per counter
     # Acquire-release: our partial stores (ordered before this by the caller's barrier) are
     # visible to whoever draws the last ticket, and the last one sees everyone's.
@@ -613,21 +605,168 @@ def _ticket_and_merge(
         # can have begun in an earlier segment (every later contributor's range starts inside
         # this one), so one _range_start serves the whole merge: none in its loop.
         first_slot = 2 * first + (_range_start(first, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
-        if MULTI_Q:  # the rows in blocks of MERGE_ROWS (up to G * Q_MAX rows: registers)
-            n_rows = G * tl.load(QLens + b)
-            for row0 in range(0, n_rows, MERGE_ROWS):
-                # fmt: off
-                _merge_rows(row0, n_rows, first, last, first_slot, b, h, Out, Lse, PartO, PartLse, G, Hkv,
-                            stride_ob, stride_oj, stride_oh, G_PAD, HEAD_DIM, MERGE_ROWS, MERGE_STAGES,
-                            MERGE_CHUNK, WRITE_LSE, Q_MAX, MULTI_Q)
-                # fmt: on
-        else:
-            # fmt: off
-            _merge_rows(0, G, first, last, first_slot, b, h, Out, Lse, PartO, PartLse, G, Hkv, stride_ob,
-                        stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, MERGE_CHUNK, WRITE_LSE,
-                        Q_MAX, MULTI_Q)
-            # fmt: on
+        # fmt: off
+        _merge_rows(first, last, first_slot, b, h, Out, Lse, PartO, PartLse, G, Hkv, stride_ob, stride_oh,
+                    G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES, MERGE_CHUNK, WRITE_LSE)
+        # fmt: on
         tl.store(counter, 0)  # every contributor has drawn its ticket: ready for the next launch
+
+
+@triton.jit
+def _merge_node(
+    row0,  # the first row merged here (of the segment's G * q_len)
+    n_rows,  # the rows that are real: G * q_len
+    first,  # the segment's first contributing CTA
+    first_slot,  # its partial slot (the others': 2 * c)
+    child0,  # the node's first leaf (contributor first + child0)
+    span,  # leaves under each child
+    kids,  # the node's children: leaves child0, child0 + span, ..
+    root,  # the node covers every contributor: write the output, else the node's partial
+    b,
+    h,
+    Out,
+    Lse,
+    PartO,
+    PartLse,
+    G,
+    Hkv,
+    stride_ob,
+    stride_oj,
+    stride_oh,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    TREE_FAN: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    Q_MAX: tl.constexpr,
+):
+    """ROWS rows of one tree node: its children's partials (each in the slot of its first leaf's
+    CTA, _store_segment's layout) merged at once, in child order, into the output or into the
+    node's own partial, which takes its first child's slot."""
+    cols = row0 * HEAD_DIM + tl.arange(0, ROWS * HEAD_DIM)
+    col_g = cols // HEAD_DIM  # row of each column (query position, query head)
+    col_ok = col_g < n_rows
+    r = tl.arange(0, TREE_FAN)
+    leaf = child0 + r * span  # [TREE_FAN] each child's first leaf
+    slot = tl.where(leaf == 0, first_slot, 2 * (first + leaf))
+    part = slot[:, None] * (G_PAD * HEAD_DIM) + cols[None, :]  # [TREE_FAN, ROWS * D]
+    ok = (r < kids)[:, None] & col_ok[None, :]
+    # .cg: from L2, where the children's CTAs wrote them (released by their tickets, acquired by ours)
+    lse_c = tl.load(PartLse + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o_c = tl.load(PartO + part, mask=ok, other=0.0, cache_modifier=".cg")
+    m = tl.max(lse_c, 0)  # -inf for a row no child saw any position of (given limits)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse_c - m_ref[None, :])
+    l_sum = tl.sum(w, 0)
+    seen = l_sum > 0
+    l_div = tl.where(seen, l_sum, 1.0)
+    o = tl.sum(o_c * w, 0) / l_div  # 0 where nothing was seen (every weight 0)
+    lse = tl.where(seen, m + tl.log2(l_div), float("-inf"))  # log2 units
+    if root:
+        o_ptrs = Out + _row_offsets(col_g, b, h, G, stride_ob, stride_oj, stride_oh, True) + cols % HEAD_DIM
+        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=col_ok)
+        if WRITE_LSE:  # natural log, once per row: the column holding its d = 0
+            lse_ptrs = Lse + _row_offsets(col_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, True)
+            tl.store(lse_ptrs, lse * 0.6931471805599453, mask=col_ok & (cols % HEAD_DIM == 0))
+    else:
+        node = tl.where(child0 == 0, first_slot, 2 * (first + child0)) * (G_PAD * HEAD_DIM) + cols
+        tl.store(PartO + node, o, mask=col_ok)
+        tl.store(PartLse + node, lse, mask=col_ok)
+
+
+@triton.jit
+def _tree_merge(
+    cta,
+    b,
+    h,
+    seg_lo,
+    seg_hi,
+    per,
+    big,
+    span_ctas,
+    span_tiles,
+    Out,
+    Lse,
+    PartO,
+    PartLse,
+    TreeCounters,
+    tree_levels,
+    QLens,
+    G,
+    Hkv,
+    stride_ob,
+    stride_oj,
+    stride_oh,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    TREE_FAN: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    Q_MAX: tl.constexpr,
+):
+    """Several query positions: our partial of segment (b, h) (written, its stores ordered before
+    this by the caller's barrier) climbs a fixed tree over the segment's contributors. Leaf i is
+    CTA first + i; a node of level L covers TREE_FAN^L consecutive leaves and has up to TREE_FAN
+    children. At each node with two children or more, each child's CTA draws a ticket from the
+    node's counter; the one that draws the last merges the children (_merge_node), zeroes the
+    counter and goes on up with the node, the others are done; at a node of one child the CTA
+    goes on up with nothing to do. The root's merge writes the output. So the last CTA to finish
+    merges at most TREE_FAN partials a level, the merges of other nodes run in parallel on their
+    own CTAs, nobody waits for another CTA, and the tree (so the rounding) depends only on the
+    contributors' count: bitwise reproducible."""
+    first = _owner(seg_lo, per, big, span_ctas, span_tiles)
+    n = _owner(seg_hi - 1, per, big, span_ctas, span_tiles) - first + 1  # leaves, >= 2 (a partial)
+    first_slot = 2 * first + (_range_start(first, per, big, span_ctas, span_tiles) < seg_lo).to(tl.int32)
+    n_rows = G * tl.load(QLens + b)
+    leaf = cta - first
+    span = 1  # leaves under the node we hold
+    level = 0
+    going = n > 1
+    while going:
+        child0 = (leaf // (span * TREE_FAN)) * (span * TREE_FAN)  # the parent's first leaf
+        kids = tl.minimum(TREE_FAN, tl.cdiv(n - child0, span))
+        root = span * TREE_FAN >= n
+        if kids > 1:
+            tl.debug_barrier()  # every thread's stores of our node precede the ticket (release)
+            node_slot = tl.where(child0 == 0, first_slot, 2 * (first + child0))
+            counter = TreeCounters + (node_slot * tree_levels + level) * TREE_COUNTER_STRIDE
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            won = ticket == kids - 1
+            if won:
+                tl.store(counter, 0)  # every child has drawn: ready for the next launch
+                for row0 in range(0, n_rows, MERGE_ROWS):
+                    # fmt: off
+                    _merge_node(row0, n_rows, first, first_slot, child0, span, kids, root, b, h, Out, Lse,
+                                PartO, PartLse, G, Hkv, stride_ob, stride_oj, stride_oh, G_PAD, HEAD_DIM,
+                                MERGE_ROWS, TREE_FAN, WRITE_LSE, Q_MAX)
+                    # fmt: on
+            going = won & (root == 0)
+        else:
+            going = root == 0
+        span = span * TREE_FAN
+        level += 1
+
+
+@triton.jit
+def _finish_partial(
+    cta, b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse, Counters,
+    TreeCounters, tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh,
+    G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, G_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    MERGE_STAGES: tl.constexpr, MERGE_CHUNK: tl.constexpr, COUNTER_STRIDE: tl.constexpr,
+    TREE_FAN: tl.constexpr, WRITE_LSE: tl.constexpr, Q_MAX: tl.constexpr,
+):  # fmt: skip
+    """Our partial of segment (b, h) is written: its merge, one ticket a segment (one query
+    position) or the tree (several)."""
+    if Q_MAX > 1:
+        # fmt: off
+        _tree_merge(cta, b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse,
+                    TreeCounters, tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh, G_PAD,
+                    HEAD_DIM, MERGE_ROWS, TREE_FAN, WRITE_LSE, Q_MAX)
+    else:
+        _ticket_and_merge(b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse,
+                          Counters, G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES,
+                          MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE)
+        # fmt: on
 
 
 @triton.jit
@@ -688,6 +827,8 @@ def _lean_decode_kernel(
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD, D] fp32: log2-sum-exp of each partial row, once per column
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
+    TreeCounters,  # Q_MAX > 1: [2 * grid * tree_levels * TREE_COUNTER_STRIDE] int32, the tree's tickets
+    tree_levels,  # Q_MAX > 1: the tree's levels (TREE_FAN^tree_levels >= grid)
     qk_scale,  # softmax scale * log2(e): scores live in log2 space, so exp2 is exact softmax
     B,
     Hkv,
@@ -713,10 +854,11 @@ def _lean_decode_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     G_MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,  # MULTI_Q: partial rows a merge pass takes (of G * q_len)
+    MERGE_ROWS: tl.constexpr,  # MULTI_Q: partial rows a tree node's merge takes a pass (of G * q_len)
     MERGE_STAGES: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
+    TREE_FAN: tl.constexpr,  # MULTI_Q: children a node of the merge tree has at most (_tree_merge)
     DEQUANT: tl.constexpr,
     UNIT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -875,11 +1017,11 @@ def _lean_decode_kernel(
                 if EARLY_TICKET:
                     if _ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi):
                         tl.debug_barrier()  # the partial's stores precede the ticket (release)
-                        _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles,
-                                          Out, Lse, PartO, PartLse, Counters, QLens, G, Hkv, stride_ob,
-                                          stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_ROWS,
-                                          MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, WRITE_LSE, Q_MAX,
-                                          MULTI_Q)
+                        _finish_partial(cta, b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles,
+                                        Out, Lse, PartO, PartLse, Counters, TreeCounters, tree_levels, QLens,
+                                        G, Hkv, stride_ob, stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE,
+                                        MERGE_ROWS, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, TREE_FAN,
+                                        WRITE_LSE, Q_MAX)
                 # fmt: on
                 tile = seg_stop
         else:
@@ -950,10 +1092,10 @@ def _lean_decode_kernel(
                 in_part = in_part & (_ticket_drawn_early(seg_lo, n_blk, range_lo, range_hi) == 0)
             if in_part & ((at_end == 0) | (seg_lo != first_seg_lo)):
                 # fmt: off
-                _ticket_and_merge(b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles, Out, Lse,
-                                  PartO, PartLse, Counters, QLens, G, Hkv, stride_ob, stride_oj, stride_oh,
-                                  G_PAD, HEAD_DIM, G_MERGE, MERGE_ROWS, MERGE_STAGES, MERGE_CHUNK,
-                                  COUNTER_STRIDE, WRITE_LSE, Q_MAX, MULTI_Q)
+                _finish_partial(cta, b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles, Out, Lse,
+                                PartO, PartLse, Counters, TreeCounters, tree_levels, QLens, G, Hkv, stride_ob,
+                                stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_ROWS, MERGE_STAGES,
+                                MERGE_CHUNK, COUNTER_STRIDE, TREE_FAN, WRITE_LSE, Q_MAX)
                 # fmt: on
 
 
@@ -963,7 +1105,9 @@ def _lean_decode_kernel(
 class _Workspace(NamedTuple):
     part_o: torch.Tensor  # [2 * grid, G_PAD, D] fp32
     part_lse: torch.Tensor  # [2 * grid, G_PAD, D] fp32 (each row's lse repeated over D)
-    counters: torch.Tensor  # [B * Hkv * _COUNTER_STRIDE] int32, zero between launches
+    # [B * Hkv * _COUNTER_STRIDE + 2 * grid * tree_levels * TREE_COUNTER_STRIDE] int32, zero between
+    # launches: a segment's tickets, then the merge tree's (several query positions)
+    counters: torch.Tensor
 
 
 _WORKSPACES: dict[tuple, _Workspace] = {}
@@ -984,15 +1128,18 @@ def _grid_size(device: torch.device, config: LeanConfig, num_ctas: int | None) -
     return sm_count(device) * config.ctas_per_sm
 
 
-def _workspace(device: torch.device, grid: int, g_pad: int, head_dim: int, segments: int) -> _Workspace:
+def _workspace(
+    device: torch.device, grid: int, g_pad: int, head_dim: int, segments: int, tree_levels: int
+) -> _Workspace:
     """Cached per (device, shape): a CUDA graph captured after one eager call allocates nothing."""
-    key = (device, grid, g_pad, head_dim, segments)
+    key = (device, grid, g_pad, head_dim, segments, tree_levels)
     ws = _WORKSPACES.get(key)
     if ws is None:
+        tickets = segments * _COUNTER_STRIDE + 2 * grid * tree_levels * TREE_COUNTER_STRIDE.value
         ws = _Workspace(
             torch.empty(2 * grid, g_pad, head_dim, dtype=torch.float32, device=device),
             torch.empty(2 * grid, g_pad, head_dim, dtype=torch.float32, device=device),
-            torch.zeros(segments * _COUNTER_STRIDE, dtype=torch.int32, device=device),
+            torch.zeros(tickets, dtype=torch.int32, device=device),
         )
         _WORKSPACES[key] = ws
     return ws
@@ -1139,15 +1286,17 @@ def lean_attention(
         raise ValueError(f"an FP8 cache needs block_n a multiple of {V_BLOCK}, got {config.block_n}")
     if config.merge_chunk < 1 or config.merge_chunk & (config.merge_chunk - 1):
         raise ValueError(f"merge_chunk must be a power of two, got {config.merge_chunk}")
+    fan = config.tree_fan
+    if fan < 2 or fan & (fan - 1):
+        raise ValueError(f"tree_fan must be a power of two >= 2, got {fan}")
     grid = _grid_size(q.device, config, num_ctas)
-    # The merge's vectors hold (rows x head_dim) elements of every partial it has in flight. With
-    # several query positions it takes the rows in blocks of at most MULTI_MERGE_ROWS, and as many
-    # partials an iteration as keep a chunk's elements within the single-query config's.
-    merge_rows, merge_chunk = triton.next_power_of_2(G * q_max), config.merge_chunk
-    if q_max > 1:
-        merge_rows = min(merge_rows, max(MULTI_MERGE_ROWS, triton.next_power_of_2(G)))
-        merge_chunk = max(1, merge_chunk * triton.next_power_of_2(G) // merge_rows)
-    ws = _workspace(q.device, grid, g_pad, D, B * Hkv)
+    # Several query positions: a tree node's merge holds its children's rows x head_dim elements
+    # a pass (TREE_MERGE_ELEMENTS), and the tree has the levels of a segment of every CTA.
+    merge_rows = max(1, min(triton.next_power_of_2(G * q_max), TREE_MERGE_ELEMENTS // (fan * D)))
+    tree_levels = 0
+    while q_max > 1 and fan**tree_levels < grid:
+        tree_levels += 1
+    ws = _workspace(q.device, grid, g_pad, D, B * Hkv, tree_levels)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -1181,6 +1330,8 @@ def lean_attention(
         ws.part_o,
         ws.part_lse,
         ws.counters,
+        ws.counters[B * Hkv * _COUNTER_STRIDE :] if tree_levels else ws.counters,  # the tree's
+        tree_levels,
         scale * LOG2E,
         B,
         Hkv,
@@ -1208,8 +1359,9 @@ def lean_attention(
         G_MERGE=triton.next_power_of_2(G * q_max),
         MERGE_ROWS=merge_rows,
         MERGE_STAGES=config.merge_stages,
-        MERGE_CHUNK=merge_chunk,
+        MERGE_CHUNK=config.merge_chunk,
         COUNTER_STRIDE=_COUNTER_STRIDE,
+        TREE_FAN=fan,
         DEQUANT=dequant,
         UNIT=DEQUANT_UNIT.get(dequant, 1.0),
         USE_PDL=use_pdl,

@@ -139,13 +139,18 @@ def test_head_dim_128_and_peaked_logits(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_merge_in_chunks(device):
-    """The chunked merge (FP8_CONFIG's), with a head split over more CTAs than a chunk holds, on
-    the tile a 12-position query takes (G * Q_MAX = 48 rows, padded to 64: the config
-    multi_query_config gives such a tile, whose shared memory fits a GPU)."""
+@pytest.mark.parametrize("fan", [2, 4, 8])
+def test_merge_tree(device, fan):
+    """The merge tree (_tree_merge) with nodes of up to 2, 4 and 8 children over a head split
+    into more CTAs than fan^2 (three levels or more, nodes of one child among them, a stream-K
+    schedule whose ranges cross heads and sequences), on the tile a 12-position query takes
+    (G * Q_MAX = 48 rows, padded to 64: the config multi_query_config gives such a tile)."""
     wide = la.multi_query_config(la.DEFAULT_CONFIG, 64, torch.bfloat16, fp8=False)
-    config = dataclasses.replace(wide, merge_chunk=8, merge_stages=2)
-    check(device, [14 * BLOCK + 5, 3 * BLOCK], [12, 3], hq=8, hkv=2, head_dim=128, num_ctas=29, config=config)
+    config = dataclasses.replace(wide, tree_fan=fan)
+    lengths = [40 * wide.block_n + 5, 3 * wide.block_n]
+    sched = la.lean_schedule(lengths, 2, head_dim=128, device=device, num_ctas=29, config=config)
+    assert sched.max_splits_per_head > 8 and not sched.aligned
+    check(device, lengths, [12, 3], hq=8, hkv=2, head_dim=128, num_ctas=29, config=config)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -286,6 +291,10 @@ def test_rejects_bad_input(device):
         la.lean_attention(q[:, 0], k, v, lens, 0.1, row_limits=qls)
     with pytest.raises(ValueError, match="lse must be"):
         la.lean_attention(q, k, v, lens, 0.1, q_lens=qls, lse=torch.empty(2, 4, device=device))
+    for fan in (1, 3):
+        with pytest.raises(ValueError, match="tree_fan must be a power of two >= 2"):
+            config = dataclasses.replace(la.DEFAULT_CONFIG, tree_fan=fan)
+            la.lean_attention(q, k, v, lens, 0.1, q_lens=qls, config=config)
 
 
 # ---- FP8 (e4m3) cache -------------------------------------------------------------------------
