@@ -79,7 +79,7 @@ class LeanConfig:
     fp8_mma: bool = True
     merge_chunk: int = 1
     q_per_tile: bool = False
-    tree_fan: int = 8
+    tree_fan: int = 4
 
 
 # Chosen by a sweep at head_dim 128 (bench/NOTES-attention.md). One CTA per SM keeps the splits
@@ -131,19 +131,21 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # 32 rows of a model-dtype cache; above, the configs of a sweep on an H200 (Triton 3.6, 32 / 8
 # heads, 32k and 512k; bench/NOTES-attention.md): 64 rows in 64-position tiles over one warpgroup,
 # two CTAs an SM (one warpgroup's MMA holds the 64 rows, so no reduction crosses warpgroups), 128
-# in 32-position tiles over 8 warps. A multi-query segment's merge (_tree_merge; nodes of up to 8
-# children: 2 and 4 were slower on an H100, bench/NOTES-attention.md) is most of what such a step
-# costs over the plain one below 128k, and it waits for the CTA that holds two partial segments:
-# with 32 and 128 rows that CTA draws its first segment's ticket as it leaves it (early_ticket).
-# An FP8 cache: 32 rows through
+# in 32-position tiles over 8 warps. A multi-query segment's merge (_tree_merge) is most of what
+# such a step costs over the plain one below 128k: nodes of up to 8 children for 64 rows (two CTAs
+# an SM: ~33 contributors a segment), of 4 for 32 and 128 rows, whose passes of a node's rows would
+# be twice as many with 8 (swept on an H100, bench/NOTES-attention.md). The CTA that holds two
+# partial segments draws its first segment's ticket as it leaves it (early_ticket) but with 256
+# rows (one stage: nothing to overlap). An FP8 cache: 32 rows through
 # FP8_SHORT_CONFIG's fp16 decode, 64 through the e4m3 tensor-core tile over two warpgroups at one
 # CTA an SM, 128 and up through the fp16 decode of 128-position tiles with q made per tile (the
 # e4m3 tile spills there).
 MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)
-MULTI_QUERY_BF16 = {  # G_PAD -> tile positions, warps, stages, CTAs an SM, early_ticket (model-dtype cache)
-    64: (64, 4, 3, 2, False),
-    128: (32, 8, 3, 1, True),
-    256: (64, 8, 1, 1, False),
+# G_PAD -> tile positions, warps, stages, CTAs an SM, early_ticket, tree_fan (model-dtype cache)
+MULTI_QUERY_BF16 = {
+    64: (64, 4, 3, 2, True, 8),
+    128: (32, 8, 3, 1, True, 4),
+    256: (64, 8, 1, 1, False, 4),
 }
 MULTI_QUERY_FP8_MMA = LeanConfig(  # FP8 cache, 64 rows: the e4m3 tensor-core tile, 8 warps
     block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=2, early_ticket=True, merge_chunk=8
@@ -164,12 +166,13 @@ def multi_query_config(config: LeanConfig, g_pad: int, dtype: torch.dtype, fp8: 
         return MULTI_QUERY_FP8_MMA if g_pad == 64 else FP8_SHORT_CONFIG
     if g_pad <= 32:  # the single-query tile, drawing its first segment's ticket early
         return dataclasses.replace(config, early_ticket=True)
-    block_n, warps, stages, ctas, early = MULTI_QUERY_BF16[min(g_pad, 256)]
+    block_n, warps, stages, ctas, early, fan = MULTI_QUERY_BF16[min(g_pad, 256)]
     if dtype == torch.float32:  # tests only: fp32 tiles are twice the bytes
         block_n, stages = max(16, block_n // 2), max(1, stages - 1)
     return dataclasses.replace(
-        config, block_n=block_n, num_warps=warps, num_stages=stages, ctas_per_sm=ctas, early_ticket=early
-    )
+        config, block_n=block_n, num_warps=warps, num_stages=stages, ctas_per_sm=ctas, early_ticket=early,
+        tree_fan=fan,
+    )  # fmt: skip
 
 
 # How the kernel reads an FP8 cache (kernel constexpr DEQUANT, from the config's fp8_mma;

@@ -362,10 +362,10 @@ def test_multi_query_configs():
     assert la.multi_query_config(bf16, 16, torch.bfloat16, False) == bf16
     early = dataclasses.replace(bf16, early_ticket=True)
     assert la.multi_query_config(bf16, 32, torch.bfloat16, False) == early
-    for rows, (block_n, warps, stages, ctas, early) in la.MULTI_QUERY_BF16.items():
+    for rows, want in la.MULTI_QUERY_BF16.items():
         got = la.multi_query_config(bf16, rows, torch.bfloat16, False)
-        tile = (got.block_n, got.num_warps, got.num_stages, got.ctas_per_sm, got.early_ticket)
-        assert tile == (block_n, warps, stages, ctas, early)
+        tile = (got.block_n, got.num_warps, got.num_stages, got.ctas_per_sm, got.early_ticket, got.tree_fan)
+        assert tile == want
     mma, short = la.FP8_CONFIG, la.FP8_SHORT_CONFIG
     assert la.multi_query_config(mma, 16, torch.bfloat16, True) == mma
     assert la.multi_query_config(mma, 32, torch.bfloat16, True) == short
