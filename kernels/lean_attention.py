@@ -625,24 +625,10 @@ def _merge_node(
     span,  # leaves under each child
     kids,  # the node's children: leaves child0, child0 + span, ..
     root,  # the node covers every contributor: write the output, else the node's partial
-    b,
-    h,
-    Out,
-    Lse,
-    PartO,
-    PartLse,
-    G,
-    Hkv,
-    stride_ob,
-    stride_oj,
-    stride_oh,
-    G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROWS: tl.constexpr,
-    TREE_FAN: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    Q_MAX: tl.constexpr,
-):
+    b, h, Out, Lse, PartO, PartLse, G, Hkv, stride_ob, stride_oj, stride_oh,
+    G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, TREE_FAN: tl.constexpr,
+    WRITE_LSE: tl.constexpr, Q_MAX: tl.constexpr,
+):  # fmt: skip
     """ROWS rows of one tree node: its children's partials (each in the slot of its first leaf's
     CTA, _store_segment's layout) merged at once, in child order, into the output or into the
     node's own partial, which takes its first child's slot."""
@@ -679,34 +665,11 @@ def _merge_node(
 
 @triton.jit
 def _tree_merge(
-    cta,
-    b,
-    h,
-    seg_lo,
-    seg_hi,
-    per,
-    big,
-    span_ctas,
-    span_tiles,
-    Out,
-    Lse,
-    PartO,
-    PartLse,
-    TreeCounters,
-    tree_levels,
-    QLens,
-    G,
-    Hkv,
-    stride_ob,
-    stride_oj,
-    stride_oh,
-    G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
-    TREE_FAN: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    Q_MAX: tl.constexpr,
-):
+    cta, b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse, TreeCounters,
+    tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh,
+    G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr, TREE_FAN: tl.constexpr,
+    WRITE_LSE: tl.constexpr, Q_MAX: tl.constexpr,
+):  # fmt: skip
     """Several query positions: our partial of segment (b, h) (written, its stores ordered before
     this by the caller's barrier) climbs a fixed tree over the segment's contributors. Leaf i is
     CTA first + i; a node of level L covers TREE_FAN^L consecutive leaves and has up to TREE_FAN
