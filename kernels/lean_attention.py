@@ -61,14 +61,14 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 @dataclass(frozen=True)
 class LeanConfig:
     """Launch parameters: positions per tile, warps, pipeline depth of the tile loop, CTAs per SM,
-    pipeline depth of the merge loop (iterations in flight), whether a CTA draws the ticket of its
-    first segment as soon as it leaves it (the loops of one head at a time: the FP8 tensor-core
-    path and several query positions; see FP8_CONFIG), how an FP8
-    cache is read (e4m3 tensor-core dots, or each element decoded to fp16 for fp16 dots; see
-    FP8_SHORT_CONFIG), how many partials a merge iteration takes (_ticket_and_merge), and whether
-    the fp16 decode makes q's operand in every tile rather than once per segment (FP8_TINY_CONFIG),
-    and, with several query positions a sequence, how many children a node of the merge tree has
-    at most (_tree_merge)."""
+    pipeline depth of the one-query merge loop (iterations in flight), whether a CTA draws the
+    ticket of its first segment as soon as it leaves it (the loops of one head at a time: the FP8
+    tensor-core path and several query positions; see FP8_CONFIG), how an FP8 cache is read (e4m3
+    tensor-core dots, or each element decoded to fp16 for fp16 dots; see FP8_SHORT_CONFIG), how
+    many partials a one-query merge iteration takes (_ticket_and_merge), whether the fp16 decode
+    makes q's operand in every tile rather than once per segment (FP8_TINY_CONFIG), and, with
+    several query positions a sequence, how many children a node of the merge tree has at most
+    (_tree_merge)."""
 
     block_n: int
     num_warps: int
@@ -148,7 +148,7 @@ MULTI_QUERY_BF16 = {
     256: (64, 8, 1, 1, False, 4),
 }
 MULTI_QUERY_FP8_MMA = LeanConfig(  # FP8 cache, 64 rows: the e4m3 tensor-core tile, 8 warps
-    block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=2, early_ticket=True, merge_chunk=8
+    block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, early_ticket=True
 )
 MULTI_QUERY_FP8_WIDE = LeanConfig(  # FP8 cache from 128 rows: the fp16 decode, q per tile
     block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
