@@ -69,15 +69,26 @@ class DecodeState:
     # [B, MAX_TOP_LOGPROBS]: the most likely ids and their log p at the token just sampled (when asked for)
     top_ids: torch.Tensor  # int64
     top_logprob: torch.Tensor  # float32
-    # Speculation (a step with drafts): in, `lead` [B] int64, the token the host believes the row
-    # holds, and drafts [B, MAX_SPECULATE] int64, the first draft_lens [B] int64 of which follow it
-    # (verified only where lead == tokens: a draft made before the row's last token reached the host
-    # may be for another token); out, accepted [B] int64, how many drafts were kept.
-    lead: torch.Tensor
-    drafts: torch.Tensor
-    draft_lens: torch.Tensor
+    # Speculation (a step with drafts): in, draft_table [B, 2 + MAX_SPECULATE] int64, each row's
+    # lead (the token the host believes the row holds), draft_len, then drafts, the first draft_len
+    # of which follow it (verified only where lead == tokens: a draft made before the row's last
+    # token reached the host may be for another token), one table so that a plan's drafts cross in
+    # one copy; out, accepted [B] int64, how many drafts were kept.
+    draft_table: torch.Tensor
     accepted: torch.Tensor
     processors: ProcessorRows | None = None  # logits-processor state, once a sequence uses one
+
+    @property
+    def lead(self) -> torch.Tensor:  # [B]
+        return self.draft_table[:, 0]
+
+    @property
+    def draft_lens(self) -> torch.Tensor:  # [B]
+        return self.draft_table[:, 1]
+
+    @property
+    def drafts(self) -> torch.Tensor:  # [B, MAX_SPECULATE]
+        return self.draft_table[:, 2:]
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeState:
@@ -89,11 +100,10 @@ class DecodeState:
         top_logprob = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device)
         # active is int32, as the decode kernel's lengths (lengths * active stays int32)
         sampling, logprob, active = SamplingRows.zeros(batch, device), new(torch.float32), new(torch.int32)
-        drafts = torch.zeros(batch, MAX_SPECULATE, dtype=torch.long, device=device)
-        lead, draft_lens, accepted = (new(torch.long) for _ in range(3))
+        draft_table = torch.zeros(batch, 2 + MAX_SPECULATE, dtype=torch.long, device=device)
         return cls(
-            tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob,
-            lead, drafts, draft_lens, accepted,
+            tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob, draft_table,
+            new(torch.long),
         )  # fmt: skip
 
     @classmethod
@@ -114,29 +124,28 @@ class DecodeState:
         """Rows first..first+n-1, as views."""
         tokens, positions, logprob, starts, active, *rest = (x[first : first + n] for x in self._columns())
         processors = None if self.processors is None else self.processors.rows(n, first)
-        # rest: top_ids, top_logprob, lead, drafts, draft_lens, accepted
+        # rest: top_ids, top_logprob, draft_table, accepted
         return DecodeState(
             tokens, positions, logprob, self.sampling.rows(n, first), starts, active, *rest, processors
         )  # fmt: skip
 
     def _columns(self) -> tuple[torch.Tensor, ...]:
         rows = self.tokens, self.positions, self.logprob, self.starts, self.active
-        return (*rows, self.top_ids, self.top_logprob, self.lead, self.drafts, self.draft_lens, self.accepted)
+        return (*rows, self.top_ids, self.top_logprob, self.draft_table, self.accepted)
 
-    def load_drafts(self, drafts: list[list[int]], k: int, host: torch.Tensor) -> None:
-        """A plan's drafts (a row's [lead, d1, ...], [] for none) into rows 0..len-1's lead,
-        draft_lens and first k drafts, through `host` (pinned [B, 2 + MAX_SPECULATE] int64:
-        one copy to the device)."""
-        n, table = len(drafts), []
-        for row in drafts:
-            lead, own = (row[0], row[1:]) if row else (0, [])
-            table.append([lead, len(own), *own, *[0] * (k - len(own))])
-        rows = host[:n, : 2 + k]
-        rows.copy_(torch.tensor(table, dtype=torch.long))
-        on_device = rows.to(self.tokens.device, non_blocking=True)
-        self.lead[:n].copy_(on_device[:, 0])
-        self.draft_lens[:n].copy_(on_device[:, 1])
-        self.drafts[:n, :k].copy_(on_device[:, 2:])
+    def load_drafts(self, drafts: list[list[int]], host: torch.Tensor) -> None:
+        """A plan's drafts (a row's [lead, d1, ...], [] for none: lead 0, no drafts) into rows
+        0..len-1 of draft_table, written into `host` (pinned [B, 2 + MAX_SPECULATE] int64) and
+        copied to the device in one copy (the caller waits for the step before `host` is written
+        again)."""
+        n = len(drafts)
+        table = host[:n].numpy()  # a view: no tensor is made
+        table[:] = 0
+        for i, row in enumerate(drafts):
+            if row:
+                table[i, 0], table[i, 1] = row[0], len(row) - 1
+                table[i, 2 : len(row) + 1] = row[1:]
+        self.draft_table[:n].copy_(host[:n], non_blocking=True)
 
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""

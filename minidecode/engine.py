@@ -308,7 +308,7 @@ class Engine:
         (waited for: no lag)."""
         n, kind, state = decode.rows, decode.kind, self.state
         if decode.queries > 1:
-            state.load_drafts(decode.drafts, decode.queries - 1, self._host_drafts)
+            state.load_drafts(decode.drafts, self._host_drafts)
         self._lagged.copy_from(state, n, kind.logprobs, kind.top)
         self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries)
         if decode.queries > 1:
