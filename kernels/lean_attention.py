@@ -560,10 +560,10 @@ def _merge_rows(
             o = o * alpha + tl.sum(o_c * w, 0)
             l_sum = l_sum * alpha + tl.sum(w, 0)
             m = m_new
-    o_ptrs = Out + b * stride_ob + (h * G + col_g) * stride_oh + cols % HEAD_DIM
+    o_ptrs = Out + _row_offsets(col_g, b, h, G, stride_ob, 0, stride_oh, False) + cols % HEAD_DIM
     tl.store(o_ptrs, (o / l_sum).to(Out.dtype.element_ty), mask=col_ok)
     if WRITE_LSE:  # natural log (x ln 2), once per query head: the column holding its d = 0
-        lse_ptrs = Lse + b * (Hkv * G) + h * G + col_g
+        lse_ptrs = Lse + _row_offsets(col_g, b, h, G, Hkv * G, 0, 1, False)
         tl.store(lse_ptrs, (m + tl.log2(l_sum)) * 0.6931471805599453, mask=col_ok & (cols % HEAD_DIM == 0))
 
 
@@ -687,7 +687,7 @@ def _tree_merge(
     leaf = cta - first
     span = 1  # leaves under the node we hold
     level = 0
-    going = n > 1
+    going = True
     while going:
         child0 = (leaf // (span * TREE_FAN)) * (span * TREE_FAN)  # the parent's first leaf
         kids = tl.minimum(TREE_FAN, tl.cdiv(n - child0, span))
