@@ -21,6 +21,10 @@ Context parallel (models/parallel.py), once a layer around the all-gather of the
 pack_partials     o [B, Hq, D], lse [B, Hq], lengths [B] -> [B, Hq, D + 1]  cp_merge        cat, where
 merge_ranks       rows [R, B, Hq, D + 1] -> o [B, Hq, D]                    cp_merge        merge_partials
 
+Speculative decoding, once a step (prompt lookup's drafts made on the device):
+prompt_lookup     history [H], offsets/lengths/tokens/want [B] -> drafts    prompt_lookup   host loop
+                  [B, K], draft_lens [B]: what followed the last tokens' latest longest earlier match
+
 Tensor parallel over one-shot buffers (kernels/collectives.py), a rank's o_proj and down:
 linear_summed     out [B, N] := the ranks' linear(x) (+ residual) summed    gemv, summing    linear, then
                   (and its RMSNorm), each rank's columns of the weight      in its launch    one_shot
@@ -54,7 +58,7 @@ import torch.nn.functional as F
 from . import fp8_weights
 from .fp8_weights import FP8Weight, QuantizedRows, fp8_linear_reference
 from .quant import FP8_DTYPE, V_BLOCK, dequantize_fp8, quantize_fp8, read_v_rows
-from .reference import decode_attention_reference, multi_query_attention_reference
+from .reference import decode_attention_reference, multi_query_attention_reference, prompt_lookup_reference
 
 if TYPE_CHECKING:
     from .collectives import SumAfter
@@ -541,3 +545,32 @@ def merge_ranks(
 
         return cp_merge.merge_ranks(parts, dtype, _pdl(parts, pdl))
     return merge_partials(parts[..., :-1], parts[..., -1]).to(dtype)
+
+
+def prompt_lookup(
+    history: torch.Tensor,  # [H] int32: row b's tokens so far at offsets[b] .. offsets[b] + lengths[b] - 1
+    offsets: torch.Tensor,  # [B] int64
+    lengths: torch.Tensor,  # [B] int64, P_b >= 0: how many of row b's tokens history holds
+    tokens: torch.Tensor,  # [B] int64: row b's current token, the one after those P_b (not in history)
+    want: torch.Tensor,  # [B] int64: drafts row b asks for (<= 0: none; more than K: K)
+    drafts: torch.Tensor,  # [B, K] int64, out
+    draft_lens: torch.Tensor,  # [B] int64, out
+    min_ngram: int = 2,
+    max_ngram: int = 4,
+    triton: bool | None = None,
+) -> None:
+    """Prompt-lookup drafts of each row, on the device (no host sync: a CUDA graph's step).
+
+    Row b's sequence S is its P tokens in history, then tokens[b] (length L = P + 1). Its match is
+    the longest n (max_ngram down to min_ngram, n <= L - 1) whose last n tokens occurred before,
+    at the latest such end e (n <= e <= L - 1, S[e-n : e] == S[L-n : L]). Then drafts[b, i] =
+    S[e + i % (L - e)] for i < w = min(want[b], K): what followed, repeating its period where the
+    occurrence overlaps the end; draft_lens[b] = w, or 0 without a match (or w <= 0). drafts past
+    draft_lens are unspecified (the twin writes 0). max_ngram <= 8 on the Triton path."""
+    args = (history, offsets, lengths, tokens, want, drafts, draft_lens, min_ngram, max_ngram)
+    if _triton(history, triton):
+        from .prompt_lookup import prompt_lookup_triton
+
+        prompt_lookup_triton(*args)
+    else:
+        prompt_lookup_reference(*args)

@@ -1,4 +1,5 @@
-"""Reference decode attention in plain PyTorch: the CPU path and the ground truth for tests."""
+"""Reference decode attention (and prompt-lookup drafting) in plain PyTorch: the CPU path and the
+ground truth for tests."""
 
 import torch
 
@@ -77,3 +78,43 @@ def multi_query_attention_reference(
         if return_lse:
             lse[b, :t] = torch.logsumexp(scores, dim=-1).view(Hkv, t, G).permute(1, 0, 2).reshape(t, Hq)
     return (out, lse) if return_lse else out
+
+
+def prompt_lookup_reference(
+    history: torch.Tensor,  # [H] int: token ids, row b's at offsets[b] .. offsets[b] + lengths[b] - 1
+    offsets: torch.Tensor,  # [B] int
+    lengths: torch.Tensor,  # [B] int, P_b >= 0
+    tokens: torch.Tensor,  # [B] int: row b's current token (after its P_b, not in history)
+    want: torch.Tensor,  # [B] int: drafts asked for (<= 0: none; capped at K)
+    drafts: torch.Tensor,  # [B, K] int64, out (0 past draft_lens)
+    draft_lens: torch.Tensor,  # [B] int64, out
+    min_ngram: int = 2,
+    max_ngram: int = 4,
+) -> None:
+    """kernels/ops.py's prompt_lookup: a host loop over the rows (it reads their bounds), each
+    row's ends compared at once; for CPU runs and tests."""
+    K = drafts.shape[1]
+    out = torch.zeros(drafts.shape, dtype=torch.int64)
+    lens = [0] * len(lengths)
+    rows = zip(offsets.tolist(), lengths.tolist(), tokens.tolist(), want.tolist(), strict=True)
+    for b, (o, P, tok, w) in enumerate(rows):
+        w = min(w, K)
+        if w <= 0 or P == 0:
+            continue
+        seq = torch.cat([history[o : o + P].cpu().long(), torch.tensor([tok])])  # S [L], L = P + 1
+        # m[e - 1] for the ends e = 1..P: how many of S[e-1], S[e-2], ... equal S[P], S[P-1], ... in a row
+        m = torch.zeros(P, dtype=torch.int64)
+        alive = torch.ones(P, dtype=torch.bool)
+        for j in range(min(max_ngram, P)):
+            same = torch.zeros(P, dtype=torch.bool)
+            same[j:] = seq[: P - j] == seq[P - j]  # S[e-1-j] == S[L-1-j], where e - 1 - j >= 0
+            alive &= same
+            m += alive
+        if m.max() < min_ngram:
+            continue
+        ends = torch.arange(1, P + 1)
+        e = int(torch.where(m >= min_ngram, m * (P + 1) + ends, -1).argmax()) + 1  # largest (m, e)
+        out[b, :w] = seq[e + torch.arange(w) % (P + 1 - e)]  # past the end: the period L - e repeats
+        lens[b] = w
+    drafts.copy_(out)
+    draft_lens.copy_(torch.tensor(lens, dtype=torch.int64))

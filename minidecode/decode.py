@@ -3,13 +3,19 @@ row through the model, the logits processors and the sampler (`decode_step`; its
 `sample_rows`, also samples a mixed step's decode rows: engine.py), and its capture as a CUDA graph
 (`capture`). The engine (engine.py) owns one DecodeState and replays the graphs.
 
-With speculation the same step takes Q = k + 1 tokens a row: the row's last token and up to k
-drafts (prompt lookup, made on the host: speculation.py), all through the model at once, and keeps
-the longest verified prefix plus one token of the model's own (accept_greedy / accept_sampled), so
-a row moves on by 1..Q positions in one step."""
+Every step writes the tokens it feeds into the token history (the engine's `history`: the token at
+each of a region's sequence positions, beside the cache's K/V), and where a row speculates the step
+ends with the drafts of its next step, found on the device by prompt lookup over that history
+(ops.prompt_lookup: what followed the latest earlier occurrence of the row's last tokens). A step
+with drafts takes Q = k + 1 tokens a row, the row's token and up to k drafts, all through the model
+at once, and keeps the longest verified prefix plus one token of the model's own (speculation.accept:
+the drafts against what the step's own sampler draws at their positions), so a row moves on by
+1..Q positions in one step. The drafts never cross to the
+host: a step with drafts is queued without waiting for the one before, as a plain step is."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -24,11 +30,12 @@ from minidecode.models.llama import Transformer
 
 from .errors import UserError
 from .request import MAX_SPECULATE, MAX_TOP_LOGPROBS, check_int
-from .sampling import GREEDY, ProcessorRows, SamplingRows, probabilities, process, sample, top_logprobs
-from .speculation import accept_greedy, accept_sampled
+from .sampling import ProcessorRows, SamplingRows, process, sample, top_logprobs
+from .speculation import accept, next_draft_counts
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1) a graph is captured for
+FIRST_DRAFTS = 4  # the drafts a row's first lookup asks for (then they follow the acceptance)
 
 
 def check_max_batch(max_batch: int) -> int:
@@ -45,7 +52,7 @@ def bucket(n: int) -> int:
 
 def draft_bucket(k: int) -> int:
     """The step's query rows a sequence for k drafts (k >= 1): 1 + the smallest draft bucket >= k."""
-    return 1 + next(b for b in DRAFT_BUCKETS if b >= k)
+    return 1 + next(b for b in DRAFT_BUCKETS if b >= min(k, MAX_SPECULATE))
 
 
 def step_queries(speculate: int) -> list[int]:
@@ -57,8 +64,9 @@ def step_queries(speculate: int) -> list[int]:
 
 @dataclass
 class DecodeState:
-    """The decode step's device buffers, [B] each: a captured graph reads and writes exactly these,
-    so they live as long as the engine. A step uses the first rows of a bucket (views)."""
+    """The decode step's device buffers, [B] each unless shown: a captured graph reads and writes
+    exactly these, so they live as long as the engine. A step uses the first rows of a bucket
+    (views)."""
 
     tokens: torch.Tensor  # int64: in, the last token; out, the next one
     positions: torch.Tensor  # int64: where the next token goes (+= 1 per step, active rows only)
@@ -69,41 +77,42 @@ class DecodeState:
     # [B, MAX_TOP_LOGPROBS]: the most likely ids and their log p at the token just sampled (when asked for)
     top_ids: torch.Tensor  # int64
     top_logprob: torch.Tensor  # float32
-    # Speculation (a step with drafts): in, draft_table [B, 2 + MAX_SPECULATE] int64, each row's
-    # lead (the token the host believes the row holds), draft_len, then drafts, the first draft_len
-    # of which follow it (verified only where lead == tokens: a draft made before the row's last
-    # token reached the host may be for another token), one table so that a plan's drafts cross in
-    # one copy; out, accepted [B] int64, how many drafts were kept.
-    draft_table: torch.Tensor
-    accepted: torch.Tensor
+    # Speculation, int64. Each row's settings: `speculate`, the most drafts a step of it verifies (0:
+    # it makes none), `draft_end`, the last sequence position a draft may take (its region, its
+    # max_new_tokens); `draft_k`, how many its next lookup asks for (following its acceptance).
+    speculate: torch.Tensor
+    draft_end: torch.Tensor
+    draft_k: torch.Tensor
+    # Made by each step for the next (ops.prompt_lookup): drafts [B, MAX_SPECULATE], the first
+    # draft_lens of which follow the row's token.
+    drafts: torch.Tensor
+    draft_lens: torch.Tensor
+    # What the last step with drafts did, [B, 2 + MAX_SPECULATE] (one copy to the host): each row's
+    # drafts verified, those kept, then the drafts it verified (the kept ones first).
+    verdicts: torch.Tensor
     processors: ProcessorRows | None = None  # logits-processor state, once a sequence uses one
 
     @property
-    def lead(self) -> torch.Tensor:  # [B]
-        return self.draft_table[:, 0]
+    def proposed(self) -> torch.Tensor:  # [B]
+        return self.verdicts[:, 0]
 
     @property
-    def draft_lens(self) -> torch.Tensor:  # [B]
-        return self.draft_table[:, 1]
-
-    @property
-    def drafts(self) -> torch.Tensor:  # [B, MAX_SPECULATE]
-        return self.draft_table[:, 2:]
+    def accepted(self) -> torch.Tensor:  # [B]
+        return self.verdicts[:, 1]
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeState:
-        def new(dtype):
-            return torch.zeros(batch, dtype=dtype, device=device)
+        def new(dtype, *shape):
+            return torch.zeros(batch, *shape, dtype=dtype, device=device)
 
-        tokens, positions, starts = (new(torch.long) for _ in range(3))
-        top_ids = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.long, device=device)
-        top_logprob = torch.zeros(batch, MAX_TOP_LOGPROBS, dtype=torch.float32, device=device)
         # active is int32, as the decode kernel's lengths (lengths * active stays int32)
-        sampling, logprob, active = SamplingRows.zeros(batch, device), new(torch.float32), new(torch.int32)
-        draft_table = torch.zeros(batch, 2 + MAX_SPECULATE, dtype=torch.long, device=device)
         return cls(
-            tokens, positions, logprob, sampling, starts, active, top_ids, top_logprob, draft_table,
-            new(torch.long),
+            tokens=new(torch.long), positions=new(torch.long), logprob=new(torch.float32),
+            sampling=SamplingRows.zeros(batch, device), starts=new(torch.long), active=new(torch.int32),
+            top_ids=new(torch.long, MAX_TOP_LOGPROBS), top_logprob=new(torch.float32, MAX_TOP_LOGPROBS),
+            speculate=new(torch.long), draft_end=new(torch.long), draft_k=new(torch.long),
+            drafts=new(torch.long, MAX_SPECULATE), draft_lens=new(torch.long),
+            verdicts=new(torch.long, 2 + MAX_SPECULATE),
         )  # fmt: skip
 
     @classmethod
@@ -122,34 +131,18 @@ class DecodeState:
 
     def rows(self, n: int, first: int = 0) -> DecodeState:
         """Rows first..first+n-1, as views."""
-        tokens, positions, logprob, starts, active, *rest = (x[first : first + n] for x in self._columns())
+        views = {name: t[first : first + n] for name, t in self._columns().items()}
         processors = None if self.processors is None else self.processors.rows(n, first)
-        # rest: top_ids, top_logprob, draft_table, accepted
-        return DecodeState(
-            tokens, positions, logprob, self.sampling.rows(n, first), starts, active, *rest, processors
-        )  # fmt: skip
+        return DecodeState(**views, sampling=self.sampling.rows(n, first), processors=processors)
 
-    def _columns(self) -> tuple[torch.Tensor, ...]:
-        rows = self.tokens, self.positions, self.logprob, self.starts, self.active
-        return (*rows, self.top_ids, self.top_logprob, self.draft_table, self.accepted)
-
-    def load_drafts(self, drafts: list[list[int]], host: torch.Tensor) -> None:
-        """A plan's drafts (a row's [lead, d1, ...], [] for none: lead 0, no drafts) into rows
-        0..len-1 of draft_table, written into `host` (pinned [B, 2 + MAX_SPECULATE] int64) and
-        copied to the device in one copy (the caller waits for the step before `host` is written
-        again)."""
-        n = len(drafts)
-        table = host[:n].numpy()  # a view: no tensor is made
-        table[:] = 0
-        for i, row in enumerate(drafts):
-            if row:
-                table[i, 0], table[i, 1] = row[0], len(row) - 1
-                table[i, 2 : len(row) + 1] = row[1:]
-        self.draft_table[:n].copy_(host[:n], non_blocking=True)
+    def _columns(self) -> dict[str, torch.Tensor]:
+        """The buffers with a row a sequence (all but sampling and processors)."""
+        skip = ("sampling", "processors")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
     def move(self, src: int, dst: int) -> None:
         """Row src's sequence moves to row dst (device copies, ordered after queued steps)."""
-        for t in self._columns():
+        for t in self._columns().values():
             t[dst] = t[src]
         self.sampling.move(src, dst)
         if self.processors is not None:
@@ -159,15 +152,17 @@ class DecodeState:
 @dataclass
 class HostRows:
     """Pinned host copies of the first rows of a DecodeState's results, [B] each (the copies run
-    beside the device's work): the tokens, their log p and top log-probs, and (a step with drafts)
-    how many drafts each row kept; `copied`, the CUDA event after the last copies (None on the CPU,
-    where a copy is done when it returns)."""
+    beside the device's work): the tokens, their log p and top log-probs, the drafts ready for each
+    row's next step (`draft_lens`, where rows speculate) and the last step with drafts' verdicts;
+    `copied`, the CUDA event after the last copies (None on the CPU, where a copy is done when it
+    returns)."""
 
     tokens: torch.Tensor  # int64
     logprob: torch.Tensor  # float32
     top_ids: torch.Tensor  # [B, MAX_TOP_LOGPROBS] int64
     top_logprob: torch.Tensor  # [B, MAX_TOP_LOGPROBS] float32
-    accepted: torch.Tensor  # int64
+    draft_lens: torch.Tensor  # int64
+    verdicts: torch.Tensor  # [B, 2 + MAX_SPECULATE] int64
     copied: torch.cuda.Event | None = None
 
     @classmethod
@@ -175,13 +170,14 @@ class HostRows:
         def new(dtype, *shape):
             return torch.empty(batch, *shape, dtype=dtype, pin_memory=pin)
 
-        top = MAX_TOP_LOGPROBS
-        tokens, logprob, accepted = new(torch.long), new(torch.float32), new(torch.long)
-        event = torch.cuda.Event() if pin else None
-        return cls(tokens, logprob, new(torch.long, top), new(torch.float32, top), accepted, event)
+        top, event = MAX_TOP_LOGPROBS, torch.cuda.Event() if pin else None
+        return cls(
+            new(torch.long), new(torch.float32), new(torch.long, top), new(torch.float32, top),
+            new(torch.long), new(torch.long, 2 + MAX_SPECULATE), event,
+        )  # fmt: skip
 
     def copy_from(
-        self, state: DecodeState, n: int, logprobs: bool, top: bool, accepted: bool = False
+        self, state: DecodeState, n: int, logprobs: bool, top: bool, lookup: bool, verdicts: bool
     ) -> None:
         """Queue the copies of rows 0..n-1 (what the step's kind holds) after the queued work."""
         pairs = [(self.tokens, state.tokens)]
@@ -189,26 +185,75 @@ class HostRows:
             pairs.append((self.logprob, state.logprob))
         if top:
             pairs += [(self.top_ids, state.top_ids), (self.top_logprob, state.top_logprob)]
-        if accepted:
-            pairs.append((self.accepted, state.accepted))
+        if lookup:
+            pairs.append((self.draft_lens, state.draft_lens))
+        if verdicts:
+            pairs.append((self.verdicts, state.verdicts))
         for host, device in pairs:
             host[:n].copy_(device[:n], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
-    def read(self, n: int, logprobs: bool, top: bool) -> tuple[list[int], list[float] | None, Any, Any]:
-        """(tokens, log p or None, top ids [n, 20] or None, their log p or None) of rows 0..n-1,
-        once the copies have landed (waited for here)."""
+    def wait(self) -> None:
+        """Until the copies have landed."""
         if self.copied is not None:
             self.copied.synchronize()
-        if not top:
-            return self.tokens[:n].tolist(), self.logprob[:n].tolist() if logprobs else None, None, None
-        return self.tokens[:n].tolist(), self.logprob[:n].tolist(), self.top_ids[:n], self.top_logprob[:n]
+
+
+@dataclass
+class TokenHistory:
+    """The token at each sequence position of every region, beside the cache (prompt lookup reads
+    it): tokens [(capacity + granule) * scale] int64, where the region starting at cache position s
+    keeps its sequence's positions 0.. at s * scale.. . scale is 1, or under context parallelism
+    the ranks (a region holds a 1/scale share of its positions, the history all of them, alike on
+    every rank). Written by whatever feeds a token to the model: the prefill (its prompt), each
+    decode step (its rows' tokens and drafts; the rejected ones lie past the row's position and are
+    overwritten later, as their K/V are), a cache file read."""
+
+    tokens: torch.Tensor
+    scale: int
+
+    @classmethod
+    def empty(cls, capacity: int, scale: int, device: torch.device) -> TokenHistory:
+        return cls(torch.zeros(capacity * scale, dtype=torch.long, device=device), scale)
+
+    def offsets(self, starts: torch.Tensor) -> torch.Tensor:
+        """[B] int64: where each region's position 0 is."""
+        return starts if self.scale == 1 else starts * self.scale
+
+    def span(self, start: int, lo: int, hi: int) -> torch.Tensor:
+        """The entries of positions lo..hi-1 of the region starting at `start` (a view)."""
+        base = start * self.scale
+        return self.tokens[base + lo : base + hi]
+
+    def write(self, state: DecodeState, tokens: torch.Tensor, q_lens: torch.Tensor | None = None) -> None:
+        """tokens [B, Q] fed at each row's positions + 0, 1, ...: the first q_lens[b] of row b
+        (every one where None); idle rows' (and the rest) go to the spare granule's entries, which
+        no region reads."""
+        at = self.offsets(state.starts)[:, None] + (state.positions[:, None] + torch.arange(
+            tokens.shape[1], device=tokens.device))  # fmt: skip
+        if q_lens is not None:
+            spare = self.tokens.shape[0] - 1
+            at = torch.where(torch.arange(tokens.shape[1], device=tokens.device) < q_lens[:, None], at, spare)
+        self.tokens[at.reshape(-1)] = tokens.reshape(-1)
+
+
+def propose(history: TokenHistory, state: DecodeState) -> None:
+    """Each row's drafts for its next step, by prompt lookup over its history and its token
+    (ops.prompt_lookup): up to min(draft_k, speculate) of them, none past draft_end; none for idle
+    rows or rows that do not speculate."""
+    room = state.draft_end - state.positions  # drafts go at positions + 1 .. positions + k
+    want = torch.minimum(torch.minimum(state.draft_k, state.speculate), room) * state.active
+    ops.prompt_lookup(
+        history.tokens, history.offsets(state.starts), state.positions, state.tokens, want,
+        state.drafts, state.draft_lens,
+    )  # fmt: skip
 
 
 def decode_step(
     model: Transformer,
     cache: KVCache,
+    history: TokenHistory,
     state: DecodeState,
     mode: str,
     want_logprobs: bool,
@@ -217,19 +262,25 @@ def decode_step(
     top: bool = False,
     queries: int = 1,
     spare: int = 0,
+    lookup: bool = False,
 ) -> None:
     """One token for every row of `state`, reading and writing only its device buffers (so it can
     be captured in a CUDA graph): each row's sequence lives in its region of the cache's one row
     (state.starts); idle rows (state.active 0) read nothing. adjust: some row uses a logits
-    processor (state.processors); top: some row reports its top log-probs (implies want_logprobs).
+    processor (state.processors); top: some row reports its top log-probs (implies want_logprobs);
+    lookup: some row speculates (the step ends with every row's next drafts: `propose`).
 
     queries > 1: the step with drafts (`draft_step`: `queries` - 1 draft slots a row, padding
     rows' K/V written at cache position `spare`)."""
     if queries > 1:
-        draft_step(model, cache, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
-        return
-    hidden = model.decode(state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active)
-    sample_rows(model.logits(hidden), state, mode, want_logprobs, adjust, top)
+        draft_step(model, cache, history, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
+    else:
+        history.write(state, state.tokens[:, None])
+        rows = (state.tokens, state.positions, cache, pdl)
+        hidden = model.decode(*rows, starts=state.starts, active=state.active)
+        sample_rows(model.logits(hidden), state, mode, want_logprobs, adjust, top)
+    if lookup:
+        propose(history, state)
 
 
 def sample_rows(
@@ -267,6 +318,7 @@ def record_logprobs(logits: torch.Tensor, nxt: torch.Tensor, state: DecodeState,
 def draft_step(
     model: Transformer,
     cache: KVCache,
+    history: TokenHistory,
     state: DecodeState,
     mode: str,
     queries: int,
@@ -276,24 +328,25 @@ def draft_step(
     adjust: bool = False,
     top: bool = False,
 ) -> None:
-    """The decode step with drafts: each row's last token and its drafts (state.lead, drafts,
-    draft_lens: up to queries - 1 of them, verified only where lead is the token the row holds) as
-    `queries` query rows through the model at once (Transformer.decode_drafts), the accept rule on
-    each row's logits (greedy: accept_greedy; sampling: accept_sampled, over the distributions
-    `sample` draws from, its draws counted by position like sample's), then tokens <- the token
-    after the kept drafts, accepted <- how many were kept, positions += accepted + 1 (active rows).
-    The rejected drafts' K/V stay behind the new position, overwritten by later steps. Device
-    work only, fixed shapes (a CUDA graph per `queries`).
+    """The decode step with drafts: each row's token and its drafts (state.drafts, the first
+    draft_lens of them, at most queries - 1: made by the step before) as `queries` query rows
+    through the model at once (Transformer.decode_drafts), the accept rule (speculation.accept)
+    on the tokens `sample` draws from each query row's logits at its position, as the plain step
+    would there, then tokens <- the token after the kept drafts,
+    verdicts <- (drafts verified, kept, the drafts), positions += kept + 1 (active rows), and each
+    row's next lookup sized by its acceptance (next_draft_counts). The rejected drafts' K/V stay
+    behind the new position, overwritten by later steps. Device work only, fixed shapes (a CUDA
+    graph per `queries`).
 
-    Rows with logits processors or log-probs get no drafts (the scheduler's rule): their one query
-    row is the plain step's, so adjust / want_logprobs / top do what decode_step does, on each
-    row's first query row (a row with drafts uses no processor: its state is neutral)."""
+    Rows with logits processors or log-probs make no drafts (their `speculate` is 0): their one
+    query row is the plain step's, so adjust / want_logprobs / top do what decode_step does, on
+    each row's first query row (a row with drafts uses no processor: its state is neutral)."""
     k = queries - 1
     drafts = state.drafts[:, :k]  # [B, k]
-    verified = (state.lead == state.tokens) & (state.active > 0)
-    draft_lens = torch.where(verified, state.draft_lens.clamp(max=k), 0)  # [B]
+    draft_lens = torch.where(state.active > 0, state.draft_lens.clamp(max=k), 0)  # [B]
     q_lens = (draft_lens + 1).to(torch.int32)
     tokens = torch.cat((state.tokens[:, None], drafts), dim=1)  # [B, Q]
+    history.write(state, tokens, q_lens)
     hidden = model.decode_drafts(
         tokens, state.positions, q_lens, cache, spare, pdl, starts=state.starts, active=state.active
     )
@@ -302,17 +355,16 @@ def draft_step(
     if adjust:  # the first query rows processed, as decode_step processes its one
         first = process(logits[:, 0], state.processors, state.positions + 1)  # [B, V]
         chosen = torch.cat((first[:, None], logits[:, 1:]), dim=1)
-    if mode == GREEDY:
-        accepted, nxt = accept_greedy(drafts, chosen, draft_lens)
-    else:
-        B, Q, V = logits.shape
-        probs = probabilities(chosen.reshape(B * Q, V), state.sampling.repeat(Q), mode).view(B, Q, V)
-        accepted, nxt = accept_sampled(drafts, probs, draft_lens, state.sampling.seed, state.positions + 1)
+    B, Q, V = logits.shape
+    at = state.positions[:, None] + 1 + torch.arange(Q, device=logits.device)  # [B, Q] where each is drawn
+    own = sample(chosen.reshape(B * Q, V), state.sampling.repeat(Q), at.reshape(-1), mode).view(B, Q)
+    accepted, nxt = accept(drafts, own, draft_lens)
     if adjust:
         state.processors.count(nxt, state.active)
     if want_logprobs or top:  # rows that ask make no drafts: their next token follows query row 0
         record_logprobs(logits[:, 0], nxt, state, top)
-    state.accepted.copy_(accepted)
+    state.verdicts[:, : 2 + k] = torch.cat((draft_lens[:, None], accepted[:, None], drafts), dim=1)
+    state.draft_k.copy_(next_draft_counts(state.draft_k, draft_lens, accepted, state.speculate))
     state.tokens.copy_(nxt)
     state.positions.add_((accepted + 1) * state.active)
 
@@ -359,7 +411,7 @@ def capture(step: Callable[[], None], warm_up: Callable[[], None], pool: Any = N
 
 class DecodeGraphs:
     """The decode step of rows 0..n-1 of `state` as one CUDA graph per (bucket, mode, log-probs,
-    logits processors, top log-probs, query rows), captured on first use or ahead of it
+    logits processors, top log-probs, query rows, lookup), captured on first use or ahead of it
     (`prepare`: before a prefill, so the capture stays out of the decode steps' time) and dropped
     with the cache their addresses are in (`reset`); eagerly where graphs are off. A graph's
     warm-up runs once a process for its key and launch config (`warmed`, kept over resets): after
@@ -383,18 +435,18 @@ class DecodeGraphs:
     def reset(self) -> None:
         self._graphs = {}
 
-    def step(self, cache: KVCache, spare: int, n: int, *kind: Any) -> None:
-        """One step of rows 0..n-1 over `cache` (idle rows write position `spare`); kind: (mode,
-        logprobs, adjust, top, queries) as decode_step takes them."""
+    def step(self, cache: KVCache, history: TokenHistory, spare: int, n: int, *kind: Any) -> None:
+        """One step of rows 0..n-1 over `cache` and `history` (idle rows write position `spare`);
+        kind: (mode, logprobs, adjust, top, queries, lookup) as decode_step takes them."""
         if not self.graphed:
             if kind[2]:  # adjust: the processors' buffers
                 self.state.add_processors(self.model.config.vocab_size)
-            decode_step(self.model, cache, self.state.rows(n), *self._args(kind, spare))
+            decode_step(self.model, cache, history, self.state.rows(n), *self._args(kind, spare))
             return
-        self.prepare(cache, spare, n, *kind)
+        self.prepare(cache, history, spare, n, *kind)
         self._graphs[(min(bucket(n), self.max_batch), *kind)].replay()
 
-    def prepare(self, cache: KVCache, spare: int, n: int, *kind: Any) -> None:
+    def prepare(self, cache: KVCache, history: TokenHistory, spare: int, n: int, *kind: Any) -> None:
         """Capture the graph of n rows' step (its bucket), once per cache allocation."""
         b = min(bucket(n), self.max_batch)
         if not self.graphed or (b, *kind) in self._graphs:
@@ -402,22 +454,26 @@ class DecodeGraphs:
         args, adjust = self._args(kind, spare), kind[2]
         if adjust:  # the graph reads the processors' buffers: they exist before it is captured
             self.state.add_processors(self.model.config.vocab_size)
-        step = functools.partial(decode_step, self.model, cache, self.state.rows(b), *args)
+        step = functools.partial(decode_step, self.model, cache, history, self.state.rows(b), *args)
         warm = (b, *kind, launch_config(self.model, self.dtype, cache))
         t0 = time.perf_counter()
-        warm_up = self._warm_up(cache, b, spare, adjust, args) if warm not in self.warmed else lambda: None
+        warm_up = lambda: None  # noqa: E731
+        if warm not in self.warmed:
+            warm_up = self._warm_up(cache, history, b, spare, adjust, args)
         self._graphs[(b, *kind)] = capture(step, warm_up)
         self.warmed.add(warm)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
 
-    def _warm_up(self, cache: KVCache, b: int, spare: int, adjust: bool, args: tuple) -> Callable[[], None]:
+    def _warm_up(
+        self, cache: KVCache, history: TokenHistory, b: int, spare: int, adjust: bool, args: tuple
+    ) -> Callable[[], None]:
         """A step of b idle rows (writing only the spare granule), run before a capture."""
         idle = DecodeState.idle(b, self.state.tokens.device, spare)
         if adjust:
             idle.add_processors(self.model.config.vocab_size)
-        return functools.partial(decode_step, self.model, cache, idle, *args)
+        return functools.partial(decode_step, self.model, cache, history, idle, *args)
 
     def _args(self, kind: tuple, spare: int) -> tuple:
-        mode, logprobs, adjust, top, queries = kind
-        return mode, logprobs, self.pdl, adjust, top, queries, spare
+        mode, logprobs, adjust, top, queries, lookup = kind
+        return mode, logprobs, self.pdl, adjust, top, queries, spare, lookup

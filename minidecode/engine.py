@@ -15,8 +15,9 @@ every step of every mix of sequences; the graphs are captured once per cache all
 (decode.py holds the step and its state).
 
 With speculation (Request.speculate) a step takes several query rows a sequence: its token and
-the drafts the plan carries, verified in the same step (decode.py's draft_step, one graph per draft
-bucket); such a step returns its own tokens, since the next drafts follow them.
+the drafts the step before found for it on the device (prompt lookup over the token history kept
+beside the cache), verified in the same step (decode.py's draft_step, one graph per draft bucket);
+its results reach the host a step later, as a plain step's do.
 
 A prompt that prefills beside running sequences goes chunk by chunk, each chunk in one mixed step
 with the running rows (Transformer.mixed: one forward, the weights read once for both; on CUDA a
@@ -44,13 +45,22 @@ from minidecode.models.cache import KVCache
 from minidecode.models.llama import Transformer, weight_bytes, weights_description
 
 from .cache_parts import CacheParts
-from .decode import DecodeGraphs, DecodeState, HostRows, check_max_batch, sample_rows
+from .decode import (
+    FIRST_DRAFTS,
+    DecodeGraphs,
+    DecodeState,
+    HostRows,
+    TokenHistory,
+    check_max_batch,
+    propose,
+    sample_rows,
+)
 from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
 from .mixed import STEP_TOKENS, MixedSteps
 from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, StepOutput, StepPlan
-from .request import DEFAULT_MAX_BATCH, MAX_SPECULATE
+from .request import DEFAULT_MAX_BATCH
 from .sampling import SamplingParams, process, sample, top_logprobs
 
 
@@ -105,6 +115,7 @@ class Engine:
         )
         self.granule = KVCache.region_granule(self.kv_dtype)  # region starts and sizes: multiples of it
         self.cache: KVCache | None = None  # [layers, 1, Hkv, capacity + granule, D]
+        self.history: TokenHistory | None = None  # the token at each of the cache's sequence positions
         self.capacity = 0  # positions for regions; the spare granule follows them
         self.state = DecodeState.zeros(self.max_batch, device)
         # Work that stops the loop outside prefill and decode (monitoring: the server's /metrics):
@@ -115,13 +126,11 @@ class Engine:
         mixed = (self.step_tokens, self.use_cuda_graph, self.max_batch, self.prefill_chunk)
         self.mixed = MixedSteps(model, device, dtype, self.kv_dtype, *mixed)
         self._prefilling: Prefilling | None = None  # the prefill in progress
-        # Pinned host copies, run beside the device's work: each step's tokens (of the step before:
-        # the plain step's lag), and a step with drafts' own results (no lag: the next drafts follow them)
-        cuda = device.type == "cuda"
-        self._lagged, self._own = HostRows.empty(self.max_batch, cuda), HostRows.empty(self.max_batch, cuda)
-        # ... and its drafts on their way in, [rows, (lead, count, drafts...)]: one buffer serves, since
-        # a step with drafts is waited for (its results), its copy from here with it
-        self._host_drafts = torch.zeros(self.max_batch, 2 + MAX_SPECULATE, dtype=torch.long, pin_memory=cuda)
+        # Pinned host copies of each step's results, made while the next step runs (the host hands
+        # out a step's tokens one step late); whether the last step queued verified drafts (its
+        # verdicts then go with its copy), and whether the copy in flight holds verdicts
+        self._lagged = HostRows.empty(self.max_batch, device.type == "cuda")
+        self._drafted = self._copied_verdicts = False
         self.files = CacheParts(model, self.kv_dtype)  # this rank's parts of cache files
 
     @property
@@ -183,7 +192,10 @@ class Engine:
             copied = old.entries(keep)
             for name, t in new.tensors().items():
                 t[:, :, :, : copied[name]] = old.tensors()[name][:, :, :, : copied[name]]
-        self.cache, self.capacity = new, capacity
+        history = TokenHistory.empty(capacity + self.granule, self.model.context_ranks, self.device)
+        if keep:
+            history.tokens[: keep * history.scale] = self.history.tokens[: keep * history.scale]
+        self.cache, self.history, self.capacity = new, history, capacity
         self.graphs.reset()
         self.mixed.reset()
         self.resizes += 1
@@ -191,14 +203,15 @@ class Engine:
 
     def release(self) -> None:
         """Free the cache and the graphs captured on it."""
-        self.cache, self.capacity = None, 0
+        self.cache, self.history, self.capacity = None, None, 0
         self.graphs.reset()
         self.mixed.reset()
 
     def copy_positions(self, src: int, dst: int, count: int) -> None:
         """Positions src..src+count-1 of the cache to dst.. (a cached prefix moved to a larger
         region: device copies, ordered after the queued work). src and dst are region starts."""
-        count = self.model.held_positions(count)  # (context parallel: this rank's share of them)
+        sequence, count = count, self.model.held_positions(count)  # (context parallel: this rank's share)
+        self.history.span(dst, 0, sequence).copy_(self.history.span(src, 0, sequence))
         source, target = self.region(src, count).tensors(), self.region(dst, count).tensors()
         for name, t in target.items():
             t.copy_(source[name])
@@ -208,10 +221,19 @@ class Engine:
 
     # ---- decode rows -------------------------------------------------------------------------
     def start_row(
-        self, row: int, start: int, position: int, params: SamplingParams, prompt_ids: list[int] | None = None
+        self,
+        row: int,
+        start: int,
+        position: int,
+        params: SamplingParams,
+        prompt_ids: list[int] | None = None,
+        speculate: int = 0,
+        draft_end: int = 0,
     ) -> None:
         """Row `row` now decodes a sequence whose region starts at `start`, its next token at
-        `position` (the prompt's length); `prompt_ids` are its prompt (for a repetition penalty)."""
+        `position` (the prompt's length); `prompt_ids` are its prompt (for a repetition penalty).
+        speculate: the most drafts a step of it verifies (0: none), none at positions past
+        `draft_end` (each step makes the next one's; its first step's follow its prefill)."""
         state = self.state
         state.sampling.set(row, params)
         if params.adjusts:
@@ -219,6 +241,9 @@ class Engine:
         if state.processors is not None:  # neutral values for a sequence that uses none
             state.processors.set(row, params, prompt_ids or [], position)
         state.positions[row], state.starts[row], state.active[row] = position, start, 1
+        state.speculate[row], state.draft_end[row] = speculate, draft_end
+        state.draft_k[row], state.draft_lens[row] = min(FIRST_DRAFTS, speculate), 0
+        state.verdicts[row] = 0
 
     def move_row(self, src: int, dst: int) -> None:
         self.state.move(src, dst)
@@ -228,6 +253,7 @@ class Engine:
         state = self.state
         state.active[row], state.starts[row] = 0, self.spare_start
         state.positions[row], state.tokens[row] = 0, 0
+        state.speculate[row], state.draft_lens[row] = 0, 0
 
     # ---- a step plan -------------------------------------------------------------------------
     def run(self, plan: StepPlan, on_progress: Callable[[int, int], None] | None = None) -> StepOutput:
@@ -244,11 +270,13 @@ class Engine:
             self._prefilling = None
         admitted = self._cache_work(plan, out)
         for rows, kind, queries in plan.prepare:
-            self.prepare(rows, kind.mode, kind.logprobs, kind.adjust, kind.top, queries)
+            self.prepare(rows, kind.mode, kind.logprobs, kind.adjust, kind.top, queries, kind.lookup)
         p = plan.prefill if plan.prefill is not None and (admitted or plan.prefill.begin is None) else None
         if p is not None and p.begin is not None:
             out.prefill_began = time.perf_counter()
             self._prefilling = Prefilling(p.begin, p.start, p.size, p.reused)
+            if any(isinstance(op, FileRead) for op in plan.cache):  # (a region's own prefix has its tokens)
+                self._write_history(p.start, 0, p.begin[: p.reused])
         # The decode rows ride in the prefill's chunk, unless they verify drafts (their graph's step)
         chunked, decode = p is not None and p.chunk is not None, plan.decode
         riding = chunked and decode is not None and decode.queries == 1
@@ -291,6 +319,13 @@ class Engine:
             return False
         return True
 
+    def _write_history(self, start: int, lo: int, ids: list[int]) -> None:
+        """Token ids of positions lo.. of the region at `start` into the history (host ids: a cache
+        file's prefix, whose tokens the region did not hold)."""
+        if ids:
+            values = torch.tensor(ids, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            self.history.span(start, lo, lo + len(ids)).copy_(values, non_blocking=True)
+
     def _file_work(self, op: FileSave | FileOpen, out: StepOutput) -> None:
         """Save or open this rank's part of a cache file; a UserError is `out.file_error`."""
         try:
@@ -303,24 +338,30 @@ class Engine:
             out.file_error = str(e)
 
     def _decode(self, decode: Decode) -> None:
-        """Copy the rows' previous tokens to the host, then queue the step (it runs while they are
-        handed out). A step with drafts loads them first, and copies its own results after it
-        (waited for: no lag)."""
-        n, kind, state = decode.rows, decode.kind, self.state
-        if decode.queries > 1:
-            state.load_drafts(decode.drafts, self._host_drafts)
-        self._lagged.copy_from(state, n, kind.logprobs, kind.top)
-        self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries)
-        if decode.queries > 1:
-            self._own.copy_from(state, n, kind.logprobs, kind.top, accepted=True)
+        """Copy the rows' results of the step before to the host, then queue the step (it runs
+        while they are handed out)."""
+        n, kind = decode.rows, decode.kind
+        self._copy_results(n, kind)
+        self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries, kind.lookup)
+
+    def _copy_results(self, n: int, kind) -> None:
+        """Queue the copies of rows 0..n-1's results so far (the step before's), to be read by
+        _hand_back once the next step is queued."""
+        self._copied_verdicts = self._drafted
+        self._lagged.copy_from(self.state, n, kind.logprobs, kind.top, kind.lookup, self._drafted)
 
     def _hand_back(self, decode: Decode, out: StepOutput) -> None:
-        n, kind = decode.rows, decode.kind
-        want = (n, kind.logprobs, kind.top)
-        out.tokens, out.logprobs, out.top_ids, out.top_logprobs = self._lagged.read(*want)
-        if decode.queries > 1:
-            out.next, out.next_logprobs, out.next_top_ids, out.next_top_logprobs = self._own.read(*want)
-            out.accepted = self._own.accepted[:n].tolist()
+        n, kind, host = decode.rows, decode.kind, self._lagged
+        host.wait()
+        out.tokens = host.tokens[:n].tolist()
+        if kind.logprobs or kind.top:
+            out.logprobs = host.logprob[:n].tolist()
+        if kind.top:
+            out.top_ids, out.top_logprobs = host.top_ids[:n], host.top_logprob[:n]
+        if self._copied_verdicts:
+            out.verdicts = host.verdicts[:n]
+        if kind.lookup:
+            out.draft_lens = host.draft_lens[:n].tolist()
 
     def _mixed_step(self, decode: Decode | None, p: Prefill, out: StepOutput, on_progress) -> None:
         """The chunk p.chunk of the prefill in progress and the decode rows (if any) in one forward
@@ -332,18 +373,23 @@ class Engine:
         n, work = (0 if decode is None else decode.rows), self._prefilling
         if n:
             kind = decode.kind
-            self._lagged.copy_from(self.state, n, kind.logprobs, kind.top)
+            self._copy_results(n, kind)
         try:
             logits = self._mixed_logits(work, p.chunk, n)  # [1 + n, V]: the chunk's last row, the decode rows
         except (UserError, torch.OutOfMemoryError) as e:
             self._prefill_failed(p, e, out)
             if n:
-                self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top)
+                self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, 1, kind.lookup)
             return
         if n:
             if kind.adjust:
                 self.state.add_processors(self.config.vocab_size)
-            sample_rows(logits[1:], self.state.rows(n), kind.mode, kind.logprobs, kind.adjust, kind.top)
+            rows = self.state.rows(n)
+            self.history.write(rows, rows.tokens[:, None])
+            sample_rows(logits[1:], rows, kind.mode, kind.logprobs, kind.adjust, kind.top)
+            if kind.lookup:
+                propose(self.history, rows)
+            self._drafted = False
         work.done = p.chunk[1]
         total = len(work.prompt) - p.reused
         if on_progress is not None:
@@ -363,7 +409,9 @@ class Engine:
         if work.staging is None:  # (an FP8 cache's, made at the prefill's first chunk)
             work.staging = self.model.chunk_staging(region, len(work.prompt))
         where = (lo, work.start, len(work.prompt), region, work.staging, self.spare_start)
-        return self.mixed.logits(self.mixed.chunk(work.prompt[lo:hi], *where), self.state, n, self.cache)
+        chunk = self.mixed.chunk(work.prompt[lo:hi], *where)
+        self.history.span(work.start, lo, hi).copy_(chunk.ids[: hi - lo])
+        return self.mixed.logits(chunk, self.state, n, self.cache)
 
     def _prefill_units(self, p: Prefill, out: StepOutput, on_progress) -> None:
         """Run p.units units of the prefill in progress as a whole prefill of the positions not yet
@@ -399,8 +447,10 @@ class Engine:
         token is sampled into out.first."""
         prompt, row = self._prefilling.prompt, p.row
         self._prefilling = None
-        self.start_row(row.row, row.start, row.position, row.params, prompt)
+        self.start_row(row.row, row.start, row.position, row.params, prompt, row.speculate, row.draft_end)
         first = self.sample_first(row.row, logits, row.params, p.logprobs, p.top)
+        if row.speculate:  # its first step's drafts
+            propose(self.history, self.state.rows(1, row.row))
         logprob = float(self.state.logprob[row.row]) if p.logprobs else None
         top = (self.state.top_ids[row.row], self.state.top_logprob[row.row]) if p.top else None
         out.first = (first, logprob, top)
@@ -413,6 +463,7 @@ class Engine:
         are one UserError naming the first layer that made them."""
         region = self.region(start, size)
         tokens = torch.tensor([prompt_ids[reused:]], device=self.device)  # [1, T - reused]
+        self.history.span(start, reused, len(prompt_ids)).copy_(tokens[0])
         new = len(prompt_ids) - reused
         report = None if on_progress is None else (lambda done, total: on_progress(new * done // total, new))
         args = (tokens, region, self.prefill_chunk, self.attention_backend())
@@ -480,18 +531,35 @@ class Engine:
 
     # ---- decode ------------------------------------------------------------------------------
     def step(
-        self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False, queries: int = 1
+        self,
+        n: int,
+        mode: str,
+        logprobs: bool,
+        adjust: bool = False,
+        top: bool = False,
+        queries: int = 1,
+        lookup: bool = False,
     ) -> None:
         """One decode step of rows 0..n-1 (a CUDA graph replay of their bucket on CUDA): tokens ->
         the next tokens, positions += 1. adjust: some row uses a logits processor; top: some row
-        reports top log-probs (decode_step). queries > 1 (a draft bucket + 1): the step with the
-        drafts loaded into the state (positions += accepted + 1)."""
-        self.graphs.step(self.cache, self.spare_start, n, mode, logprobs, adjust, top, queries)
+        reports top log-probs; lookup: some row speculates (decode_step). queries > 1 (a draft
+        bucket + 1): the step verifies the drafts the step before made (positions += kept + 1)."""
+        kind = (mode, logprobs, adjust, top, queries, lookup)
+        self.graphs.step(self.cache, self.history, self.spare_start, n, *kind)
+        self._drafted = queries > 1
 
     def prepare(
-        self, n: int, mode: str, logprobs: bool, adjust: bool = False, top: bool = False, queries: int = 1
+        self,
+        n: int,
+        mode: str,
+        logprobs: bool,
+        adjust: bool = False,
+        top: bool = False,
+        queries: int = 1,
+        lookup: bool = False,
     ) -> None:
         """Capture the graph of n rows' step (its bucket), once per cache allocation: the loop calls
         this before a prefill, so that capture stays out of the decode steps' time."""
-        self.graphs.prepare(self.cache, self.spare_start, n, mode, logprobs, adjust, top, queries)
+        kind = (mode, logprobs, adjust, top, queries, lookup)
+        self.graphs.prepare(self.cache, self.history, self.spare_start, n, *kind)
 

@@ -237,7 +237,7 @@ class EngineLoop:
         self._settle()
         ended = []
         for row, running in enumerate(decoded):
-            if self._hand_out_step(running, row, plan, out):
+            if self._hand_out_step(running, row, out):
                 ended.append(running)
         if started is not None and self._started(started, out):
             ended.append(started)
@@ -247,36 +247,28 @@ class EngineLoop:
         for done in ended:
             self._finish(done, done.finish_reason)
 
-    def _hand_out_step(self, seq: Sequence, row: int, plan: StepPlan, out: StepOutput) -> bool:
-        """A decode step's tokens of seq (row `row`), in order: the token its row held (unless
-        already handed out: seq.skip), and after a step with drafts the drafts it kept and the token
-        after them (then its row holds that one, handed out: skip) -> True once seq has ended (an
-        end-of-sequence token, a stop, max_new_tokens: the rest of the step's tokens are dropped)."""
+    def _hand_out_step(self, seq: Sequence, row: int, out: StepOutput) -> bool:
+        """What the step before gave seq (row `row`), in order: the drafts it kept, if it verified
+        any, then the token its row holds now; nothing where seq had no step before (its first
+        token, which its row holds, was handed out at its prefill's end: seq.skip) -> True once seq
+        has ended (an end-of-sequence token, a stop, max_new_tokens: the rest of the step's tokens
+        are dropped)."""
         seq.stats.decode_steps += 1
-        tokens, first = [], not seq.skip
-        if first:
-            logprob = out.logprobs[row] if seq.want_logprobs else None
-            top = _top(seq, out.top_ids[row], out.top_logprobs[row]) if out.top_ids is not None else None
-            tokens.append((out.tokens[row], logprob, top))
-        seq.skip = False
-        if out.next is not None:
-            drafts, accepted = plan.decode.drafts[row], out.accepted[row]
-            if drafts and drafts[0] == out.tokens[row]:  # verified (the lead was the row's token)
-                seq.stats.proposed_tokens += len(drafts) - 1
-                seq.stats.accepted_tokens += accepted
-                self.stats.proposed_tokens += len(drafts) - 1
-                self.stats.accepted_tokens += accepted
-                seq.lookup.record(len(drafts), accepted + 1)  # (the lead counts as a kept proposal)
-            tokens.extend((token, None, None) for token in drafts[1 : 1 + accepted])  # (none: log-probs)
-            logprob = out.next_logprobs[row] if seq.want_logprobs else None
-            top = None
-            if out.next_top_ids is not None:
-                top = _top(seq, out.next_top_ids[row], out.next_top_logprobs[row])
-            tokens.append((out.next[row], logprob, top))
-            seq.skip = True
         self.stats.decode_steps += 1
-        if not tokens:  # its first token, handed out at its prefill's end, is what its row held
+        if seq.skip:
+            seq.skip = False
             return seq.aborted
+        tokens = []
+        if out.verdicts is not None and (proposed := int(out.verdicts[row, 0])):
+            accepted = int(out.verdicts[row, 1])
+            seq.stats.proposed_tokens += proposed
+            seq.stats.accepted_tokens += accepted
+            self.stats.proposed_tokens += proposed
+            self.stats.accepted_tokens += accepted
+            tokens += [(token, None, None) for token in out.verdicts[row, 2 : 2 + accepted].tolist()]
+        logprob = out.logprobs[row] if seq.want_logprobs else None
+        top = _top(seq, out.top_ids[row], out.top_logprobs[row]) if out.top_ids is not None else None
+        tokens.append((out.tokens[row], logprob, top))
         return any(self._hand_out(seq, *token) for token in tokens)
 
     def _begin(self, seq: Sequence) -> None:

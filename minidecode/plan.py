@@ -10,7 +10,7 @@ run it on their shards of the weights and of the cache). Its parts run in this o
    cache file read into its region, a release (a failure here fails that sequence only);
 4. `prepare`: decode graphs captured ahead of the step that needs them (a step with drafts' too);
 5. `decode` and `prefill`: one decode step of rows 0..n-1, with the graph kind of those rows (and
-   speculation's drafts: several tokens a row), and the one prefill in progress: either a chunk of
+   speculation's query rows: several tokens a row), and the one prefill in progress: either a chunk of
    its prompt (`Prefill.chunk`) run with the decode rows as one mixed step (one forward: their
    projections and MLP in one matmul per weight; a step with drafts runs on its own first, the
    chunk alone after it), or, with no decode rows, units of work of its prompt's rest as a whole
@@ -20,8 +20,8 @@ run it on their shards of the weights and of the cache). Its parts run in this o
 7. `file`: a cache file saved or opened, each rank its own part (`LLM.save_cache` / `load_cache`).
 
 What the engine returns is a `StepOutput`: the decode step's tokens (of the step before it: each
-step's tokens are copied to the host while the next one runs; a step with drafts also returns its
-own, the drafts it kept and the token after them, since the next drafts follow them), the first
+step's tokens are copied to the host while the next one runs, a step with drafts' kept drafts with
+them; its next drafts are made on the device, so it is not waited for either), the first
 token of a prefill that ended, the failure of the admitted or prefilling sequence, if any (the
 decode rows step all the same), and each rank's answer to `file`.
 """
@@ -38,12 +38,14 @@ from .sampling import SamplingParams
 @dataclass(frozen=True)
 class DecodeKind:
     """What a decode step of some rows must do (its graph's key, less the bucket): the sampling
-    mode, log-probs, logits processors, top log-probs; each on if any row needs it."""
+    mode, log-probs, logits processors, top log-probs, the next step's drafts looked up (some row
+    speculates); each on if any row needs it."""
 
     mode: str
     logprobs: bool = False
     adjust: bool = False
     top: bool = False
+    lookup: bool = False
 
 
 @dataclass
@@ -106,12 +108,15 @@ class Release:
 class RowStart:
     """Row `row` decodes a sequence whose region starts at `start`, its next token at `position`
     (its prompt's length), with these sampling and logits-processor settings (a repetition
-    penalty's prompt ids: the prefill's, sent once, in its first plan)."""
+    penalty's prompt ids: the prefill's, sent once, in its first plan); `speculate`: the most
+    drafts a step of it verifies (0: none), none at positions past `draft_end`."""
 
     row: int
     start: int
     position: int
     params: SamplingParams
+    speculate: int = 0
+    draft_end: int = 0
 
 
 @dataclass
@@ -139,14 +144,12 @@ class Prefill:
 @dataclass
 class Decode:
     """A decode step of rows 0..rows-1. With drafts (speculation): `queries` = 1 + a draft bucket
-    (decode.DRAFT_BUCKETS), and drafts[row] is [lead, d1, .., dk] (k < queries) or [] (none): the
-    token the row is believed to hold, then what is proposed to follow it (made on rank 0 from the
-    tokens on the host, copied into every rank's decode state)."""
+    (decode.DRAFT_BUCKETS), the most query rows a row takes: its token, then up to queries - 1 of
+    the drafts the step before made for it on the device (each rank alike, from the same tokens)."""
 
     rows: int
     kind: DecodeKind
     queries: int = 1
-    drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -175,16 +178,15 @@ class StepPlan:
 class StepOutput:
     """What running a plan gave (rank 0 reads it; the other ranks' outputs stay with them)."""
 
-    # the decode step's previous tokens of rows 0..n-1 (each row's log p and top ids / log-probs
-    # where asked for), on the host
+    # What the decode step before this plan's gave, of rows 0..n-1, on the host (each step's results
+    # are copied while the next one runs): the token each row holds now (its log p and top ids /
+    # log-probs where asked for); where that step verified drafts, `verdicts` [n, 2 + MAX_SPECULATE]
+    # int64: each row's drafts verified, those kept, then the drafts (the kept ones first, handed out
+    # before the token); where rows speculate, `draft_lens`: the drafts each row had ready then (the
+    # scheduler's guess of the next step's)
     tokens: list[int] = field(default_factory=list)
-    # a step with drafts, its own results (no lag): each row's drafts kept, and the token after them
-    # (its log p and top ids / log-probs where asked for: rows without drafts)
-    accepted: list[int] | None = None
-    next: list[int] | None = None
-    next_logprobs: list[float] | None = None
-    next_top_ids: Any = None  # [n, 20] int64 (host)
-    next_top_logprobs: Any = None  # [n, 20] float32 (host)
+    verdicts: Any = None
+    draft_lens: list[int] | None = None
     logprobs: list[float] | None = None
     top_ids: Any = None  # [n, 20] int64 (host)
     top_logprobs: Any = None  # [n, 20] float32 (host)

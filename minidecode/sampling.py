@@ -229,16 +229,6 @@ def _probs(logits: torch.Tensor, rows: SamplingRows, mode: str) -> torch.Tensor:
     return scaled.softmax(dim=-1)
 
 
-def probabilities(logits: torch.Tensor, rows: SamplingRows, mode: str) -> torch.Tensor:
-    """logits [B, V] float32 -> the distribution [B, V] float32 `sample` draws each row's token
-    from: a greedy row's (temperature 0, or mode GREEDY) is one-hot at its argmax (what
-    speculation.accept_sampled verifies drafts against)."""
-    one_hot = torch.zeros_like(logits).scatter_(-1, argmax(logits)[:, None], 1.0)  # (no host sync)
-    if mode == GREEDY:
-        return one_hot
-    return torch.where(rows.temperature[:, None] > 0, _probs(logits, rows, mode), one_hot)
-
-
 def _cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per-row top-k then top-p (nucleus) cuts as transformers' warpers make them: top-k keeps the
     tokens >= the k-th largest logit (ties kept); top-p then keeps the smallest set of most likely

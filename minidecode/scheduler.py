@@ -13,9 +13,10 @@ context parallelism, which runs no mixed steps, a unit of its whole prefill foll
 decode steps instead). A prefill beside none (or once the running sequences have all ended) runs
 as one unit of a whole prefill a plan, its fastest form. Sequences admitted together start
 together (their prefills run back to back, without steps between them). Where running
-sequences speculate, the step carries their drafts (prompt lookup on the tokens the host has:
-speculation.py); a step with drafts runs as its own graph (the engine then runs the chunk alone
-after it), one without rides in the chunk.
+sequences speculate, each step makes their next drafts on the device, and the plan says how many
+query rows its step gives a row: enough for the drafts last seen ready (a step's results reach the
+host a step late, as its tokens do); a step with drafts runs as its own graph (the engine then runs
+the chunk alone after it), one without rides in the chunk.
 `update()` takes the plan's StepOutput back: tokens fed, a prefill ended (its sequence now runs)
 or failed.
 
@@ -35,11 +36,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cache import Regions
 from .cache_file import CacheFile
-from .decode import draft_bucket, step_queries
+from .decode import FIRST_DRAFTS, draft_bucket, step_queries
 from .engine import Engine
 from .errors import UserError
 from .mixed import chunk_bucket, chunk_end, rows_per_key
@@ -94,6 +95,7 @@ def step_kind(seqs: list[Sequence]) -> DecodeKind:
         any(s.want_logprobs for s in seqs),
         any(s.params.adjusts for s in seqs),
         any(s.want_top for s in seqs),
+        any(s.max_drafts for s in seqs),
     )
 
 
@@ -169,40 +171,13 @@ class Scheduler:
         return done
 
     def _decode_step(self) -> Decode:
-        """The running rows' step: with drafts where a row speculates and one is found."""
+        """The running rows' step: with query rows for drafts where a row had drafts ready when
+        last seen, room for twice as many (a row's lookup asks for up to twice its last verified
+        drafts: speculation.next_draft_counts), up to its limit; a row given fewer verifies its
+        first ones."""
         kind, running = self._kind, self.running
-        plain = Decode(len(running), kind)
-        if not any(s.speculate for s in running):
-            return plain
-        drafts = [self._drafts(seq) for seq in running]
-        most = max(len(d) for d in drafts) - 1  # the most drafts a row has
-        if most < 1:
-            return plain
-        return Decode(len(running), kind, draft_bucket(most), drafts)
-
-    @staticmethod
-    def _drafts(seq: Sequence) -> list[int]:
-        """seq's drafts for the next step: [lead, d1, ..] or [] (it does not speculate, nothing
-        matches, or no room is left). They are proposed from its tokens before the one its row
-        holds (on the host after its prefill and after a step with drafts, else still on the
-        device): the lead is the lookup's guess of that token, verified on the device, then what
-        follows it. So its drafts depend on its own tokens only, whatever ran beside it (a seeded
-        request draws the same tokens in any batch). At most as many drafts as can still be
-        returned (max_new_tokens) and written in its region. None for a sequence without a drafter
-        (Sequence.lookup: one with log-probs or a logits processor is exact one token a step, it
-        runs its one query row)."""
-        if seq.lookup is None:
-            return []
-        prompt = len(seq.prompt_ids)
-        held = len(seq.sampled) - (1 if seq.skip else 0)  # the row's token: new token `held` (0-based)
-        seq.lookup.extend(seq.sampled[len(seq.lookup) - prompt : held])
-        room = min(seq.max_new_tokens - held - 2, seq.size - 1 - (prompt + held))
-        if room < 1:
-            return []
-        guess = seq.lookup.propose(room + 1)  # the row's token, then what follows it
-        if len(guess) < 2 or (seq.skip and guess[0] != seq.sampled[-1]):  # (known to fail)
-            return []
-        return guess
+        most = max((min(2 * s.ready_drafts, s.max_drafts) for s in running), default=0)
+        return Decode(len(running), kind, draft_bucket(most) if most else 1)
 
     def _admit(self, plan: StepPlan) -> None:
         """Admit the head of the queue if a row and a region are free: its cache work and its
@@ -224,10 +199,13 @@ class Scheduler:
             self.prefilling, self._next = seq, seq.reused
             plan.admit = seq.id
             # The step graphs it will decode in, captured before its prefill (not in its decoding):
-            # the plain step's, and where a row can speculate each draft bucket its steps may take.
+            # the plain step's, and where a row can speculate each draft bucket its steps may take,
+            # and the plain step without the lookup (once the rows that speculate have ended).
             rows, together = len(self.running) + 1, [*self.running, seq]
-            most = max((s.speculate for s in together if s.lookup is not None), default=0)
-            prepare = [(rows, step_kind(together), queries) for queries in step_queries(most)]
+            most, kind = max(s.max_drafts for s in together), step_kind(together)
+            prepare = [(rows, kind, queries) for queries in step_queries(most)]
+            if kind.lookup:
+                prepare.append((rows, replace(kind, lookup=False), 1))
             if self._beside and not self.engine.context_parallel:  # mixed steps: in theirs
                 self._to_prepare, self._last_step = prepare, None
             else:
@@ -254,7 +232,9 @@ class Scheduler:
         self._last_step = shape
 
     def _prefill_work(self, seq: Sequence, begin: bool) -> Prefill:
-        row = RowStart(len(self.running), seq.start, len(seq.prompt_ids), seq.params)
+        row = RowStart(
+            len(self.running), seq.start, len(seq.prompt_ids), seq.params, seq.max_drafts, seq.draft_end
+        )
         return Prefill(
             seq.id, seq.start, seq.size, seq.reused, row, seq.want_logprobs, seq.want_top > 0,
             begin=seq.prompt_ids if begin else None,
@@ -278,15 +258,19 @@ class Scheduler:
         if out.resized and out.capacity != self.capacity:  # a resize failed (out of memory)
             self._rebuild_regions(out.capacity)
         if plan.decode is not None:
-            kept = out.accepted or [0] * plan.decode.rows
-            for fed, accepted in zip(self.running[: plan.decode.rows], kept, strict=True):
-                fed.fed += 1 + accepted  # the step writes the K/V of its row's token (and of kept drafts)
+            # the step writes the K/V of its rows' tokens; the step before's kept drafts are now known
+            kept = [0] * plan.decode.rows if out.verdicts is None else out.verdicts[:, 1].tolist()
+            for row, fed in enumerate(self.running[: plan.decode.rows]):
+                fed.fed += 1 + (0 if fed.skip else kept[row])
+                if out.draft_lens is not None:
+                    fed.ready_drafts = out.draft_lens[row]
         if self.prefilling is not None and out.file_seconds:
             seq.stats.cache_load_seconds = out.file_seconds
         if self.prefilling is None or out.first is None:
             return None
         self.prefilling = None
         self.running.append(seq)
+        seq.ready_drafts = min(FIRST_DRAFTS, seq.max_drafts)  # (looked up at its prefill's end)
         self._kind = None
         return seq
 

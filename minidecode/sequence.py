@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .sampling import SamplingParams
-from .speculation import PromptLookup
 from .tokenizer import StreamDecoder
 
 _ids = itertools.count()
@@ -109,16 +108,19 @@ class Sequence:
     text: TextStream | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    lookup: PromptLookup | None = None  # speculation's drafter: its prompt indexed once, as it is made
+    ready_drafts: int = 0  # the drafts its row had ready for a step, as last seen (StepOutput.draft_lens)
 
-    def __post_init__(self) -> None:
-        # The drafter of a sequence that may get drafts (a row with log-probs or a logits processor
-        # runs one query row), its prompt indexed here, on the submitting caller's thread (a 512k
-        # prompt takes a fraction of a second): never inside a step of the engine loop. Its
-        # proposals hold the row's token too (the lead): one more than the drafts.
-        if self.speculate and not (self.want_logprobs or self.want_top or self.params.adjusts):
-            most = self.speculate + 1
-            self.lookup = PromptLookup(self.prompt_ids, max_draft=most, initial_draft=min(5, most))
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a step of it verifies: `speculate`, or 0 for a sequence with log-probs
+        or a logits processor (exact one token a step: its one query row is the plain step's)."""
+        return 0 if self.want_logprobs or self.want_top or self.params.adjusts else self.speculate
+
+    @property
+    def draft_end(self) -> int:
+        """The last sequence position a draft of it may take: a step's tokens stay within
+        max_new_tokens and its K/V within the positions its region was made for."""
+        return min(len(self.prompt_ids) + self.max_new_tokens - 2, self.context - 1)
 
     @property
     def cached_ids(self) -> list[int]:

@@ -418,6 +418,11 @@ class Transformer(nn.Module):
         """Cache positions this model's ranks each hold for a context (context parallelism splits it)."""
         return context
 
+    @property
+    def context_ranks(self) -> int:
+        """The ranks a sequence's positions are dealt over (context parallelism; 1: none)."""
+        return 1
+
     def held_positions(self, count: int) -> int:
         """How many of a sequence's positions 0..count-1 this rank holds, at the start of its region
         (context parallelism deals them over the ranks: a prefix's copy or cache file is each

@@ -410,6 +410,10 @@ class ParallelTransformer(Transformer):
     def cache_len(self, context: int) -> int:
         return rank_positions(context, self.parallel.cp, self.cp_chunk)
 
+    @property
+    def context_ranks(self) -> int:
+        return self.parallel.cp
+
     def held_positions(self, count: int) -> int:
         return count if self.parallel.cp == 1 else self.context.held_positions(count)
 

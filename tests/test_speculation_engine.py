@@ -8,7 +8,6 @@ are one line in the API, the CLI and the server."""
 from __future__ import annotations
 
 import json
-import queue
 from dataclasses import replace
 
 import pytest
@@ -19,7 +18,6 @@ from typer.testing import CliRunner
 from minidecode import LLM, Request
 from minidecode.decode import bucket
 from minidecode.errors import UserError
-from minidecode.sequence import Sequence
 from minidecode_cli.cli import app
 
 # The shipped model repeats what it was shown: its answer copies the prompt's lines, so drafts match.
@@ -90,26 +88,20 @@ def test_a_row_near_its_end_writes_nothing_past_its_region(llm):
     assert batch[1].token_ids == greedy(llm, CODE, max_new_tokens=30).token_ids
 
 
-def test_the_prompt_is_indexed_when_the_request_is_made_not_in_a_step(llm):
-    """A speculating sequence's drafter exists, its prompt indexed, before the engine loop sees it
-    (the caller's thread pays for a long prompt's index, never a step), and the steps use that one
-    index, extended by its tokens; a sequence that cannot draft (log-probs) gets none."""
-    events: queue.SimpleQueue = queue.SimpleQueue()
-    ids = llm.tokenizer.encode(REPEATS)[:12] * 2  # its last tokens occurred before
-    request = Request(token_ids=ids, max_new_tokens=24, temperature=0, speculate=8, reuse_prefix=False)
-    seq = Sequence(**llm._resolve(request.check()), sink=events.put)
-    lookup = seq.lookup
-    assert lookup is not None and lookup.tokens == seq.prompt_ids == ids
-    assert lookup.match() == (4, 12)  # the prompt's n-grams are in it: the repeat is found
-    llm.loop.submit([seq])
-    while (event := events.get()).result is None:
-        pass
-    assert event.result.token_ids == greedy(llm, None, token_ids=ids, max_new_tokens=24).token_ids
-    assert event.result.stats.accepted_tokens > 0
-    assert seq.lookup is lookup and lookup.tokens[: len(seq.prompt_ids)] == seq.prompt_ids
-    assert len(lookup) > len(seq.prompt_ids)  # the tokens it made went into the same index
-    logprobs = Sequence(**llm._resolve(replace(request, logprobs=True).check()), sink=events.put)
-    assert logprobs.lookup is None
+def test_the_token_history_holds_every_region_s_tokens(llm):
+    """The drafts are looked up on the device in the token history beside the cache: after a batch
+    (prefills beside running rows in mixed steps, steps with and without drafts, a reused prefix),
+    each cached prefix's history is its ids, position for position, whether its request speculated
+    or not."""
+    requests = [Request(prompt=p, speculate=k) for p, k in ((REPEATS, 8), (CODE, 0), (CLASS, 4))]
+    llm.release_cache()
+    llm.generate(requests, temperature=0, max_new_tokens=30)
+    llm.generate(Request(prompt=REPEATS + "    return", speculate=8), temperature=0, max_new_tokens=20)
+    engine, prefixes = llm.engine, llm.loop.scheduler.prefixes
+    assert len(prefixes) >= 3
+    for prefix in prefixes:
+        span = engine.history.span(prefix.start, 0, len(prefix.ids))
+        assert span.tolist() == prefix.ids
 
 
 def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, monkeypatch):
@@ -128,8 +120,11 @@ def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, m
     requests.append(Request(prompt=CLASS))
     llm.generate(requests, temperature=0, max_new_tokens=40, reuse_prefix=False)
     admissions = [plan.prepare for plan in plans if plan.admit is not None]
-    assert [q for _, _, q in admissions[0]] == [1, 2, 3, 5, 9, 17]  # speculate 16: every draft bucket
-    assert {rows for rows, _, _ in admissions[1]} == {2} and len(admissions[1]) == 6  # (16 still runs)
+    # speculate 16: every draft bucket, then the plain step without the lookup (for rows left after it)
+    assert [(q, kind.lookup) for _, kind, q in admissions[0]] == [(q, True) for q in (1, 2, 3, 5, 9, 17)] + [
+        (1, False)
+    ]
+    assert {rows for rows, _, _ in admissions[1]} == {2} and len(admissions[1]) == 7  # (16 still runs)
     prepared, drafted = set(), 0
     for plan in plans:
         prepared |= {(bucket(rows), kind, queries) for rows, kind, queries in plan.prepare}
@@ -206,11 +201,13 @@ def test_the_fp8_cache():
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(llm):
+    """A seeded request draws the same tokens with speculation as without (each draft is checked
+    against the sampler's own draw at its position), and again the next time."""
     runs = [
-        llm.generate(REPEATS, temperature=0.7, top_k=50, seed=3, max_new_tokens=48, speculate=8)
-        for _ in range(2)
+        llm.generate(REPEATS, temperature=0.7, top_k=50, seed=3, max_new_tokens=48, speculate=k)
+        for k in (8, 8, 0)
     ]
-    assert runs[0].token_ids == runs[1].token_ids and runs[0].text == runs[1].text
+    assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids and runs[0].text == runs[2].text
     assert runs[0].stats.accepted_tokens > 0
     other = llm.generate(REPEATS, temperature=0.7, top_k=50, seed=4, max_new_tokens=48, speculate=8)
     assert other.token_ids != runs[0].token_ids  # the seed matters
@@ -443,7 +440,7 @@ def test_sampling_with_speculation_keeps_the_models_distribution(llm):
 
     seeds = range(300)
     batch = [Request(prompt=CLASS, seed=s, speculate=8) for s in seeds]
-    results = llm.generate(batch, temperature=1.0, max_new_tokens=3, reuse_prefix=False)
+    results = llm.generate(batch, temperature=1.0, max_new_tokens=4, reuse_prefix=False)
     assert sum(r.stats.accepted_tokens for r in results) > len(seeds) // 2  # drafts were kept
     prompt = llm.tokenizer.encode(CLASS)
     for at in (1, 2):  # the tokens of the first two decode steps, given the most common ones before
