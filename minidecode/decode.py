@@ -79,7 +79,8 @@ class DecodeState:
     top_logprob: torch.Tensor  # float32
     # Speculation, int64. Each row's settings: `speculate`, the most drafts a step of it verifies (0:
     # it makes none), `draft_end`, the last sequence position a draft may take (its region, its
-    # max_new_tokens); `draft_k`, how many its next lookup asks for (following its acceptance).
+    # max_new_tokens); `draft_k`, how many its next lookup asks for (following its acceptance, at
+    # most speculate: 0 for an idle row).
     speculate: torch.Tensor
     draft_end: torch.Tensor
     draft_k: torch.Tensor
@@ -227,23 +228,25 @@ class TokenHistory:
         return self.tokens[base + lo : base + hi]
 
     def write(self, state: DecodeState, tokens: torch.Tensor, q_lens: torch.Tensor | None = None) -> None:
-        """tokens [B, Q] fed at each row's positions + 0, 1, ...: the first q_lens[b] of row b
-        (every one where None); idle rows' (and the rest) go to the spare granule's entries, which
-        no region reads."""
-        at = self.offsets(state.starts)[:, None] + (state.positions[:, None] + torch.arange(
-            tokens.shape[1], device=tokens.device))  # fmt: skip
-        if q_lens is not None:
-            spare = self.tokens.shape[0] - 1
-            at = torch.where(torch.arange(tokens.shape[1], device=tokens.device) < q_lens[:, None], at, spare)
+        """The tokens fed at each row's position: tokens [B] (a plain step), or [B, Q] at positions
+        + 0, 1, ..., the first q_lens[b] of row b (a step with drafts). Idle rows' go to the spare
+        granule's entries (their starts), the rest of a step with drafts' to the last entry: no
+        region reads them."""
+        at = self.offsets(state.starts) + state.positions  # [B]
+        if q_lens is None:
+            self.tokens[at] = tokens
+            return
+        Q = tokens.shape[1]
+        j = torch.arange(Q, device=tokens.device)
+        at = torch.where(j < q_lens[:, None], at[:, None] + j, self.tokens.shape[0] - 1)  # [B, Q]
         self.tokens[at.reshape(-1)] = tokens.reshape(-1)
 
 
 def propose(history: TokenHistory, state: DecodeState) -> None:
     """Each row's drafts for its next step, by prompt lookup over its history and its token
-    (ops.prompt_lookup): up to min(draft_k, speculate) of them, none past draft_end; none for idle
-    rows or rows that do not speculate."""
-    room = state.draft_end - state.positions  # drafts go at positions + 1 .. positions + k
-    want = torch.minimum(torch.minimum(state.draft_k, state.speculate), room) * state.active
+    (ops.prompt_lookup): up to draft_k of them (<= speculate; 0 for idle rows and rows that do not
+    speculate), none past draft_end."""
+    want = torch.minimum(state.draft_k, state.draft_end - state.positions)  # drafts go at positions + 1..
     ops.prompt_lookup(
         history.tokens, history.offsets(state.starts), state.positions, state.tokens, want,
         state.drafts, state.draft_lens,
@@ -275,7 +278,7 @@ def decode_step(
     if queries > 1:
         draft_step(model, cache, history, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
     else:
-        history.write(state, state.tokens[:, None])
+        history.write(state, state.tokens)
         rows = (state.tokens, state.positions, cache, pdl)
         hidden = model.decode(*rows, starts=state.starts, active=state.active)
         sample_rows(model.logits(hidden), state, mode, want_logprobs, adjust, top)

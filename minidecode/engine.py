@@ -253,7 +253,7 @@ class Engine:
         state = self.state
         state.active[row], state.starts[row] = 0, self.spare_start
         state.positions[row], state.tokens[row] = 0, 0
-        state.speculate[row], state.draft_lens[row] = 0, 0
+        state.speculate[row], state.draft_k[row], state.draft_lens[row] = 0, 0, 0
 
     # ---- a step plan -------------------------------------------------------------------------
     def run(self, plan: StepPlan, on_progress: Callable[[int, int], None] | None = None) -> StepOutput:
@@ -385,7 +385,7 @@ class Engine:
             if kind.adjust:
                 self.state.add_processors(self.config.vocab_size)
             rows = self.state.rows(n)
-            self.history.write(rows, rows.tokens[:, None])
+            self.history.write(rows, rows.tokens)
             sample_rows(logits[1:], rows, kind.mode, kind.logprobs, kind.adjust, kind.top)
             if kind.lookup:
                 propose(self.history, rows)
