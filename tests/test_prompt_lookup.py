@@ -12,9 +12,9 @@ import torch
 from helpers import kernel_devices
 
 from minidecode.kernels import ops
-from minidecode.kernels.prompt_lookup import BLOCK, _prompt_lookup_kernel
+from minidecode.kernels.prompt_lookup import BLOCK, _scan_kernel
 
-INTERPRETED, _ = kernel_devices(_prompt_lookup_kernel)
+INTERPRETED, _ = kernel_devices(_scan_kernel)
 PATHS = [
     pytest.param(False, id="twin"),
     pytest.param(
