@@ -359,7 +359,7 @@ class Engine:
         if kind.top:
             out.top_ids, out.top_logprobs = host.top_ids[:n], host.top_logprob[:n]
         if self._copied_verdicts:
-            out.verdicts = host.verdicts[:n]
+            out.verdicts = host.verdicts[:n].tolist()
         if kind.lookup:
             out.draft_lens = host.draft_lens[:n].tolist()
 

@@ -259,13 +259,13 @@ class EngineLoop:
             seq.skip = False
             return seq.aborted
         tokens = []
-        if out.verdicts is not None and (proposed := int(out.verdicts[row, 0])):
-            accepted = int(out.verdicts[row, 1])
+        if out.verdicts is not None and out.verdicts[row][0]:
+            proposed, accepted, *drafts = out.verdicts[row]
             seq.stats.proposed_tokens += proposed
             seq.stats.accepted_tokens += accepted
             self.stats.proposed_tokens += proposed
             self.stats.accepted_tokens += accepted
-            tokens += [(token, None, None) for token in out.verdicts[row, 2 : 2 + accepted].tolist()]
+            tokens += [(token, None, None) for token in drafts[:accepted]]
         logprob = out.logprobs[row] if seq.want_logprobs else None
         top = _top(seq, out.top_ids[row], out.top_logprobs[row]) if out.top_ids is not None else None
         tokens.append((out.tokens[row], logprob, top))

@@ -180,12 +180,12 @@ class StepOutput:
 
     # What the decode step before this plan's gave, of rows 0..n-1, on the host (each step's results
     # are copied while the next one runs): the token each row holds now (its log p and top ids /
-    # log-probs where asked for); where that step verified drafts, `verdicts` [n, 2 + MAX_SPECULATE]
-    # int64: each row's drafts verified, those kept, then the drafts (the kept ones first, handed out
-    # before the token); where rows speculate, `draft_lens`: the drafts each row had ready then (the
-    # scheduler's guess of the next step's)
+    # log-probs where asked for); where that step verified drafts, `verdicts`, a row each: its drafts
+    # verified, those kept, then the drafts (the kept ones first, handed out before the token); where
+    # rows speculate, `draft_lens`: the drafts each row had ready then (the scheduler's guess of the
+    # next step's)
     tokens: list[int] = field(default_factory=list)
-    verdicts: Any = None
+    verdicts: list[list[int]] | None = None
     draft_lens: list[int] | None = None
     logprobs: list[float] | None = None
     top_ids: Any = None  # [n, 20] int64 (host)

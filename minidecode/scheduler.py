@@ -259,7 +259,7 @@ class Scheduler:
             self._rebuild_regions(out.capacity)
         if plan.decode is not None:
             # the step writes the K/V of its rows' tokens; the step before's kept drafts are now known
-            kept = [0] * plan.decode.rows if out.verdicts is None else out.verdicts[:, 1].tolist()
+            kept = [0] * plan.decode.rows if out.verdicts is None else [v[1] for v in out.verdicts]
             for row, fed in enumerate(self.running[: plan.decode.rows]):
                 fed.fed += 1 + (0 if fed.skip else kept[row])
                 if out.draft_lens is not None:
