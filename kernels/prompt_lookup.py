@@ -20,12 +20,12 @@ from .device import INTERPRETER_CTAS, sm_count
 
 BLOCK = 1024  # end positions a step of the scan compares
 NUM_WARPS = 4
-MAX_SPLITS = 64  # the most programs one row's scan is split over
+MAX_SPLITS = 64  # the most programs one row's scan is split over (a power of 2)
 NGRAM_LIMIT = 8  # the longest n-gram the kernel compares (unrolled: one load of BLOCK tokens per token)
 _KEY: tl.constexpr = tl.constexpr(1 << 40)  # a match is one int64 key, length * 2**40 + end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])  # (one compile for every batch size)
 def _scan_kernel(
     History, Offsets, Lengths, Tokens, Want, Best, K, splits,
     MIN_NGRAM: tl.constexpr, MAX_NGRAM: tl.constexpr, NGRAM_PAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -66,7 +66,7 @@ def _scan_kernel(
     tl.store(Best + b * splits + p, best)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _drafts_kernel(
     History, Offsets, Lengths, Tokens, Want, Best, Drafts, DraftLens, K, drafts_stride, splits,
     SPLITS_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -121,5 +121,5 @@ def prompt_lookup_triton(
     )  # fmt: skip
     _drafts_kernel[(B,)](
         *rows, best, drafts, draft_lens, K, drafts.stride(0), splits,
-        SPLITS_PAD=triton.next_power_of_2(splits), K_PAD=triton.next_power_of_2(max(K, 1)), num_warps=1,
+        SPLITS_PAD=MAX_SPLITS, K_PAD=triton.next_power_of_2(max(K, 1)), num_warps=1,
     )  # fmt: skip

@@ -233,7 +233,7 @@ class Engine:
         """Row `row` now decodes a sequence whose region starts at `start`, its next token at
         `position` (the prompt's length); `prompt_ids` are its prompt (for a repetition penalty).
         speculate: the most drafts a step of it verifies (0: none), none at positions past
-        `draft_end` (each step makes the next one's; its first step's follow its prefill)."""
+        `draft_end` (each step makes the next one's: its first step has none)."""
         state = self.state
         state.sampling.set(row, params)
         if params.adjusts:
@@ -449,8 +449,6 @@ class Engine:
         self._prefilling = None
         self.start_row(row.row, row.start, row.position, row.params, prompt, row.speculate, row.draft_end)
         first = self.sample_first(row.row, logits, row.params, p.logprobs, p.top)
-        if row.speculate:  # its first step's drafts
-            propose(self.history, self.state.rows(1, row.row))
         logprob = float(self.state.logprob[row.row]) if p.logprobs else None
         top = (self.state.top_ids[row.row], self.state.top_logprob[row.row]) if p.top else None
         out.first = (first, logprob, top)

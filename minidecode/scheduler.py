@@ -262,15 +262,14 @@ class Scheduler:
             kept = [0] * plan.decode.rows if out.verdicts is None else [v[1] for v in out.verdicts]
             for row, fed in enumerate(self.running[: plan.decode.rows]):
                 fed.fed += 1 + (0 if fed.skip else kept[row])
-                if out.draft_lens is not None:
-                    fed.ready_drafts = out.draft_lens[row]
+                if out.draft_lens is not None:  # (its first step's copy holds none: guess its next)
+                    fed.ready_drafts = min(FIRST_DRAFTS, fed.max_drafts) if fed.skip else out.draft_lens[row]
         if self.prefilling is not None and out.file_seconds:
             seq.stats.cache_load_seconds = out.file_seconds
         if self.prefilling is None or out.first is None:
             return None
         self.prefilling = None
         self.running.append(seq)
-        seq.ready_drafts = min(FIRST_DRAFTS, seq.max_drafts)  # (looked up at its prefill's end)
         self._kind = None
         return seq
 
