@@ -93,14 +93,6 @@ class DecodeState:
     verdicts: torch.Tensor
     processors: ProcessorRows | None = None  # logits-processor state, once a sequence uses one
 
-    @property
-    def proposed(self) -> torch.Tensor:  # [B]
-        return self.verdicts[:, 0]
-
-    @property
-    def accepted(self) -> torch.Tensor:  # [B]
-        return self.verdicts[:, 1]
-
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeState:
         def new(dtype, *shape):
