@@ -16,17 +16,18 @@ from timing import start_filled  # bench/timing.py (run as a script: bench/ is o
 
 from minidecode import LLM
 from minidecode.benchmarks.e2e import measure_ceilings, step_bytes
+from minidecode.plan import DecodeKind
 from minidecode.sampling import GREEDY
 
 
 def step_ms(llm: LLM, steps: int = 64) -> float:
     """Milliseconds per decode step of one sequence (a graph replay, or the eager step)."""
     for _ in range(3):
-        llm.engine.step(1, GREEDY, False)
+        llm.engine.step(1, DecodeKind(GREEDY))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        llm.engine.step(1, GREEDY, False)
+        llm.engine.step(1, DecodeKind(GREEDY))
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / steps
@@ -49,7 +50,7 @@ def main() -> None:
         rows.append((graph, pdl, ms, floor))
         if not graph:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                llm.engine.step(1, GREEDY, False)
+                llm.engine.step(1, DecodeKind(GREEDY))
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -53,6 +53,7 @@ from timing import fill_cache, start_filled  # bench/timing.py (a script: bench/
 from minidecode import LLM
 from minidecode.benchmarks.e2e import measure_ceilings, provenance
 from minidecode.cache import kv_dtype_name
+from minidecode.plan import DecodeKind
 from minidecode.sampling import GREEDY
 
 EIGHT_B, SEVENTY_B = "synthetic:llama-3-8b", "synthetic:llama-3-70b"
@@ -259,7 +260,7 @@ def window_seconds(llm: LLM, context: int) -> list[float]:
     engine = llm.engine
     fill(llm, context)
     for _ in range(WARMUP):  # the first captures the step's graph
-        engine.step(1, GREEDY, False)
+        engine.step(1, DecodeKind(GREEDY))
     torch.cuda.synchronize()
     if llm.parallel is not None:
         dist.barrier()
@@ -268,7 +269,7 @@ def window_seconds(llm: LLM, context: int) -> list[float]:
     for _ in range(WINDOWS):
         start.record()
         for _ in range(STEPS):
-            engine.step(1, GREEDY, False)
+            engine.step(1, DecodeKind(GREEDY))
         end.record()
         end.synchronize()
         mine.append(start.elapsed_time(end) / 1e3 / STEPS)

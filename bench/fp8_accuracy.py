@@ -30,6 +30,7 @@ from minidecode import LLM
 from minidecode.cache import kv_dtype_name
 from minidecode.models.cache import FP8, KVCache
 from minidecode.models.llama import weights_description
+from minidecode.plan import DecodeKind
 from minidecode.sampling import GREEDY
 
 WINDOWS = 3  # --fill: timed windows of --steps decode steps each
@@ -91,13 +92,13 @@ def fill_speed(llm: LLM, context: int, steps: int) -> None:
         cache.k.normal_()
         cache.v.normal_()
     for _ in range(4):  # warm-up replays
-        engine.step(1, GREEDY, False)
+        engine.step(1, DecodeKind(GREEDY))
     rates = []
     for _ in range(WINDOWS):  # the context grows by `steps` a window; its spread is the run's noise
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            engine.step(1, GREEDY, False)
+            engine.step(1, DecodeKind(GREEDY))
         torch.cuda.synchronize()
         rates.append(steps / (time.perf_counter() - t0))
     rates.sort()

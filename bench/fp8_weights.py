@@ -55,6 +55,7 @@ from minidecode.kernels import ops
 from minidecode.kernels.fp8_weights import FP8Weight, QuantizedRows, quantize_rows, quantize_weight
 from minidecode.kernels.gemv import default_fp8_config, gemv
 from minidecode.models.llama import step_weight_bytes, weights_description
+from minidecode.plan import DecodeKind
 from minidecode.sampling import GREEDY
 
 MODEL = "synthetic:llama-3-8b"
@@ -203,11 +204,11 @@ def in_step(ceiling: float, out_dir: Path) -> list[dict]:
         engine = llm.engine
         fill_cache(start_filled(engine, STEP_CONTEXT, 16 + TRACED_STEPS))
         for _ in range(8):  # the first captures the step's graph
-            engine.step(1, GREEDY, False)
+            engine.step(1, DecodeKind(GREEDY))
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(TRACED_STEPS):
-                engine.step(1, GREEDY, False)
+                engine.step(1, DecodeKind(GREEDY))
             torch.cuda.synchronize()
         trace = out_dir / f"step-trace-{quantization or 'bf16'}.json"
         prof.export_chrome_trace(str(trace))

@@ -59,7 +59,18 @@ from .diagnose import nonfinite_logits_error
 from .errors import UserError
 from .memory import Planner, default_prefill_chunk, free_memory
 from .mixed import STEP_TOKENS, MixedSteps
-from .plan import Copy, Decode, FileOpen, FileRead, FileSave, Prefill, Resize, StepOutput, StepPlan
+from .plan import (
+    Copy,
+    Decode,
+    DecodeKind,
+    FileOpen,
+    FileRead,
+    FileSave,
+    Prefill,
+    Resize,
+    StepOutput,
+    StepPlan,
+)
 from .request import DEFAULT_MAX_BATCH
 from .sampling import SamplingParams, process, sample, top_logprobs
 
@@ -270,7 +281,7 @@ class Engine:
             self._prefilling = None
         admitted = self._cache_work(plan, out)
         for rows, kind, queries in plan.prepare:
-            self.prepare(rows, kind.mode, kind.logprobs, kind.adjust, kind.top, queries, kind.lookup)
+            self.prepare(rows, kind, queries)
         p = plan.prefill if plan.prefill is not None and (admitted or plan.prefill.begin is None) else None
         if p is not None and p.begin is not None:
             out.prefill_began = time.perf_counter()
@@ -342,9 +353,9 @@ class Engine:
         while they are handed out)."""
         n, kind = decode.rows, decode.kind
         self._copy_results(n, kind)
-        self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, decode.queries, kind.lookup)
+        self.step(n, kind, decode.queries)
 
-    def _copy_results(self, n: int, kind) -> None:
+    def _copy_results(self, n: int, kind: DecodeKind) -> None:
         """Queue the copies of rows 0..n-1's results so far (the step before's), to be read by
         _hand_back once the next step is queued."""
         self._copied_verdicts = self._drafted
@@ -379,7 +390,7 @@ class Engine:
         except (UserError, torch.OutOfMemoryError) as e:
             self._prefill_failed(p, e, out)
             if n:
-                self.step(n, kind.mode, kind.logprobs, kind.adjust, kind.top, 1, kind.lookup)
+                self.step(n, kind)
             return
         if n:
             if kind.adjust:
@@ -528,36 +539,20 @@ class Engine:
         return self.model.logits(hidden[0])
 
     # ---- decode ------------------------------------------------------------------------------
-    def step(
-        self,
-        n: int,
-        mode: str,
-        logprobs: bool,
-        adjust: bool = False,
-        top: bool = False,
-        queries: int = 1,
-        lookup: bool = False,
-    ) -> None:
-        """One decode step of rows 0..n-1 (a CUDA graph replay of their bucket on CUDA): tokens ->
-        the next tokens, positions += 1. adjust: some row uses a logits processor; top: some row
-        reports top log-probs; lookup: some row speculates (decode_step). queries > 1 (a draft
-        bucket + 1): the step verifies the drafts the step before made (positions += kept + 1)."""
-        kind = (mode, logprobs, adjust, top, queries, lookup)
-        self.graphs.step(self.cache, self.history, self.spare_start, n, *kind)
+    def step(self, n: int, kind: DecodeKind, queries: int = 1) -> None:
+        """One decode step of rows 0..n-1 of `kind` (plan.DecodeKind; a CUDA graph replay of their
+        bucket on CUDA): tokens -> the next tokens, positions += 1. queries > 1 (a draft bucket +
+        1): the step verifies the drafts the step before made (positions += kept + 1)."""
+        self.graphs.step(self.cache, self.history, self.spare_start, n, *self._graph_kind(kind, queries))
         self._drafted = queries > 1
 
-    def prepare(
-        self,
-        n: int,
-        mode: str,
-        logprobs: bool,
-        adjust: bool = False,
-        top: bool = False,
-        queries: int = 1,
-        lookup: bool = False,
-    ) -> None:
+    def prepare(self, n: int, kind: DecodeKind, queries: int = 1) -> None:
         """Capture the graph of n rows' step (its bucket), once per cache allocation: the loop calls
         this before a prefill, so that capture stays out of the decode steps' time."""
-        kind = (mode, logprobs, adjust, top, queries, lookup)
-        self.graphs.prepare(self.cache, self.history, self.spare_start, n, *kind)
+        self.graphs.prepare(self.cache, self.history, self.spare_start, n, *self._graph_kind(kind, queries))
+
+    @staticmethod
+    def _graph_kind(kind: DecodeKind, queries: int) -> tuple:
+        """What decode_step takes of a step's kind (DecodeGraphs' key, less the bucket)."""
+        return kind.mode, kind.logprobs, kind.adjust, kind.top, queries, kind.lookup
 

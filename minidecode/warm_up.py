@@ -15,6 +15,7 @@ from minidecode.kernels.prefill import FP8_MIN_KEYS, causal_attention
 
 from .decode import bucket
 from .engine import Engine
+from .plan import DecodeKind
 from .sampling import SamplingParams
 
 
@@ -36,7 +37,7 @@ def warm_up(engine: Engine) -> None:
                 if not engine.context_parallel:  # (which runs no mixed steps)
                     warm_up_mixed(engine)
             for rows in batch_buckets(engine):
-                engine.prepare(rows, SamplingParams().mode, False)
+                engine.prepare(rows, DecodeKind(SamplingParams().mode))
             torch.cuda.synchronize(engine.device)
         except torch.OutOfMemoryError:
             pass

@@ -139,7 +139,7 @@ def test_one_mixed_step_equals_a_decode_step_and_the_chunk_alone(llama, kv, last
             logits = engine.prefill(ids, row * size, size, 0)
             engine.start_row(row, row * size, len(ids), greedy)
             engine.sample_first(row, logits, greedy, False)
-        engine.step(2, greedy.mode, False)
+        engine.step(2, DecodeKind(greedy.mode))
         engine.prefill(prompts[2][:40], 2 * size, size, 0)  # the chunks before this one
         before = {name: t.clone() for name, t in engine.cache.tensors().items()}
         saved = (engine.state.tokens.clone(), engine.state.positions.clone())
