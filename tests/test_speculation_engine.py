@@ -16,8 +16,10 @@ from conftest import random_ids
 from typer.testing import CliRunner
 
 from minidecode import LLM, Request
-from minidecode.decode import bucket
+from minidecode.decode import bucket, draft_bucket
 from minidecode.errors import UserError
+from minidecode.plan import Decode, DecodeKind, StepPlan
+from minidecode.sampling import SamplingParams
 from minidecode_cli.cli import app
 
 # The shipped model repeats what it was shown: its answer copies the prompt's lines, so drafts match.
@@ -102,6 +104,37 @@ def test_the_token_history_holds_every_region_s_tokens(llm):
     for prefix in prefixes:
         span = engine.history.span(prefix.start, 0, len(prefix.ids))
         assert span.tolist() == prefix.ids
+
+
+def test_each_plan_hands_back_the_step_before_s_results():
+    """The engine queues a step with drafts without waiting for it, as a plain one: each plan's
+    StepOutput holds what the step before it gave (its token and, after a step with drafts, its
+    verdicts), and a step verifies the drafts the step before it found on the device; the tokens
+    handed back are greedy decoding's."""
+    llm = LLM(device="cpu", dtype="float32")
+    engine, ids = llm.engine, llm.tokenizer.encode(REPEATS)
+    size = -(-(len(ids) + 64) // engine.granule) * engine.granule
+    engine.resize(size)
+    greedy_params = SamplingParams(temperature=0)
+    kind = DecodeKind(greedy_params.mode, lookup=True)
+    with torch.inference_mode():
+        logits = engine.prefill(ids, 0, size, 0)
+        engine.start_row(0, 0, len(ids), greedy_params, speculate=8, draft_end=len(ids) + 60)
+        first = engine.sample_first(0, logits, greedy_params, False)
+        out = engine.run(StepPlan(decode=Decode(1, kind)))  # a plain step; its lookup finds drafts
+        assert out.tokens == [first] and out.verdicts is None
+        state = engine.state
+        held, drafts = state.tokens[0].item(), state.drafts[0, : state.draft_lens[0]].tolist()
+        assert drafts  # the answer repeats the prompt
+        out = engine.run(StepPlan(decode=Decode(1, kind, draft_bucket(len(drafts)))))
+        assert out.tokens == [held] and out.verdicts is None and out.draft_lens == [len(drafts)]
+        after = state.tokens[0].item()
+        out = engine.run(StepPlan(decode=Decode(1, kind)))
+        proposed, accepted, *verified = out.verdicts[0]
+        assert proposed == len(drafts) and verified[:proposed] == drafts and accepted > 0
+        assert out.tokens == [after]
+    want = greedy(llm, None, token_ids=ids, max_new_tokens=3 + accepted).token_ids
+    assert [first, held, *drafts[:accepted], after] == want
 
 
 def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, monkeypatch):
