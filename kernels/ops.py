@@ -548,7 +548,7 @@ def merge_ranks(
 
 
 def prompt_lookup(
-    history: torch.Tensor,  # [H] int32: row b's tokens so far at offsets[b] .. offsets[b] + lengths[b] - 1
+    history: torch.Tensor,  # [H] int32 or int64: row b's tokens at offsets[b] .. offsets[b] + lengths[b] - 1
     offsets: torch.Tensor,  # [B] int64
     lengths: torch.Tensor,  # [B] int64, P_b >= 0: how many of row b's tokens history holds
     tokens: torch.Tensor,  # [B] int64: row b's current token, the one after those P_b (not in history)

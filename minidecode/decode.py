@@ -10,8 +10,8 @@ ends with the drafts of its next step, found on the device by prompt lookup over
 with drafts takes Q = k + 1 tokens a row, the row's token and up to k drafts, all through the model
 at once, and keeps the longest verified prefix plus one token of the model's own (speculation.accept:
 the drafts against what the step's own sampler draws at their positions), so a row moves on by
-1..Q positions in one step. The drafts never cross to the
-host: a step with drafts is queued without waiting for the one before, as a plain step is."""
+1..Q positions in one step. The drafts never cross to the host: a step with drafts is queued
+without waiting for the one before, as a plain step is."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def bucket(n: int) -> int:
 
 def draft_bucket(k: int) -> int:
     """The step's query rows a sequence for k drafts (k >= 1): 1 + the smallest draft bucket >= k."""
-    return 1 + next(b for b in DRAFT_BUCKETS if b >= min(k, MAX_SPECULATE))
+    return 1 + next(b for b in DRAFT_BUCKETS if b >= k)
 
 
 def step_queries(speculate: int) -> list[int]:
@@ -271,8 +271,9 @@ def decode_step(
         draft_step(model, cache, history, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
     else:
         history.write(state, state.tokens)
-        rows = (state.tokens, state.positions, cache, pdl)
-        hidden = model.decode(*rows, starts=state.starts, active=state.active)
+        hidden = model.decode(
+            state.tokens, state.positions, cache, pdl, starts=state.starts, active=state.active
+        )
         sample_rows(model.logits(hidden), state, mode, want_logprobs, adjust, top)
     if lookup:
         propose(history, state)

@@ -254,7 +254,6 @@ class Engine:
         state.positions[row], state.starts[row], state.active[row] = position, start, 1
         state.speculate[row], state.draft_end[row] = speculate, draft_end
         state.draft_k[row], state.draft_lens[row] = min(FIRST_DRAFTS, speculate), 0
-        state.verdicts[row] = 0
 
     def move_row(self, src: int, dst: int) -> None:
         self.state.move(src, dst)
@@ -287,7 +286,7 @@ class Engine:
             out.prefill_began = time.perf_counter()
             self._prefilling = Prefilling(p.begin, p.start, p.size, p.reused)
             if any(isinstance(op, FileRead) for op in plan.cache):  # (a region's own prefix has its tokens)
-                self._write_history(p.start, 0, p.begin[: p.reused])
+                self._write_history(p.start, p.begin[: p.reused])
         # The decode rows ride in the prefill's chunk, unless they verify drafts (their graph's step)
         chunked, decode = p is not None and p.chunk is not None, plan.decode
         riding = chunked and decode is not None and decode.queries == 1
@@ -330,12 +329,12 @@ class Engine:
             return False
         return True
 
-    def _write_history(self, start: int, lo: int, ids: list[int]) -> None:
-        """Token ids of positions lo.. of the region at `start` into the history (host ids: a cache
+    def _write_history(self, start: int, ids: list[int]) -> None:
+        """Token ids of positions 0.. of the region at `start` into the history (host ids: a cache
         file's prefix, whose tokens the region did not hold)."""
         if ids:
             values = torch.tensor(ids, dtype=torch.long, pin_memory=self.device.type == "cuda")
-            self.history.span(start, lo, lo + len(ids)).copy_(values, non_blocking=True)
+            self.history.span(start, 0, len(ids)).copy_(values, non_blocking=True)
 
     def _file_work(self, op: FileSave | FileOpen, out: StepOutput) -> None:
         """Save or open this rank's part of a cache file; a UserError is `out.file_error`."""

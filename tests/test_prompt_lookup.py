@@ -1,6 +1,6 @@
 """Prompt-lookup drafting on the device (kernels/ops.py: prompt_lookup): the Triton path (on the CPU
 through the interpreter, tests/conftest.py) and its PyTorch twin against a host-side brute force
-with PromptLookup's rule (minidecode/speculation.py), over rows that share one history with lures
+of the rule, over rows that share one history with lures
 between them; on a GPU the Triton path against the twin at long histories, in a CUDA graph."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def lookup(
     drafts = torch.full((B, K), -7, dtype=torch.int64)
     draft_lens = torch.full((B,), -7, dtype=torch.int64)
     ops.prompt_lookup(
-        torch.tensor(history, dtype=torch.int32),
+        torch.tensor(history),  # int64, as the engine's TokenHistory
         torch.tensor(offsets),
         torch.tensor([len(s) - 1 for s in seqs]),
         torch.tensor([s[-1] for s in seqs]),
@@ -166,11 +166,12 @@ def test_cpu_tensors_take_the_twin_by_default():
 @pytest.mark.gpu
 def test_gpu_matches_twin_in_a_cuda_graph():
     """8 rows of up to 200k tokens (vocabularies of 4 to 50k ids: early stops and whole-row scans)
-    in one int32 history, captured in a CUDA graph and replayed with new lengths and tokens."""
+    in one int64 history (the engine's), captured in a CUDA graph and replayed with new lengths and
+    tokens."""
     gen = torch.Generator().manual_seed(0)
     B, K, cap = 8, 8, 200_000
     vocabs = [4, 16, 50_000, 8, 50_000, 1000, 3, 50_000]
-    history = torch.cat([torch.randint(0, v, (cap,), generator=gen) for v in vocabs]).to(torch.int32)
+    history = torch.cat([torch.randint(0, v, (cap,), generator=gen) for v in vocabs])
     offsets = torch.arange(B) * cap
     lengths = torch.tensor([200_000, 150_000, 200_000, 1, 0, 99_999, 123_456, 180_000])
     tokens = history[offsets + lengths.clamp(max=cap - 1)].long()  # the token after some rows' last
