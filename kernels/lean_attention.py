@@ -136,10 +136,12 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # an SM: ~33 contributors a segment), of 4 for 32 and 128 rows, whose passes of a node's rows would
 # be twice as many with 8 (swept on an H100, bench/NOTES-attention.md). The CTA that holds two
 # partial segments draws its first segment's ticket as it leaves it (early_ticket) but with 256
-# rows (one stage: nothing to overlap). An FP8 cache: 32 rows through
-# FP8_SHORT_CONFIG's fp16 decode, 64 through the e4m3 tensor-core tile over two warpgroups at one
-# CTA an SM, 128 and up through the fp16 decode of 128-position tiles with q made per tile (the
-# e4m3 tile spills there).
+# rows (one stage: nothing to overlap). An FP8 cache takes the fp16 decode at every width: its
+# conversions are per K/V element, shared by all of a tile's rows, where the e4m3 tensor-core tile
+# runs three q terms and two p terms of dots for each row (64 rows: 2.7-2.9x a plain FP8 step on
+# an H100 against 1.65-1.95x for the decode, bench/NOTES-attention.md). 32 rows through
+# FP8_SHORT_CONFIG, 64 in 64-position tiles over one warpgroup at two CTAs an SM (the bf16
+# 64-row shape), 128 and up in 128-position tiles with q made per tile.
 MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)
 # G_PAD -> tile positions, warps, stages, CTAs an SM, early_ticket, tree_fan (model-dtype cache)
 MULTI_QUERY_BF16 = {
@@ -147,8 +149,9 @@ MULTI_QUERY_BF16 = {
     128: (32, 8, 3, 1, True, 4),
     256: (64, 8, 1, 1, False, 4),
 }
-MULTI_QUERY_FP8_MMA = LeanConfig(  # FP8 cache, 64 rows: the e4m3 tensor-core tile, 8 warps
-    block_n=128, num_warps=8, num_stages=3, ctas_per_sm=1, merge_stages=4, early_ticket=True
+MULTI_QUERY_FP8_64 = LeanConfig(  # FP8 cache, 64 rows: the fp16 decode, 64 positions, 2 CTAs an SM
+    block_n=64, num_warps=4, num_stages=3, ctas_per_sm=2, merge_stages=4, early_ticket=True, fp8_mma=False,
+    tree_fan=8,
 )
 MULTI_QUERY_FP8_WIDE = LeanConfig(  # FP8 cache from 128 rows: the fp16 decode, q per tile
     block_n=128, num_warps=8, num_stages=2, ctas_per_sm=1, merge_stages=4, fp8_mma=False, q_per_tile=True
@@ -163,7 +166,7 @@ def multi_query_config(config: LeanConfig, g_pad: int, dtype: torch.dtype, fp8: 
     if fp8:
         if g_pad >= 128:
             return MULTI_QUERY_FP8_WIDE
-        return MULTI_QUERY_FP8_MMA if g_pad == 64 else FP8_SHORT_CONFIG
+        return MULTI_QUERY_FP8_64 if g_pad == 64 else FP8_SHORT_CONFIG
     if g_pad <= 32:  # the single-query tile, drawing its first segment's ticket early
         return dataclasses.replace(config, early_ticket=True)
     block_n, warps, stages, ctas, early, fan = MULTI_QUERY_BF16[min(g_pad, 256)]

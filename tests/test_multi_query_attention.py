@@ -24,7 +24,7 @@ FP8_PATHS = [  # the single-query tiers, and what multi_query_config picks for w
     pytest.param(la.FP8_SHORT_CONFIG, id="fp16-decode"),
     pytest.param(la.FP8_CONFIG, id="e4m3-mma"),
     pytest.param(dataclasses.replace(la.FP8_CONFIG, num_warps=8, ctas_per_sm=1), id="e4m3-mma-8-warps"),
-    pytest.param(la.MULTI_QUERY_FP8_MMA, id="e4m3-mma-64"),
+    pytest.param(la.MULTI_QUERY_FP8_64, id="fp16-decode-64"),
     pytest.param(la.MULTI_QUERY_FP8_WIDE, id="fp16-decode-128"),
 ]
 
@@ -356,8 +356,8 @@ def test_fp8_llama_shape(device, config):
 
 def test_multi_query_configs():
     """Tiles of up to 16 rows keep the single-query config (bf16: up to 32, with early tickets);
-    wider ones take the swept tiles (bf16), the fp16 decode at 32 rows, the e4m3 tile over 8 warps
-    at 64 and the fp16 decode at 128 (FP8); lean_attention launches what it picks."""
+    wider ones take the swept tiles (bf16), the fp16 decode at 32 rows, its 64-position
+    tile at 64 and its q-per-tile tile at 128 (FP8); lean_attention launches what it picks."""
     bf16 = la.default_config(128, torch.bfloat16)
     assert la.multi_query_config(bf16, 16, torch.bfloat16, False) == bf16
     early = dataclasses.replace(bf16, early_ticket=True)
@@ -370,7 +370,7 @@ def test_multi_query_configs():
     assert la.multi_query_config(mma, 16, torch.bfloat16, True) == mma
     assert la.multi_query_config(mma, 32, torch.bfloat16, True) == short
     assert la.multi_query_config(la.FP8_TINY_CONFIG, 32, torch.bfloat16, True) == short
-    assert la.multi_query_config(mma, 64, torch.bfloat16, True) == la.MULTI_QUERY_FP8_MMA
+    assert la.multi_query_config(mma, 64, torch.bfloat16, True) == la.MULTI_QUERY_FP8_64
     assert la.multi_query_config(mma, 128, torch.bfloat16, True) == la.MULTI_QUERY_FP8_WIDE
 
 
@@ -382,7 +382,7 @@ def test_default_configs_of_wide_tiles(device, fp8):
     lengths, q_lens = [5 * 64 + 3, 700, 40], [16, 9, 3]
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     if fp8:
-        check_fp8(device, lengths, q_lens, la.MULTI_QUERY_FP8_MMA, hq=32, hkv=8, head_dim=128, dtype=dtype,
+        check_fp8(device, lengths, q_lens, la.MULTI_QUERY_FP8_64, hq=32, hkv=8, head_dim=128, dtype=dtype,
                   num_ctas=7, pick=True)  # fmt: skip
     else:
         check(device, lengths, q_lens, hq=32, hkv=8, head_dim=128, dtype=dtype, num_ctas=7)
