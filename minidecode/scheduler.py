@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from .cache import Regions
 from .cache_file import CacheFile
-from .decode import FIRST_DRAFTS, draft_bucket, step_queries
+from .decode import draft_bucket, step_queries
 from .engine import Engine
 from .errors import UserError
 from .mixed import chunk_bucket, chunk_end, rows_per_key
@@ -262,8 +262,10 @@ class Scheduler:
             kept = [0] * plan.decode.rows if out.verdicts is None else [v[1] for v in out.verdicts]
             for row, fed in enumerate(self.running[: plan.decode.rows]):
                 fed.fed += 1 + (0 if fed.skip else kept[row])
-                if out.draft_lens is not None:  # (its first step's copy holds none: guess its next)
-                    fed.ready_drafts = min(FIRST_DRAFTS, fed.max_drafts) if fed.skip else out.draft_lens[row]
+                # (its first step's copy holds none: it stays at none, so a row whose lookups find
+                # nothing only ever runs plain steps, the rounding of a step without speculation)
+                if out.draft_lens is not None and not fed.skip:
+                    fed.ready_drafts = out.draft_lens[row]
         if self.prefilling is not None and out.file_seconds:
             seq.stats.cache_load_seconds = out.file_seconds
         if self.prefilling is None or out.first is None:
