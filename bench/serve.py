@@ -7,8 +7,11 @@ Each phase runs in a process of its own, alternating python / http (three times 
 --alternations): the Python API's load
 in a process that holds the model, and the HTTP load against `minidecode serve` in another, from
 client processes of CLIENTS_PER_PROCESS clients each (their parsing of the chunks shares neither
-the server's interpreter nor one client interpreter for all), each client made before the
-moment every request is sent. Every level of clients runs once untimed first (its decode graphs
+the server's interpreter nor one client interpreter for all). The moment every request is sent is
+set once every client process has reported ready (imports done, prompts and clients made): a
+process still starting at a fixed moment would send late and stretch its load's wall time with
+its own start-up (up to 2.3 s of 8-32 concurrently starting processes on an H100,
+bench/NOTES-engine.md). Every level of clients runs once untimed first (its decode graphs
 captured), on prompts of their own (no prefix reuse of the timed prompts).
 
 Usage: python bench/serve.py [--out bench/results/serve-h100] [--model synthetic:llama-3-8b]
@@ -30,14 +33,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+STARTED = time.monotonic()  # this process's start: a client process reports its start-up from it
 PROMPT_TOKENS = 4096  # defaults of the options below
 NEW_TOKENS = 128
 CLIENTS = (1, 8, 32)
 CLIENTS_PER_PROCESS = 4
 # Seconds from a load's setup to its start, on both paths: the HTTP clients' processes start in
 # it, and the Python API's load waits as long, so each timed load finds the GPU as idle (an idle
-# GPU lowers its clocks, which the first request would pay on one path only).
+# GPU lowers its clocks, which the first request would pay on one path only). Where the client
+# processes take longer to be ready, the start is READY_MARGIN_S after the last one is.
 START_DELAY_S = 5.0
+READY_MARGIN_S = 0.5
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Load:
     gaps: list[float] = field(default_factory=list)
     engine_ttft: float = float("nan")  # mean, by the engine's clock: from submission to the first token
     late: float = 0.0  # HTTP: how long after the common start the last client process sent (s)
+    setup: float = 0.0  # HTTP: the slowest client process's start-up, to ready (s)
     errors: list[str] = field(default_factory=list)  # what each failed client raised (its run is void)
     stops: dict = field(default_factory=dict)  # the engine's cache reallocations and graph captures in it
 
@@ -64,6 +71,7 @@ class Load:
             "ttft_p99_s": round(percentile(self.ttft, 99), 4),
             "engine_ttft_mean_s": round(self.engine_ttft, 4),
             "clients_late_s": round(self.late, 4),
+            "clients_setup_s": round(self.setup, 3),
             "client_errors": len(self.errors),
             "first_error": self.errors[0] if self.errors else None,
             **self.stops,
@@ -127,10 +135,11 @@ def record(load: Load, lock: threading.Lock, start: float, arrivals: list[float]
         load.tokens += len(arrivals)
 
 
-def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -> Load:
-    """(a client process) One openai client a prompt, made and used once before the start: at time.monotonic()
-    start_at every client sends its streamed request at once; -> the load, `seconds` from start_at
-    to its last token."""
+def http_clients(base: str, batch: list[list[int]], new: int, ready: Callable[[], float]) -> Load:
+    """(a client process) One openai client a prompt, made and used once before the start; then
+    ready() reports the process ready and returns the start, a time.monotonic() at which every
+    client sends its streamed request at once; -> the load, `seconds` from the start to its last
+    token."""
     import openai
 
     clients = [
@@ -153,8 +162,9 @@ def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -
                 arrivals.append(time.perf_counter())
         record(load, lock, start, arrivals)
 
+    start_at = ready()
     time.sleep(max(0.0, start_at - time.monotonic()))
-    late = time.monotonic() - start_at  # > 0: this process was not ready by the start
+    late = time.monotonic() - start_at  # > 0: this process woke after the start
     load = run_clients("http", len(batch), one)
     load.late = late
     load.seconds = time.monotonic() - start_at
@@ -164,19 +174,26 @@ def http_clients(base: str, batch: list[list[int]], new: int, start_at: float) -
 def http_load(base: str, model: str, seed: int, length: int, clients: int, new: int, delay: float) -> Load:
     """`clients` streamed requests through the openai client, CLIENTS_PER_PROCESS a client process
     (one process's interpreter would add its own parsing of every client's chunks to the gaps),
-    all sent at one moment; -> the load, its wall time from that moment to the last token."""
-    start_at = time.monotonic() + delay  # every process started and its clients made by then
+    all sent at one moment once every process is ready (`delay` from now at the earliest); -> the
+    load, its wall time from that moment to the last token."""
+    earliest = time.monotonic() + delay
     before = server_metrics(base)
     procs = []
     for first in range(0, clients, CLIENTS_PER_PROCESS):
         count = min(CLIENTS_PER_PROCESS, clients - first)
         command = [sys.executable, __file__, "--phase", "clients", "--model", model, "--base", base]
         command += ["--seed", str(seed + first), "--clients", str(count), "--prompt-tokens", str(length)]
-        command += ["--new-tokens", str(new), "--start-at", repr(start_at)]
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+        command += ["--new-tokens", str(new)]
+        procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     load = Load("http", clients)
+    for proc in procs:  # each one's first line: its start-up, once its clients are made (or it failed)
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a client process failed before it was ready ({proc.wait()})")
+        load.setup = max(load.setup, json.loads(line)["ready_s"])
+    start_at = max(earliest, time.monotonic() + READY_MARGIN_S)
     for proc in procs:
-        out, _ = proc.communicate()
+        out, _ = proc.communicate(f"{start_at!r}\n")
         if proc.returncode:
             raise RuntimeError(f"a client process failed ({proc.returncode})")
         part = json.loads(out.strip().splitlines()[-1])
@@ -387,7 +404,8 @@ def prefill_stall(model: str, long: int, length: int, step_tokens: int | None) -
 def table(rows: list[dict], levels: tuple[int, ...]) -> str:
     lines = [
         "| clients | path | tok/s (all clients) | TTFT p50 / p99 s | engine's TTFT, mean s "
-        "| inter-token p50 / p99 ms | cache reallocations, graph captures (s) | clients late, most s |",
+        "| inter-token p50 / p99 ms | cache reallocations, graph captures (s) "
+        "| client processes' start-up / late, most s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for clients in levels:
@@ -414,7 +432,8 @@ def table(rows: list[dict], levels: tuple[int, ...]) -> str:
                 f"{r['cache_reallocations']:g}, {r['graph_captures']:g} ({r['graph_capture_seconds']:.2f})"
                 for r in mine
             )  # each run's
-            late = f"{max(r['clients_late_s'] for r in mine):.3f}" if path == "http" else ""
+            setup, late = (max(r[key] for r in mine) for key in ("clients_setup_s", "clients_late_s"))
+            late = f"{setup:.2f} / {late:.3f}" if path == "http" else ""
             lines.append(
                 f"| {clients} | {path} | {rate:,.1f} ({spread}, n={len(mine)}) | "
                 f"{ttft[0]:.3f} / {ttft[1]:.3f} | {engine_ttft:.3f} | {itl[0]:.1f} / {itl[1]:.1f} | {stops} "
@@ -478,11 +497,15 @@ def main() -> None:
     parser.add_argument("--phase", choices=phases, help="(internal) run one phase here")
     parser.add_argument("--base", help="(internal) the server's URL, for --phase clients")
     parser.add_argument("--seed", type=int, default=100, help="(internal) the first prompt's seed")
-    parser.add_argument("--start-at", type=float, help="(internal) time.monotonic() to send at")
     args = parser.parse_args()
     if args.phase == "clients":
         batch = prompts(args.model, args.clients[0], args.seed, args.prompt_tokens)
-        load = http_clients(args.base, batch, args.new_tokens, args.start_at)
+
+        def ready() -> float:  # this process ready: its start-up to the parent, the start from it
+            print(json.dumps({"ready_s": time.monotonic() - STARTED}), flush=True)
+            return float(sys.stdin.readline())
+
+        load = http_clients(args.base, batch, args.new_tokens, ready)
         part = {"ttft": load.ttft, "gaps": load.gaps, "tokens": load.tokens, "seconds": load.seconds}
         part["late"], part["errors"] = load.late, load.errors
         print(json.dumps(part))
