@@ -171,6 +171,23 @@ def http_clients(base: str, batch: list[list[int]], new: int, ready: Callable[[]
     return load
 
 
+def start_together(procs: list[subprocess.Popen], earliest: float) -> tuple[float, float]:
+    """Each client process's first line (its start-up, once its clients are made), then one start
+    for all: a time.monotonic() at `earliest` or READY_MARGIN_S after the last is ready, sent to
+    every process before any is waited on; -> (the slowest start-up, the start)."""
+    setup = 0.0
+    for proc in procs:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a client process failed before it was ready ({proc.wait()})")
+        setup = max(setup, json.loads(line)["ready_s"])
+    start_at = max(earliest, time.monotonic() + READY_MARGIN_S)
+    for proc in procs:
+        proc.stdin.write(f"{start_at!r}\n")
+        proc.stdin.flush()
+    return setup, start_at
+
+
 def http_load(base: str, model: str, seed: int, length: int, clients: int, new: int, delay: float) -> Load:
     """`clients` streamed requests through the openai client, CLIENTS_PER_PROCESS a client process
     (one process's interpreter would add its own parsing of every client's chunks to the gaps),
@@ -186,14 +203,9 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
         command += ["--new-tokens", str(new)]
         procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     load = Load("http", clients)
-    for proc in procs:  # each one's first line: its start-up, once its clients are made (or it failed)
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a client process failed before it was ready ({proc.wait()})")
-        load.setup = max(load.setup, json.loads(line)["ready_s"])
-    start_at = max(earliest, time.monotonic() + READY_MARGIN_S)
+    load.setup, _ = start_together(procs, earliest)
     for proc in procs:
-        out, _ = proc.communicate(f"{start_at!r}\n")
+        out, _ = proc.communicate()
         if proc.returncode:
             raise RuntimeError(f"a client process failed ({proc.returncode})")
         part = json.loads(out.strip().splitlines()[-1])
