@@ -7,10 +7,11 @@ Each phase runs in a process of its own, alternating python / http (three times 
 --alternations): the Python API's load
 in a process that holds the model, and the HTTP load against `minidecode serve` in another, from
 client processes of CLIENTS_PER_PROCESS clients each (their parsing of the chunks shares neither
-the server's interpreter nor one client interpreter for all). The moment every request is sent is
-set once every client process has reported ready (imports done, prompts and clients made): a
-process still starting at a fixed moment would send late and stretch its load's wall time with
-its own start-up (up to 2.3 s of 8-32 concurrently starting processes on an H100,
+the server's interpreter nor one client interpreter for all), each given its prompts on its stdin
+(a client process imports only the `openai` client). The moment every request is sent is set once
+every client process has reported ready (its clients made): a process still starting at a fixed
+moment would send late and stretch its load's wall time with its own start-up (up to 2.3 s of
+8-32 concurrently starting processes that imported torch for their prompts, on an H100,
 bench/NOTES-engine.md). Every level of clients runs once untimed first (its decode graphs
 captured), on prompts of their own (no prefix reuse of the timed prompts).
 
@@ -194,14 +195,15 @@ def http_load(base: str, model: str, seed: int, length: int, clients: int, new: 
     all sent at one moment once every process is ready (`delay` from now at the earliest); -> the
     load, its wall time from that moment to the last token."""
     earliest = time.monotonic() + delay
+    batch = prompts(model, clients, seed, length)
     before = server_metrics(base)
-    procs = []
-    for first in range(0, clients, CLIENTS_PER_PROCESS):
-        count = min(CLIENTS_PER_PROCESS, clients - first)
-        command = [sys.executable, __file__, "--phase", "clients", "--model", model, "--base", base]
-        command += ["--seed", str(seed + first), "--clients", str(count), "--prompt-tokens", str(length)]
-        command += ["--new-tokens", str(new)]
-        procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    command = [sys.executable, __file__, "--phase", "clients", "--base", base, "--new-tokens", str(new)]
+    parts = [batch[first : first + CLIENTS_PER_PROCESS] for first in range(0, clients, CLIENTS_PER_PROCESS)]
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(command, **pipes) for _ in parts]
+    for proc, part in zip(procs, parts, strict=True):  # all started first: a pipe takes 64 KiB unread
+        proc.stdin.write(json.dumps(part) + "\n")
+        proc.stdin.flush()
     load = Load("http", clients)
     load.setup, _ = start_together(procs, earliest)
     for proc in procs:
@@ -508,10 +510,9 @@ def main() -> None:
     parser.add_argument("--alternations", type=int, default=3, help="python / http phase pairs")
     parser.add_argument("--phase", choices=phases, help="(internal) run one phase here")
     parser.add_argument("--base", help="(internal) the server's URL, for --phase clients")
-    parser.add_argument("--seed", type=int, default=100, help="(internal) the first prompt's seed")
     args = parser.parse_args()
     if args.phase == "clients":
-        batch = prompts(args.model, args.clients[0], args.seed, args.prompt_tokens)
+        batch = json.loads(sys.stdin.readline())  # this process's prompts, from the load's process
 
         def ready() -> float:  # this process ready: its start-up to the parent, the start from it
             print(json.dumps({"ready_s": time.monotonic() - STARTED}), flush=True)
