@@ -138,8 +138,8 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # partial segments draws its first segment's ticket as it leaves it (early_ticket) but with 256
 # rows (one stage: nothing to overlap). An FP8 cache takes the fp16 decode at every width: its
 # conversions are per K/V element, shared by all of a tile's rows, where the e4m3 tensor-core tile
-# runs three q terms and two p terms of dots for each row (64 rows: 2.7-2.9x a plain FP8 step on
-# an H100 against 1.65-1.95x for the decode, bench/NOTES-attention.md). 32 rows through
+# runs three q terms and two p terms of dots for each row (the 64-row comparison is in
+# bench/NOTES-attention.md). 32 rows through
 # FP8_SHORT_CONFIG, 64 in 64-position tiles over one warpgroup at two CTAs an SM (the bf16
 # 64-row shape), 128 and up in 128-position tiles with q made per tile.
 MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)

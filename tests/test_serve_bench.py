@@ -23,7 +23,7 @@ def test_serve_bench_runs_every_phase_on_the_cpu(tmp_path):
     command = [sys.executable, str(REPO / "bench" / "serve.py"), "--model", str(DEFAULT_MODEL)]
     command += ["--prompt-tokens", "64", "--new-tokens", "4", "--clients", "1", "5", "--long", "512"]
     # No start delay: each HTTP load starts once its client processes report ready, so none is late
-    # by its own start-up (imports, prompts, clients), which takes longer than the margin here.
+    # by its own start-up (imports, its prompts read, clients made), longer than the margin here.
     command += ["--start-delay", "0", "--stall-step-tokens", "0", "16", "--alternations", "2"]
     done = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
