@@ -383,9 +383,10 @@ class Runtime:
             check_max_batch(self.max_batch)
         return self
 
-    def load(self, model: str | None) -> LLM:
-        """Check these settings, then load `model` with them (one rank's part under torchrun);
-        rank 0 notes a synthetic model's random weights on stderr."""
+    def load(self, model: str | None, speculate: int | None = None) -> LLM:
+        """Check these settings, then load `model` with them (one rank's part under torchrun) and
+        `speculate` as its requests' default (--speculate: its steps compiled at load); rank 0
+        notes a synthetic model's random weights on stderr."""
         from minidecode.llm import LLM
 
         self.check()
@@ -393,6 +394,7 @@ class Runtime:
             model, device=self.device, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization, prefill_attention=self.prefill_attention, cuda_graph=self.graph,
             max_batch=self.max_batch, tp=self.tp, cp=self.cp, step_tokens=self.step_tokens,
+            speculate=speculate or 0,
         )  # fmt: skip
         if llm.synthetic and rank() == 0:
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
@@ -645,7 +647,7 @@ def generate(
     try:
         text = generate_text(prompt, prompt_file, prompt_tokens, first)
         check_generate_args(model, text, prompt_tokens, chat, request, runtime, load_cache, save_cache)
-        llm = runtime.load(model)
+        llm = runtime.load(model, request.speculate)
         if not first:
             serve_rank0(llm)
             return
@@ -721,7 +723,7 @@ def batch(
         check_launch(runtime)
         request.check(need_prompt=False)
         if rank() != 0:  # rank 0 reads and writes; the others run its plans
-            serve_rank0(runtime.load(model))
+            serve_rank0(runtime.load(model, request.speculate))
             return
     except UserError as e:
         fail(str(e))
@@ -744,7 +746,7 @@ def run_batch(model: str | None, runtime: Runtime, defaults: Request, report: Ba
     stream = None
     if good or (world_size() or 1) > 1:  # (under torchrun the other ranks wait for the model)
         try:
-            llm = runtime.load(model)
+            llm = runtime.load(model, defaults.speculate)
             given = {k: v for k, v in asdict(defaults).items() if v is not None}
             if good:
                 stream = llm.stream_batch(
@@ -824,16 +826,15 @@ def serve(
         if missing:
             raise UserError(f'serve needs {", ".join(missing)}: pip install "minidecode[serve]"')
         if rank() != 0:  # rank 0 listens; the others run its plans
-            serve_rank0(runtime.load(model))
+            serve_rank0(runtime.load(model, speculate))
             raise typer.Exit(0)
         check_port_free(host, port)
         from minidecode.server import ServerSettings, serve
 
-        llm = runtime.load(model)
+        llm = runtime.load(model, speculate)
         settings = ServerSettings(
             served_model_name or model or "stdlib-tiny", max_tokens_default, max_waiting,
             api_key=api_key, allow_extrapolation=allow_extrapolation, access_log=access_log,
-            speculate=speculate,
         )  # fmt: skip
         typer.echo(f"serving {settings.model_name} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
         code = serve(llm, settings, host, port)

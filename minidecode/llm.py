@@ -27,6 +27,7 @@ from .loop import EngineLoop
 from .plan import FileOpen, FileSave, StepPlan
 from .request import (
     DEFAULT_MAX_BATCH,
+    MAX_SPECULATE,
     Request,
     about,
     check_in_vocab,
@@ -58,7 +59,10 @@ class LLM:
     max_batch: the most sequences decoded at once (requests beyond it wait their turn).
     prefix_reuse: keep finished sequences' K/V and reuse the longest cached prefix of a new prompt.
     step_tokens: the rows a step takes through the weights while a prompt prefills beside running
-    requests (a chunk of it beside their decode rows: mixed.STEP_TOKENS; None, the device's)."""
+    requests (a chunk of it beside their decode rows: mixed.STEP_TOKENS; None, the device's).
+    speculate: the `speculate` of requests that do not set their own (the most draft tokens a
+    step; 0: off). The steps its drafts take are compiled when the model loads; a request that
+    speculates further compiles its own before its prefill, once per install."""
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class LLM:
         quantization: str | None = None,
         prefill_attention: str = "auto",
         step_tokens: int | None = None,
+        speculate: int = 0,
     ):
         # tp x cp > 1: one rank of a torchrun launch (minidecode/distributed.py); each rank loads
         # its share of the weights. Rank 0 runs the engine loop and the API; every step's plan goes
@@ -87,7 +92,7 @@ class LLM:
             self.parallel = init_parallel(tp, cp, device)
             self.parallel.check_same(
                 model=str(model), dtype=str(dtype), kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-                prefill_attention=prefill_attention,
+                prefill_attention=prefill_attention, speculate=speculate,
             )  # fmt: skip
         self.device = resolve_device(device) if self.parallel is None else self.parallel.device
         self.dtype = resolve_dtype(dtype, self.device)
@@ -96,6 +101,7 @@ class LLM:
             raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if step_tokens is not None:
             check_int("step_tokens", step_tokens, 1)
+        self.speculate = check_int("speculate", speculate, 0, MAX_SPECULATE)
         for name, value in (("cuda_graph", cuda_graph), ("prefix_reuse", prefix_reuse)):
             if not isinstance(value, bool):
                 raise UserError(f"{name} must be True or False, got {value!r}")
@@ -144,10 +150,10 @@ class LLM:
         # Kernels compiled now, not in the first request's wait: under torchrun every rank at once,
         # before rank 0's loop starts (a script may also drive the engines in step itself).
         if self.parallel is None:
-            self.loop.call(lambda: warm_up(self.engine))
+            self.loop.call(lambda: warm_up(self.engine, self.speculate))
         else:
             with torch.inference_mode():
-                warm_up(self.engine)
+                warm_up(self.engine, self.speculate)
         self._identity: dict[str, str] | None = None  # computed on the first save / load
 
     @property
@@ -217,7 +223,8 @@ class LLM:
             prompt_ids=ids, params=params, max_new_tokens=new, context=context, stops=request.stops,
             eos_ids=eos, want_logprobs=bool(request.logprobs or request.top_logprobs),
             reuse_prefix=request.reuse_prefix is not False, stop_ids=frozenset(request.stop_token_ids or ()),
-            want_top=request.top_logprobs or 0, speculate=request.speculate or 0,
+            want_top=request.top_logprobs or 0,
+            speculate=self.speculate if request.speculate is None else request.speculate,
         )  # fmt: skip
 
     def _processor_settings(self, request: Request) -> dict[str, Any]:

@@ -245,13 +245,12 @@ def choices(
     chat_cap: int,
     allow_extrapolation: bool,
     check_context: Callable[..., bool],
-    speculate: int = 0,
 ) -> list[Request]:
     """The Call's Requests, choice by choice, each prompt as its token ids: max_tokens' default
     (completions 16, chat the rest of the model's `context` positions up to `chat_cap`), the
     context checked by the runtime's one check (`check_context`: LLM.check_context, naming the
-    client's fields), speculate's default the server's (`serve --speculate`), n choices of each
-    prompt."""
+    client's fields), n choices of each prompt. A field the client leaves out stays unset: the
+    LLM's default applies (speculate's: `serve --speculate`)."""
     out = []
     for request, ids in zip(call.prompts, prompt_ids, strict=True):
         new = request.max_new_tokens
@@ -267,7 +266,6 @@ def choices(
         base = dataclasses.replace(
             request, prompt=None, messages=None, token_ids=ids, max_new_tokens=new,
             allow_extrapolation=True if allow_extrapolation else None,
-            speculate=request.speculate if request.speculate is not None else speculate or None,
         )  # fmt: skip
         check(base, call.names)  # min_tokens against the default max_tokens
         for i in range(call.n):

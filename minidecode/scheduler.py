@@ -99,6 +99,16 @@ def step_kind(seqs: list[Sequence]) -> DecodeKind:
     )
 
 
+def step_graphs(kind: DecodeKind, speculate: int) -> list[tuple[DecodeKind, int]]:
+    """The decode steps (kind, query rows a sequence) that rows of `kind` drafting at most
+    `speculate` tokens may take: each of step_queries(speculate), and where they look drafts up
+    the plain step without the lookup (once the rows that speculate have ended)."""
+    steps = [(kind, queries) for queries in step_queries(speculate)]
+    if kind.lookup:
+        steps.append((replace(kind, lookup=False), 1))
+    return steps
+
+
 class Scheduler:
     """The queue, the rows, the regions and the step plans of one engine (the engine loop's thread
     only; under torchrun, rank 0's). `free_bytes()`: free device memory, the least over the ranks
@@ -203,9 +213,7 @@ class Scheduler:
             # and the plain step without the lookup (once the rows that speculate have ended).
             rows, together = len(self.running) + 1, [*self.running, seq]
             most, kind = max(s.max_drafts for s in together), step_kind(together)
-            prepare = [(rows, kind, queries) for queries in step_queries(most)]
-            if kind.lookup:
-                prepare.append((rows, replace(kind, lookup=False), 1))
+            prepare = [(rows, k, queries) for k, queries in step_graphs(kind, most)]
             if self._beside and not self.engine.context_parallel:  # mixed steps: in theirs
                 self._to_prepare, self._last_step = prepare, None
             else:

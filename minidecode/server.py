@@ -68,7 +68,6 @@ class ServerSettings:
     max_waiting: int = 256  # queued requests beyond this get a 503
     api_key: str | None = None  # every endpoint but /health needs `Authorization: Bearer <it>`
     allow_extrapolation: bool = False  # contexts past the model's trained positions
-    speculate: int = 0  # a request's speculate unless it sets its own (0: off)
     access_log: bool = True  # one line per request on stderr
 
 
@@ -252,7 +251,7 @@ class Service:
         settings = self.settings
         return openai_api.choices(
             call, ids, self.context, settings.max_tokens_default, settings.allow_extrapolation,
-            self.llm.check_context, settings.speculate,
+            self.llm.check_context,
         )  # fmt: skip
 
     def relay(self) -> EventRelay:

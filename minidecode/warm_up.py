@@ -2,9 +2,11 @@
 steps pay for it: the prefill's kernels on a short prompt, a mixed step's beside each decode batch
 bucket, the FP8 prefill attention kernel where it is the user's choice, and the decode step of
 every batch bucket at every cache size where the decode kernel changes its launch config (an FP8
-cache's configs, which a request's cache grows into). A kernel compiled on first use instead
-holds up every running stream for its compile (bench/NOTES-engine.md). Each cache made here is
-freed after. LLM runs warm_up on every rank once the model is loaded (GPUs only)."""
+cache's configs, which a request's cache grows into); with the LLM's speculate default, the steps
+with drafts too (their multi-query attention and prompt lookup). A kernel compiled on first use
+instead holds up every running stream, or a request's first token, for its compile
+(bench/NOTES-engine.md). Each cache made here is freed after. LLM runs warm_up on every rank once
+the model is loaded (GPUs only)."""
 
 from __future__ import annotations
 
@@ -17,16 +19,18 @@ from .decode import bucket
 from .engine import Engine
 from .plan import DecodeKind
 from .sampling import SamplingParams
+from .scheduler import step_graphs
 
 
-def warm_up(engine: Engine) -> None:
+def warm_up(engine: Engine, speculate: int = 0) -> None:
     """Compile every kernel a request will run before one arrives (its TTFT then pays none):
     the prefill's on a short prompt, a mixed step's (warm_up_mixed), the FP8 prefill attention
-    kernel (when it is the user's choice) on a problem it takes, and the decode step of every
+    kernel (when it is the user's choice) on a problem it takes, and the decode steps of every
     batch bucket up to max_batch (each bucket's kernels are specialized to its rows) at each
     cache size where the decode kernel changes its launch config (warm_up_sizes: an FP8 cache
-    has up to three, which a request's cache grows into). Each cache is freed after; a size
-    that does not fit beside the weights is left to its first use."""
+    has up to three, which a request's cache grows into): decode_steps, the plain step's and,
+    where requests speculate up to `speculate` drafts, the steps they take. Each cache is freed
+    after; a size that does not fit beside the weights is left to its first use."""
     if engine.device.type != "cuda":
         return
     for i, capacity in enumerate(warm_up_sizes(engine)):
@@ -36,8 +40,8 @@ def warm_up(engine: Engine) -> None:
                 engine.prefill(list(range(1, 17)), 0, capacity, 0)
                 if not engine.context_parallel:  # (which runs no mixed steps)
                     warm_up_mixed(engine)
-            for rows in batch_buckets(engine):
-                engine.prepare(rows, DecodeKind(SamplingParams().mode))
+            for rows, kind, queries in decode_steps(engine, speculate):
+                engine.prepare(rows, kind, queries)
             torch.cuda.synchronize(engine.device)
         except torch.OutOfMemoryError:
             pass
@@ -73,6 +77,16 @@ def mixed_rows(engine: Engine) -> list[int]:
     beside no decode rows and beside each batch bucket's (mixed.chunk_bucket)."""
     chunks = [16, *range(32, engine.mixed.max_chunk_rows + 1, 32)]
     return sorted({c + b for c in chunks for b in [0, *batch_buckets(engine)]})
+
+
+def decode_steps(engine: Engine, speculate: int) -> list[tuple[int, DecodeKind, int]]:
+    """The decode steps warm_up compiles, (rows, kind, query rows a sequence): each batch bucket's
+    plain step, and where requests speculate up to `speculate` drafts the steps the scheduler
+    prepares for them (scheduler.step_graphs: each draft bucket's with the lookup, and the plain
+    step with and without it)."""
+    kind = DecodeKind(SamplingParams().mode, lookup=speculate > 0)  # scheduler.step_kind of such rows
+    steps = step_graphs(kind, speculate)
+    return [(rows, step, queries) for rows in batch_buckets(engine) for step, queries in steps]
 
 
 def batch_buckets(engine: Engine) -> list[int]:

@@ -20,6 +20,7 @@ from minidecode.decode import bucket, draft_bucket
 from minidecode.errors import UserError
 from minidecode.plan import Decode, DecodeKind, StepPlan
 from minidecode.sampling import SamplingParams
+from minidecode.warm_up import decode_steps
 from minidecode_cli.cli import app
 
 # The shipped model repeats what it was shown: its answer copies the prompt's lines, so drafts match.
@@ -193,6 +194,43 @@ def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, m
             assert (bucket(plan.decode.rows), plan.decode.kind, plan.decode.queries) in prepared
             drafted += plan.decode.queries > 1
     assert drafted > 0
+
+
+def test_the_llm_default_applies_where_a_request_sets_none(llm):
+    """LLM(speculate=K): a request without its own speculates up to K drafts (the same tokens as
+    greedy without); its own setting, 0 included, wins; a bad default is one line."""
+    plain = greedy(llm, REPEATS, max_new_tokens=48)
+    default = LLM(device="cpu", dtype="float32", speculate=8)
+    spec = greedy(default, REPEATS, max_new_tokens=48)
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
+    off = greedy(default, REPEATS, max_new_tokens=48, speculate=0)
+    assert off.token_ids == plain.token_ids and off.stats.proposed_tokens == 0
+    bad = ((17, "speculate must be <= 16, got 17"), (-1, "speculate must be >= 0"), (True, "integer"))
+    for value, message in bad:
+        with pytest.raises(UserError, match=message) as refused:
+            LLM(device="cpu", dtype="float32", speculate=value)
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("default", [16, 0])
+def test_the_load_compiles_the_steps_the_default_takes(llm, monkeypatch, default):
+    """Every decode step that requests of the LLM's speculate default take (alone and in a batch:
+    their buckets, kinds and query rows, as the plans prepare them) is one warm_up compiles at
+    load (warm_up.decode_steps); without a default, the steps with drafts are not."""
+    plans = []
+    execute = llm.loop.execute
+
+    def recorded(plan, *args):
+        plans.append(plan)
+        return execute(plan, *args)
+
+    monkeypatch.setattr(llm.loop, "execute", recorded)
+    llm.generate(REPEATS, temperature=0, max_new_tokens=24, reuse_prefix=False, speculate=16)
+    llm.generate([REPEATS, CODE, CLASS], temperature=0, max_new_tokens=24, reuse_prefix=False, speculate=16)
+    taken = {(bucket(rows), kind, queries) for plan in plans for rows, kind, queries in plan.prepare}
+    assert any(queries == 17 for _, _, queries in taken)
+    compiled = set(decode_steps(llm.engine, default))
+    assert (taken <= compiled) == (default == 16), taken - compiled
 
 
 def test_stop_strings_end_where_they_would(llm):
