@@ -62,7 +62,7 @@ class LLM:
     requests (a chunk of it beside their decode rows: mixed.STEP_TOKENS; None, the device's).
     speculate: the `speculate` of requests that do not set their own (the most draft tokens a
     step; 0: off). The steps its drafts take are compiled when the model loads; a request that
-    speculates further compiles its own before its prefill, once per install."""
+    speculates further compiles the steps it adds before its prefill (Triton keeps them on disk)."""
 
     def __init__(
         self,
