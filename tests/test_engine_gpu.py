@@ -56,6 +56,23 @@ def test_speculation_on_cuda_gives_the_plain_tokens(kv):
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_the_load_warms_the_steps_of_the_speculate_default(kv):
+    """LLM(speculate=8): a request of the default, alone and in a batch, captures its step graphs
+    with no warm-up run (every one warmed at load, so no kernel compiles before its prefill) and
+    gives the plain tokens; a request speculating further warms the steps it adds."""
+    llm = LLM(device="cuda", dtype="float32", kv_cache_dtype=kv, speculate=8)
+    loaded = set(llm.engine.graphs.warmed)
+    prompts = [llm.tokenizer.encode(text) for text in (REPEATS, CODE, CLASS)]
+    plain = llm.generate(token_ids=prompts[0], max_new_tokens=64, speculate=0, **GREEDY)
+    spec = llm.generate(token_ids=prompts[0], max_new_tokens=64, **GREEDY)
+    llm.generate([Request(token_ids=p, max_new_tokens=48) for p in prompts], **GREEDY)
+    assert spec.token_ids == plain.token_ids and spec.stats.accepted_tokens > 0
+    assert llm.engine.graphs.warmed == loaded
+    llm.generate(token_ids=prompts[0], max_new_tokens=64, speculate=16, **GREEDY)
+    assert any(key[5] == 17 for key in llm.engine.graphs.warmed - loaded)  # (bucket, mode, ..., queries, ...)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_mixed_steps_on_cuda_give_each_request_its_tokens_alone(model_dir, kv, monkeypatch):
     """Three streams decoding while a 2,500-token prompt arrives: it prefills in mixed steps of at
     most 64 rows (each chunk with the streams' rows in one forward), and every request's tokens are
