@@ -166,10 +166,8 @@ def test_a_step_has_draft_rows_only_once_drafts_were_seen(llm, monkeypatch, prom
         assert spec.stats.decode_steps == plain.stats.decode_steps
 
 
-def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, monkeypatch):
-    """The plans' prepare lists hold every (bucket, kind, queries) a later step runs, each added with
-    the admission of a sequence that can speculate: no step captures a graph (on the CPU nothing
-    captures, so the plans are what is checked)."""
+def recorded_plans(llm: LLM, monkeypatch) -> list[StepPlan]:
+    """The list that every step plan llm's loop executes from now on is appended to."""
     plans = []
     execute = llm.loop.execute
 
@@ -178,6 +176,14 @@ def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, m
         return execute(plan, *args)
 
     monkeypatch.setattr(llm.loop, "execute", recorded)
+    return plans
+
+
+def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, monkeypatch):
+    """The plans' prepare lists hold every (bucket, kind, queries) a later step runs, each added with
+    the admission of a sequence that can speculate: no step captures a graph (on the CPU nothing
+    captures, so the plans are what is checked)."""
+    plans = recorded_plans(llm, monkeypatch)
     requests = [Request(prompt=REPEATS, speculate=16), Request(prompt=CODE, speculate=3)]
     requests.append(Request(prompt=CLASS))
     llm.generate(requests, temperature=0, max_new_tokens=40, reuse_prefix=False)
@@ -217,14 +223,7 @@ def test_the_load_compiles_the_steps_the_default_takes(llm, monkeypatch, default
     """Every decode step that requests of the LLM's speculate default take (alone and in a batch:
     their buckets, kinds and query rows, as the plans prepare them) is one warm_up compiles at
     load (warm_up.decode_steps); without a default, the steps with drafts are not."""
-    plans = []
-    execute = llm.loop.execute
-
-    def recorded(plan, *args):
-        plans.append(plan)
-        return execute(plan, *args)
-
-    monkeypatch.setattr(llm.loop, "execute", recorded)
+    plans = recorded_plans(llm, monkeypatch)
     llm.generate(REPEATS, temperature=0, max_new_tokens=24, reuse_prefix=False, speculate=16)
     llm.generate([REPEATS, CODE, CLASS], temperature=0, max_new_tokens=24, reuse_prefix=False, speculate=16)
     taken = {(bucket(rows), kind, queries) for plan in plans for rows, kind, queries in plan.prepare}
