@@ -208,9 +208,8 @@ class Scheduler:
             self.waiting.popleft()
             self.prefilling, self._next = seq, seq.reused
             plan.admit = seq.id
-            # The step graphs it will decode in, captured before its prefill (not in its decoding):
-            # the plain step's, and where a row can speculate each draft bucket its steps may take,
-            # and the plain step without the lookup (once the rows that speculate have ended).
+            # The step graphs it will decode in (step_graphs), captured before its prefill, not in
+            # its decoding.
             rows, together = len(self.running) + 1, [*self.running, seq]
             most, kind = max(s.max_drafts for s in together), step_kind(together)
             prepare = [(rows, k, queries) for k, queries in step_graphs(kind, most)]
