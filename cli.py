@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -390,15 +391,34 @@ class Runtime:
         from minidecode.llm import LLM
 
         self.check()
-        llm = LLM(
-            model, device=self.device, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-            quantization=self.quantization, prefill_attention=self.prefill_attention, cuda_graph=self.graph,
-            max_batch=self.max_batch, tp=self.tp, cp=self.cp, step_tokens=self.step_tokens,
-            speculate=speculate or 0,
-        )  # fmt: skip
+        with slow_load_note():
+            llm = LLM(
+                model, device=self.device, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+                quantization=self.quantization, prefill_attention=self.prefill_attention,
+                cuda_graph=self.graph, max_batch=self.max_batch, tp=self.tp, cp=self.cp,
+                step_tokens=self.step_tokens, speculate=speculate or 0,
+            )  # fmt: skip
         if llm.synthetic and rank() == 0:
             typer.echo(f"note: {llm.name} has RANDOM weights: its text is noise, its speed is real", err=True)
         return llm
+
+
+SLOW_LOAD_S = 20.0  # a load still running after this long says why on stderr
+
+
+@contextlib.contextmanager
+def slow_load_note() -> Iterator[None]:
+    """Print one line on stderr (rank 0) if the load inside takes longer than SLOW_LOAD_S: on an
+    empty Triton cache a GPU load compiles every step's kernels, minutes of silence otherwise."""
+    note = "note: still loading (the weights; on a GPU, each step's kernels compiled once: Triton keeps them)"
+    timer = threading.Timer(SLOW_LOAD_S, typer.echo, args=(note,), kwargs={"err": True})
+    timer.daemon = True
+    if rank() == 0:
+        timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def request_from_options(values: dict[str, Any]) -> Request:

@@ -12,6 +12,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from minidecode_cli import cli
 from minidecode_cli.cli import app
 
 PROMPT = "The quick brown fox 🙂"
@@ -57,6 +58,15 @@ def test_generate_text_to_stdout_stats_to_stderr(model_dir, reference):
     assert result.exit_code == 0, result.stderr
     assert result.stdout == reference[1] + "\n"
     assert "new tok" in result.stderr and "error" not in result.stderr
+    assert "still loading" not in result.stderr  # a load within SLOW_LOAD_S says nothing
+
+
+def test_a_load_past_the_slow_load_time_says_why_once(model_dir, reference, monkeypatch):
+    monkeypatch.setattr(cli, "SLOW_LOAD_S", 0.0)
+    result = invoke(*generate_args(model_dir, "--prompt", PROMPT))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == reference[1] + "\n"
+    assert result.stderr.count("note: still loading") == 1
 
 
 def test_generate_prompt_file(model_dir, reference, tmp_path):
