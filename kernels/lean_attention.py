@@ -142,6 +142,11 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # bench/NOTES-attention.md). 32 rows through
 # FP8_SHORT_CONFIG, 64 in 64-position tiles over one warpgroup at two CTAs an SM (the bf16
 # 64-row shape), 128 and up in 128-position tiles with q made per tile.
+# The sequence lengths a CTA's schedule reads at once (BLOCK_B), at least: a kernel is compiled
+# for each BLOCK_B (~1.8 s each on an H100, for every launch config and step size a load warms
+# up), so every batch up to the engine's largest (decode.BUCKETS) shares one; reading 128 lengths
+# where a batch has fewer costs the plain step nothing measurable (bench/NOTES-attention.md).
+SCHEDULE_LANES = 128
 MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)
 # G_PAD -> tile positions, warps, stages, CTAs an SM, early_ticket, tree_fan (model-dtype cache)
 MULTI_QUERY_BF16 = {
@@ -781,7 +786,9 @@ def _store_segment(
         tl.store(PartLse + slot * (G_PAD * HEAD_DIM) + offs_part, lse_row, mask=row_ok[:, None])
 
 
-@triton.jit
+# B is not specialized on (1, a multiple of 16): with BLOCK_B at least SCHEDULE_LANES, every batch
+# size shares one compiled kernel.
+@triton.jit(do_not_specialize=["B"])
 def _lean_decode_kernel(
     Q,  # [B, Hq, D]; Q_MAX > 1: [B, Q_MAX, Hq, D]
     K,  # [B, Hkv, S, D], last dim contiguous (FP8: the uint8 view of the e4m3 cache)
@@ -1083,8 +1090,12 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 _COUNTER_STRIDE = 32  # int32s: each (b, h) ticket counter on its own 128-byte line
 
 
-def _group_pad(group: int) -> int:
-    return max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
+def tile_rows(rows: int) -> int:
+    """The rows of the tile that holds `rows` query rows of one KV head (G heads x the query
+    positions): a power of two, 16 at least (tl.dot needs M >= 16). A step costs its tile's rows
+    more than its own (bench/NOTES-attention.md), which is why speculation sizes its steps to fill
+    one (speculation.draft_sizes)."""
+    return max(16, triton.next_power_of_2(rows))
 
 
 def _grid_size(device: torch.device, config: LeanConfig, num_ctas: int | None) -> int:
@@ -1244,7 +1255,7 @@ def lean_attention(
         lengths = lengths.to(torch.int32)
 
     G = Hq // Hkv
-    g_pad = _group_pad(G * q_max)
+    g_pad = tile_rows(G * q_max)
     if q_max > 1 and q.device.type == "cuda" and G * q_max > MULTI_QUERY_MAX_ROWS:
         raise ValueError(f"query heads a KV head x Q_MAX = {G * q_max} > {MULTI_QUERY_MAX_ROWS} rows a tile")
     if config is None:
@@ -1320,7 +1331,7 @@ def lean_attention(
         out.stride(0),
         out.stride(1) if q_lens is not None else 0,
         out.stride(-2),
-        BLOCK_B=triton.next_power_of_2(B),
+        BLOCK_B=max(SCHEDULE_LANES, triton.next_power_of_2(B)),
         G_PAD=g_pad,
         HEAD_DIM=D,
         BLOCK_N=config.block_n,

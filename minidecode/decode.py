@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +31,9 @@ from minidecode.models.llama import Transformer
 from .errors import UserError
 from .request import MAX_SPECULATE, MAX_TOP_LOGPROBS, check_int
 from .sampling import ProcessorRows, SamplingRows, process, sample, top_logprobs
-from .speculation import accept, next_draft_counts
+from .speculation import accept, draft_sizes, next_draft_counts, size_up
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
-DRAFT_BUCKETS = (1, 2, 4, 8, MAX_SPECULATE)  # draft slots a row (query rows - 1) a graph is captured for
-FIRST_DRAFTS = 4  # the drafts a row's first lookup asks for (then they follow the acceptance)
 
 
 def check_max_batch(max_batch: int) -> int:
@@ -50,16 +48,17 @@ def bucket(n: int) -> int:
     return next(b for b in BUCKETS if b >= n)
 
 
-def draft_bucket(k: int) -> int:
-    """The step's query rows a sequence for k drafts (k >= 1): 1 + the smallest draft bucket >= k."""
-    return 1 + next(b for b in DRAFT_BUCKETS if b >= k)
+def draft_bucket(k: int, sizes: Sequence[int]) -> int:
+    """The step's query rows a sequence for k drafts (k >= 1): 1 + the smallest draft size >= k
+    (`sizes`: speculation.draft_sizes of the model)."""
+    return 1 + size_up(k, sizes)
 
 
-def step_queries(speculate: int) -> list[int]:
+def step_queries(speculate: int, sizes: Sequence[int]) -> list[int]:
     """The query rows a sequence (1 + draft slots) that a step can take where its rows draft at
-    most `speculate` tokens: 1 (a plain step), then draft_bucket(k) for k in 1..speculate; each is
+    most `speculate` tokens: 1 (a plain step), then 1 + each draft size up to speculate; each is
     a graph of its own."""
-    return [1, *sorted({draft_bucket(k) for k in range(1, speculate + 1)})]
+    return [1, *(1 + k for k in sizes if k <= speculate)]
 
 
 @dataclass
@@ -77,10 +76,11 @@ class DecodeState:
     # [B, MAX_TOP_LOGPROBS]: the most likely ids and their log p at the token just sampled (when asked for)
     top_ids: torch.Tensor  # int64
     top_logprob: torch.Tensor  # float32
-    # Speculation, int64. Each row's settings: `speculate`, the most drafts a step of it verifies (0:
-    # it makes none), `draft_end`, the last sequence position a draft may take (its region, its
-    # max_new_tokens); `draft_k`, how many its next lookup asks for (following its acceptance, at
-    # most speculate: 0 for an idle row).
+    # Speculation, int64. Each row's settings: `speculate`, the most drafts a step of it verifies
+    # (speculation.most_drafts of its setting: a draft size; 0: it makes none), `draft_end`, the
+    # last sequence position a draft may take (its region, its max_new_tokens); `draft_k`, how many
+    # its next lookup asks for (a draft size following its acceptance, at most speculate: 0 for an
+    # idle row).
     speculate: torch.Tensor
     draft_end: torch.Tensor
     draft_k: torch.Tensor
@@ -360,7 +360,8 @@ def draft_step(
     if want_logprobs or top:  # rows that ask make no drafts: their next token follows query row 0
         record_logprobs(logits[:, 0], nxt, state, top)
     state.verdicts[:, : 2 + k] = torch.cat((draft_lens[:, None], accepted[:, None], drafts), dim=1)
-    state.draft_k.copy_(next_draft_counts(state.draft_k, draft_lens, accepted, state.speculate))
+    sizes = draft_sizes(model.config.group_size)
+    state.draft_k.copy_(next_draft_counts(state.draft_k, draft_lens, accepted, state.speculate, sizes))
     state.tokens.copy_(nxt)
     state.positions.add_((accepted + 1) * state.active)
 

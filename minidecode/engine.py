@@ -16,8 +16,8 @@ every step of every mix of sequences; the graphs are captured once per cache all
 
 With speculation (Request.speculate) a step takes several query rows a sequence: its token and
 the drafts the step before found for it on the device (prompt lookup over the token history kept
-beside the cache), verified in the same step (decode.py's draft_step, one graph per draft bucket);
-its results reach the host a step later, as a plain step's do.
+beside the cache), verified in the same step (decode.py's draft_step, one graph per draft size:
+speculation.py); its results reach the host a step later, as a plain step's do.
 
 A prompt that prefills beside running sequences goes chunk by chunk, each chunk in one mixed step
 with the running rows (Transformer.mixed: one forward, the weights read once for both; on CUDA a
@@ -46,7 +46,6 @@ from minidecode.models.llama import Transformer, weight_bytes, weights_descripti
 
 from .cache_parts import CacheParts
 from .decode import (
-    FIRST_DRAFTS,
     DecodeGraphs,
     DecodeState,
     HostRows,
@@ -73,6 +72,7 @@ from .plan import (
 )
 from .request import DEFAULT_MAX_BATCH
 from .sampling import SamplingParams, process, sample, top_logprobs
+from .speculation import draft_sizes, first_draft_count, most_drafts
 
 
 @dataclass
@@ -119,6 +119,7 @@ class Engine:
         self.context_parallel = context_parallel
         self.prefill_attention = prefill_attention  # "auto": SDPA's faster backend; "fp8": the e4m3 kernel
         self.max_batch = check_max_batch(max_batch)
+        self.draft_sizes = draft_sizes(self.config.group_size)  # the draft counts a step is built for
         self.step_tokens = step_tokens or STEP_TOKENS[device.type]  # a mixed step's budget (rows)
         self.weights = weights_description(model)  # "bfloat16", or the FP8 scheme that runs
         self.planner = Planner(
@@ -243,7 +244,8 @@ class Engine:
     ) -> None:
         """Row `row` now decodes a sequence whose region starts at `start`, its next token at
         `position` (the prompt's length); `prompt_ids` are its prompt (for a repetition penalty).
-        speculate: the most drafts a step of it verifies (0: none), none at positions past
+        speculate: its setting (0: none), the most drafts a step of it verifies where that is a
+        draft size (else the largest size below: speculation.most_drafts), none at positions past
         `draft_end` (each step makes the next one's: its first step has none)."""
         state = self.state
         state.sampling.set(row, params)
@@ -252,8 +254,9 @@ class Engine:
         if state.processors is not None:  # neutral values for a sequence that uses none
             state.processors.set(row, params, prompt_ids or [], position)
         state.positions[row], state.starts[row], state.active[row] = position, start, 1
-        state.speculate[row], state.draft_end[row] = speculate, draft_end
-        state.draft_k[row], state.draft_lens[row] = min(FIRST_DRAFTS, speculate), 0
+        most = most_drafts(speculate, self.draft_sizes)
+        state.speculate[row], state.draft_end[row] = most, draft_end
+        state.draft_k[row], state.draft_lens[row] = first_draft_count(most, self.draft_sizes), 0
 
     def move_row(self, src: int, dst: int) -> None:
         self.state.move(src, dst)
@@ -540,7 +543,7 @@ class Engine:
     # ---- decode ------------------------------------------------------------------------------
     def step(self, n: int, kind: DecodeKind, queries: int = 1) -> None:
         """One decode step of rows 0..n-1 of `kind` (plan.DecodeKind; a CUDA graph replay of their
-        bucket on CUDA): tokens -> the next tokens, positions += 1. queries > 1 (a draft bucket +
+        bucket on CUDA): tokens -> the next tokens, positions += 1. queries > 1 (a draft size +
         1): the step verifies the drafts the step before made (positions += kept + 1)."""
         self.graphs.step(self.cache, self.history, self.spare_start, n, *self._graph_kind(kind, queries))
         self._drafted = queries > 1

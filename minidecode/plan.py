@@ -143,8 +143,8 @@ class Prefill:
 
 @dataclass
 class Decode:
-    """A decode step of rows 0..rows-1. With drafts (speculation): `queries` = 1 + a draft bucket
-    (decode.DRAFT_BUCKETS), the most query rows a row takes: its token, then up to queries - 1 of
+    """A decode step of rows 0..rows-1. With drafts (speculation): `queries` = 1 + a draft size
+    (speculation.draft_sizes), the most query rows a row takes: its token, then up to queries - 1 of
     the drafts the step before made for it on the device (each rank alike, from the same tokens)."""
 
     rows: int

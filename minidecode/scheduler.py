@@ -47,6 +47,7 @@ from .mixed import chunk_bucket, chunk_end, rows_per_key
 from .plan import Copy, Decode, DecodeKind, FileRead, Prefill, Release, Resize, RowStart, StepOutput, StepPlan
 from .sampling import batch_mode
 from .sequence import Sequence
+from .speculation import grown_draft_count, most_drafts
 
 
 @dataclass
@@ -99,11 +100,11 @@ def step_kind(seqs: list[Sequence]) -> DecodeKind:
     )
 
 
-def step_graphs(kind: DecodeKind, speculate: int) -> list[tuple[DecodeKind, int]]:
+def step_graphs(kind: DecodeKind, speculate: int, sizes: tuple[int, ...]) -> list[tuple[DecodeKind, int]]:
     """The decode steps (kind, query rows a sequence) that rows of `kind` drafting at most
-    `speculate` tokens may take: each of step_queries(speculate), and where they look drafts up
-    the plain step without the lookup (once the rows that speculate have ended)."""
-    steps = [(kind, queries) for queries in step_queries(speculate)]
+    `speculate` tokens may take: each of step_queries(speculate, sizes), and where they look drafts
+    up the plain step without the lookup (once the rows that speculate have ended)."""
+    steps = [(kind, queries) for queries in step_queries(speculate, sizes)]
     if kind.lookup:
         steps.append((replace(kind, lookup=False), 1))
     return steps
@@ -182,12 +183,12 @@ class Scheduler:
 
     def _decode_step(self) -> Decode:
         """The running rows' step: with query rows for drafts where a row had drafts ready when
-        last seen, room for twice as many (a row's lookup asks for up to twice its last verified
-        drafts: speculation.next_draft_counts), up to its limit; a row given fewer verifies its
-        first ones."""
-        kind, running = self._kind, self.running
-        most = max((min(2 * s.ready_drafts, s.max_drafts) for s in running), default=0)
-        return Decode(len(running), kind, draft_bucket(most) if most else 1)
+        last seen, room for the size that holds twice as many (a row's lookup asks for up to that:
+        speculation.next_draft_counts), up to its limit; a row given fewer verifies its first ones."""
+        kind, running, sizes = self._kind, self.running, self.engine.draft_sizes
+        grown = (grown_draft_count(s.ready_drafts, most_drafts(s.max_drafts, sizes), sizes) for s in running)
+        most = max(grown, default=0)
+        return Decode(len(running), kind, draft_bucket(most, sizes) if most else 1)
 
     def _admit(self, plan: StepPlan) -> None:
         """Admit the head of the queue if a row and a region are free: its cache work and its
@@ -212,7 +213,7 @@ class Scheduler:
             # its decoding.
             rows, together = len(self.running) + 1, [*self.running, seq]
             most, kind = max(s.max_drafts for s in together), step_kind(together)
-            prepare = [(rows, k, queries) for k, queries in step_graphs(kind, most)]
+            prepare = [(rows, k, queries) for k, queries in step_graphs(kind, most, self.engine.draft_sizes)]
             if self._beside and not self.engine.context_parallel:  # mixed steps: in theirs
                 self._to_prepare, self._last_step = prepare, None
             else:

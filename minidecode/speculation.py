@@ -9,25 +9,78 @@ kernels/ops.py), and `accept` keeps the longest verified prefix plus one token o
 own: the output is exactly what decoding one token at a time gives, greedy or seeded sampling,
 whatever the drafts.
 
+A lookup asks for one of the model's draft sizes (`draft_sizes`): the counts whose query rows
+fill the decode kernel's tile, since a step costs its tile, not its rows.
+
 Pure torch, on the device (no host sync); nothing here knows the engine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from minidecode.kernels.lean_attention import tile_rows
+
+from .request import MAX_SPECULATE
+
+FIRST_DRAFTS = 4  # a row's first lookup asks for the draft size that holds this many
+
+
+def draft_sizes(group: int) -> tuple[int, ...]:
+    """The draft counts a step is built for, smallest first, for a model with `group` query heads
+    a KV head: 1, and each k <= MAX_SPECULATE whose k + 1 query positions fill their tile
+    (lean_attention.tile_rows of group * (k + 1) rows: one more position would need the next).
+    A step with k drafts costs about what its tile's largest k costs (G = 4: k = 8 runs 64-row
+    tiles as k = 15 does, 1.51x a plain step at 32k on an H100 where k = 7 is 1.33x;
+    bench/results/verify-attention-h100.md), so the others are not offered."""
+    rows = [tile_rows(group * q) for q in range(MAX_SPECULATE + 3)]  # the tile of q positions' rows
+    fills = [k for k in range(1, MAX_SPECULATE + 1) if rows[k + 2] > rows[k + 1]]
+    return tuple(sorted({1, *fills}))
+
+
+def most_drafts(speculate: int, sizes: Sequence[int]) -> int:
+    """The most drafts a step verifies for a row whose setting is `speculate` (0: none): the
+    largest draft size <= speculate."""
+    return max((s for s in sizes if s <= speculate), default=0)
+
+
+def size_up(n: int, sizes: Sequence[int]) -> int:
+    """The smallest draft size >= n (the largest where none is)."""
+    return next((s for s in sizes if s >= n), sizes[-1])
+
+
+def first_draft_count(most: int, sizes: Sequence[int]) -> int:
+    """What a row's first lookup asks for, where its steps verify at most `most` drafts."""
+    return min(size_up(FIRST_DRAFTS, sizes), most)
+
+
+def grown_draft_count(ready: int, most: int, sizes: Sequence[int]) -> int:
+    """The most drafts a row's next lookup can ask for after a step that verified `ready` and
+    kept them all (next_draft_counts' growth; the scheduler sizes the next step by it)."""
+    return min(size_up(2 * ready, sizes), most) if ready else 0
 
 
 def next_draft_counts(
-    counts: torch.Tensor,  # [B] int64: the drafts each row's lookup asked for
+    counts: torch.Tensor,  # [B] int64: the drafts each row's lookup asked for (a draft size)
     proposed: torch.Tensor,  # [B] int64: the drafts its step verified (0: none)
     accepted: torch.Tensor,  # [B] int64: those kept
-    most: torch.Tensor,  # [B] int64: the row's limit (its speculate setting)
+    most: torch.Tensor,  # [B] int64: the row's limit (most_drafts of its setting: a size, or 0)
+    sizes: Sequence[int],  # draft_sizes
 ) -> torch.Tensor:  # [B] int64
-    """How many drafts each row's next lookup asks for: doubled (up to `most`) when every draft
-    was kept, one more than the kept ones otherwise; unchanged where none were verified."""
-    grown = torch.minimum(torch.maximum(counts, proposed) * 2, most)
-    cut = torch.where(accepted >= proposed, grown, accepted + 1)
-    return torch.where(proposed > 0, cut, counts)
+    """How many drafts each row's next lookup asks for, always a draft size up to `most`: the
+    size that holds twice as many when every draft was kept, else the largest size up to one more
+    than the kept ones; unchanged where none were verified."""
+    doubled = torch.maximum(counts, proposed) * 2
+    up = torch.full_like(counts, sizes[-1])
+    down = torch.zeros_like(counts)
+    for size in reversed(sizes):
+        up = torch.where(doubled <= size, size, up)
+    for size in sizes:
+        down = torch.where(accepted + 1 >= size, size, down)
+    nxt = torch.minimum(torch.where(accepted >= proposed, up, down), most)
+    return torch.where(proposed > 0, nxt, counts)
 
 
 # ---- verification ---------------------------------------------------------------------------

@@ -2,24 +2,66 @@
 greedy verification's exactness, and the sampled rule's output distribution against p. (The
 lookup itself: tests/test_prompt_lookup.py.)"""
 
+import math
+
 import pytest
 import torch
 
 from minidecode import speculation as spec
+from minidecode.request import MAX_SPECULATE
 from minidecode.sampling import _uniform
 
 # ---- the draft count --------------------------------------------------------------------------
 
 
+def tile(rows: int) -> int:
+    """The decode kernel's tile height for `rows` query rows: a power of two, 16 at least."""
+    return max(16, 2 ** math.ceil(math.log2(rows)))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8])
+def test_draft_sizes_are_the_counts_that_fill_a_tile(group):
+    """Each draft size but 1 is the most drafts whose group * (k + 1) query rows fit their tile, and
+    every other count up to the largest size runs in the tile of the size above it: no size is
+    missing, none pays for a tile it leaves partly empty. Against a table for common groups
+    (Llama-3-8B's 4, Qwen2.5-7B's 7, Qwen2.5-14B's 5)."""
+    sizes = spec.draft_sizes(group)
+    assert sizes[0] == 1 and list(sizes) == sorted(set(sizes)) and sizes[-1] <= MAX_SPECULATE
+    for k in sizes[1:]:
+        assert tile(group * (k + 2)) > tile(group * (k + 1))
+    for k in range(1, sizes[-1] + 1):
+        assert tile(group * (spec.size_up(k, sizes) + 1)) == tile(group * (k + 1))
+    assert tile(group * (MAX_SPECULATE + 1)) > tile(group * (sizes[-1] + 1))  # nothing fills a larger tile
+    table = {1: (1, 15), 4: (1, 3, 7, 15), 5: (1, 2, 5, 11), 7: (1, 3, 8), 8: (1, 3, 7, 15)}
+    assert sizes == table.get(group, sizes)
+
+
 def test_draft_count_follows_acceptance():
-    """next_draft_counts against the rule row by row: doubled up to the limit when every draft was
-    kept, one more than the kept ones otherwise, unchanged where no draft was verified."""
+    """next_draft_counts against the rule row by row (draft sizes 1, 3, 7, 15, then a group of 5's
+    1, 2, 5, 11): the size that holds twice as many when every draft was kept, up to the limit;
+    else the largest size up to one more than the kept ones; unchanged where none was verified."""
     cases = [  # (count, proposed, accepted, most) -> next
-        ((4, 4, 4, 12), 8), ((8, 8, 8, 12), 12), ((12, 12, 3, 12), 4), ((4, 4, 0, 12), 1),
-        ((1, 0, 0, 12), 1), ((1, 1, 1, 12), 2), ((8, 2, 2, 16), 16), ((3, 3, 3, 4), 4),
+        ((3, 3, 3, 15), 7), ((7, 7, 7, 15), 15), ((15, 15, 15, 15), 15), ((7, 7, 3, 15), 3),
+        ((7, 7, 6, 15), 7), ((15, 15, 9, 15), 7), ((7, 7, 0, 15), 1), ((1, 0, 0, 15), 1),
+        ((1, 1, 1, 15), 3), ((7, 2, 2, 15), 15), ((3, 3, 3, 3), 3), ((3, 3, 3, 7), 7),
     ]  # fmt: skip
     columns = [torch.tensor(c) for c in zip(*(case for case, _ in cases), strict=True)]
-    assert spec.next_draft_counts(*columns).tolist() == [want for _, want in cases]
+    assert spec.next_draft_counts(*columns, (1, 3, 7, 15)).tolist() == [want for _, want in cases]
+    cases = [((2, 2, 2, 11), 5), ((5, 5, 5, 11), 11), ((11, 11, 4, 11), 5), ((11, 11, 1, 11), 2)]
+    columns = [torch.tensor(c) for c in zip(*(case for case, _ in cases), strict=True)]
+    assert spec.next_draft_counts(*columns, (1, 2, 5, 11)).tolist() == [want for _, want in cases]
+
+
+def test_a_rows_setting_is_rounded_down_to_a_draft_size():
+    """A row's limit is the largest size up to its speculate setting (8 -> 7 with sizes 1, 3, 7,
+    15); its first lookup asks for the size that holds FIRST_DRAFTS, within it; the scheduler's room
+    for its next step is the size that holds twice the drafts it had ready (none: a plain step)."""
+    sizes = (1, 3, 7, 15)
+    assert [spec.most_drafts(s, sizes) for s in (0, 1, 2, 3, 8, 15, 16)] == [0, 1, 1, 3, 7, 15, 15]
+    assert spec.FIRST_DRAFTS == 4
+    assert [spec.first_draft_count(m, sizes) for m in (1, 3, 7, 15)] == [1, 3, 7, 7]
+    assert [spec.grown_draft_count(r, 15, sizes) for r in (0, 1, 2, 3, 4, 8)] == [0, 3, 7, 7, 15, 15]
+    assert spec.grown_draft_count(3, 3, sizes) == 3
 
 
 # ---- verification ---------------------------------------------------------------------------
