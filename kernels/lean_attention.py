@@ -142,11 +142,11 @@ def config_sizes(head_dim: int, dtype: torch.dtype, fp8: bool = False, kv_heads:
 # bench/NOTES-attention.md). 32 rows through
 # FP8_SHORT_CONFIG, 64 in 64-position tiles over one warpgroup at two CTAs an SM (the bf16
 # 64-row shape), 128 and up in 128-position tiles with q made per tile.
-# The sequence lengths a CTA's schedule reads at once (BLOCK_B), at least: a kernel is compiled
-# for each BLOCK_B (~1.8 s each on an H100, for every launch config and step size a load warms
-# up), so every batch up to the engine's largest (decode.BUCKETS) shares one; reading 128 lengths
-# where a batch has fewer costs the plain step nothing measurable (bench/NOTES-attention.md).
-SCHEDULE_LANES = 128
+# The sequence lengths a CTA's schedule reads at once (BLOCK_B) where a batch has several: a
+# kernel is compiled for each BLOCK_B (~2 s on an H100, for every launch config and step size a
+# load warms up), so batches of 2..16 share one. One sequence keeps its own: its schedule's
+# reductions over 16 lanes cost a 1k step 11% (bench/NOTES-attention.md).
+SCHEDULE_LANES = 16
 MULTI_QUERY_MAX_ROWS = 256  # G * Q_MAX at most (a larger tile does not fit on an H200)
 # G_PAD -> tile positions, warps, stages, CTAs an SM, early_ticket, tree_fan (model-dtype cache)
 MULTI_QUERY_BF16 = {
@@ -786,8 +786,7 @@ def _store_segment(
         tl.store(PartLse + slot * (G_PAD * HEAD_DIM) + offs_part, lse_row, mask=row_ok[:, None])
 
 
-# B is not specialized on (1, a multiple of 16): with BLOCK_B at least SCHEDULE_LANES, every batch
-# size shares one compiled kernel.
+# B is not specialized on (1, a multiple of 16): batches that share a BLOCK_B share a compile.
 @triton.jit(do_not_specialize=["B"])
 def _lean_decode_kernel(
     Q,  # [B, Hq, D]; Q_MAX > 1: [B, Q_MAX, Hq, D]
@@ -1331,7 +1330,7 @@ def lean_attention(
         out.stride(0),
         out.stride(1) if q_lens is not None else 0,
         out.stride(-2),
-        BLOCK_B=max(SCHEDULE_LANES, triton.next_power_of_2(B)),
+        BLOCK_B=1 if B == 1 else max(SCHEDULE_LANES, triton.next_power_of_2(B)),
         G_PAD=g_pad,
         HEAD_DIM=D,
         BLOCK_N=config.block_n,
