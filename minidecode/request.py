@@ -54,7 +54,7 @@ class Request:
     # [0, 16]: the most draft tokens a decode step verifies (prompt lookup: the tokens that followed
     # the latest earlier occurrence of the last few, in the prompt or the answer); 0 or unset: off.
     # A step verifies one of the model's draft sizes (those that fill the attention's tiles: 1, 3,
-    # 7 or 15 with 4 or 8 query heads a KV head), so 8 runs as 7 and 16 as 15.
+    # 7 or 15 with 1, 2, 4 or 8 query heads a KV head), so 8 runs as 7 and 16 as 15.
     # Greedy output is unchanged token for token; sampling keeps the model's distribution (a seeded
     # request's draws are its own in any batch, but not those it draws without speculation). With
     # log-probs, top log-probs or a logits processor it makes no drafts (one token a step: exact).

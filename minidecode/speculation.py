@@ -30,14 +30,16 @@ FIRST_DRAFTS = 4  # a row's first lookup asks for the draft size that holds this
 
 def draft_sizes(group: int) -> tuple[int, ...]:
     """The draft counts a step is built for, smallest first, for a model with `group` query heads
-    a KV head: 1, and each k <= MAX_SPECULATE whose k + 1 query positions fill their tile
-    (lean_attention.tile_rows of group * (k + 1) rows: one more position would need the next).
-    A step with k drafts costs about what its tile's largest k costs (G = 4: k = 8 runs 64-row
-    tiles as k = 15 does, 1.51x a plain step at 32k on an H100 where k = 7 is 1.33x;
-    bench/results/verify-attention-h100.md), so the others are not offered."""
+    a KV head: each k <= MAX_SPECULATE whose k + 1 query positions fill their tile
+    (lean_attention.tile_rows of group * (k + 1) rows: one more position would need the next),
+    and below the first of those, where every k runs in the smallest tile, 1, 3, 7, 15. A step's
+    cost jumps where its rows pass a tile (G = 4, 32k, an H100: k = 7, 32 rows, 1.33x a plain
+    step; k = 8, 36 rows in a 64-row tile, 1.51x: bench/results/verify-attention-tiles-h100.md),
+    so a count between two sizes would pay the larger tile for fewer drafts than it holds."""
     rows = [tile_rows(group * q) for q in range(MAX_SPECULATE + 3)]  # the tile of q positions' rows
     fills = [k for k in range(1, MAX_SPECULATE + 1) if rows[k + 2] > rows[k + 1]]
-    return tuple(sorted({1, *fills}))
+    below = [k for k in (1, 3, 7, 15) if k < fills[0]]
+    return tuple(sorted({1, *below, *fills}))
 
 
 def most_drafts(speculate: int, sizes: Sequence[int]) -> int:
