@@ -53,6 +53,7 @@ import triton.language as tl
 from . import quant
 from .device import INTERPRETER_CTAS, sm_count
 from .e4m3 import split3_e4m3, split_e4m3
+from .tiles import tile_rows
 
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -1087,14 +1088,6 @@ class _Workspace(NamedTuple):
 
 _WORKSPACES: dict[tuple, _Workspace] = {}
 _COUNTER_STRIDE = 32  # int32s: each (b, h) ticket counter on its own 128-byte line
-
-
-def tile_rows(rows: int) -> int:
-    """The rows of the tile that holds `rows` query rows of one KV head (G heads x the query
-    positions): a power of two, 16 at least (tl.dot needs M >= 16). A step costs its tile's rows
-    more than its own (bench/NOTES-attention.md), which is why speculation sizes its steps to fill
-    one (speculation.draft_sizes)."""
-    return max(16, triton.next_power_of_2(rows))
 
 
 def _grid_size(device: torch.device, config: LeanConfig, num_ctas: int | None) -> int:

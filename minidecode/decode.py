@@ -31,7 +31,7 @@ from minidecode.models.llama import Transformer
 from .errors import UserError
 from .request import MAX_SPECULATE, MAX_TOP_LOGPROBS, check_int
 from .sampling import ProcessorRows, SamplingRows, process, sample, top_logprobs
-from .speculation import accept, draft_sizes, next_draft_counts, size_up
+from .speculation import DraftCounts, accept, size_up
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes a decode graph is captured for
 
@@ -258,6 +258,7 @@ def decode_step(
     queries: int = 1,
     spare: int = 0,
     lookup: bool = False,
+    counts: DraftCounts | None = None,
 ) -> None:
     """One token for every row of `state`, reading and writing only its device buffers (so it can
     be captured in a CUDA graph): each row's sequence lives in its region of the cache's one row
@@ -266,9 +267,10 @@ def decode_step(
     lookup: some row speculates (the step ends with every row's next drafts: `propose`).
 
     queries > 1: the step with drafts (`draft_step`: `queries` - 1 draft slots a row, padding
-    rows' K/V written at cache position `spare`)."""
+    rows' K/V written at cache position `spare`; `counts`, the model's draft-count rule)."""
     if queries > 1:
-        draft_step(model, cache, history, state, mode, queries, spare, pdl, want_logprobs, adjust, top)
+        draft_step(model, cache, history, state, mode, queries, spare, pdl, counts, want_logprobs,
+                   adjust, top)
     else:
         history.write(state, state.tokens)
         hidden = model.decode(
@@ -320,6 +322,7 @@ def draft_step(
     queries: int,
     spare: int,
     pdl: bool,
+    counts: DraftCounts,
     want_logprobs: bool = False,
     adjust: bool = False,
     top: bool = False,
@@ -330,7 +333,7 @@ def draft_step(
     on the tokens `sample` draws from each query row's logits at its position, as the plain step
     would there, then tokens <- the token after the kept drafts,
     verdicts <- (drafts verified, kept, the drafts), positions += kept + 1 (active rows), and each
-    row's next lookup sized by its acceptance (next_draft_counts). The rejected drafts' K/V stay
+    row's next lookup sized by its acceptance (counts: speculation.DraftCounts). The rejected drafts' K/V stay
     behind the new position, overwritten by later steps. Device work only, fixed shapes (a CUDA
     graph per `queries`).
 
@@ -360,8 +363,7 @@ def draft_step(
     if want_logprobs or top:  # rows that ask make no drafts: their next token follows query row 0
         record_logprobs(logits[:, 0], nxt, state, top)
     state.verdicts[:, : 2 + k] = torch.cat((draft_lens[:, None], accepted[:, None], drafts), dim=1)
-    sizes = draft_sizes(model.config.group_size)
-    state.draft_k.copy_(next_draft_counts(state.draft_k, draft_lens, accepted, state.speculate, sizes))
+    state.draft_k.copy_(counts.next(state.draft_k, draft_lens, accepted, state.speculate))
     state.tokens.copy_(nxt)
     state.positions.add_((accepted + 1) * state.active)
 
@@ -422,9 +424,10 @@ class DecodeGraphs:
         max_batch: int,
         graphed: bool,
         pdl: bool,
+        counts: DraftCounts,
     ):
         self.model, self.dtype, self.state, self.max_batch = model, dtype, state, max_batch
-        self.graphed, self.pdl = graphed, pdl
+        self.graphed, self.pdl, self.counts = graphed, pdl, counts
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.warmed: set[tuple] = set()
         self.captures, self.capture_seconds = 0, 0.0
@@ -473,4 +476,4 @@ class DecodeGraphs:
 
     def _args(self, kind: tuple, spare: int) -> tuple:
         mode, logprobs, adjust, top, queries, lookup = kind
-        return mode, logprobs, self.pdl, adjust, top, queries, spare, lookup
+        return mode, logprobs, self.pdl, adjust, top, queries, spare, lookup, self.counts

@@ -72,7 +72,7 @@ from .plan import (
 )
 from .request import DEFAULT_MAX_BATCH
 from .sampling import SamplingParams, process, sample, top_logprobs
-from .speculation import draft_sizes, first_draft_count, most_drafts
+from .speculation import DraftCounts, draft_sizes, first_draft_count, most_drafts
 
 
 @dataclass
@@ -133,7 +133,8 @@ class Engine:
         # Work that stops the loop outside prefill and decode (monitoring: the server's /metrics):
         # cache reallocations (each also drops the graphs), and graph captures with their time.
         self.resizes = 0
-        self.graphs = DecodeGraphs(model, dtype, self.state, self.max_batch, self.use_cuda_graph, pdl)
+        counts = DraftCounts.make(self.draft_sizes, device)
+        self.graphs = DecodeGraphs(model, dtype, self.state, self.max_batch, self.use_cuda_graph, pdl, counts)
         # the mixed step's inputs and graphs (mixed.py; the graphs dropped with the cache)
         mixed = (self.step_tokens, self.use_cuda_graph, self.max_batch, self.prefill_chunk)
         self.mixed = MixedSteps(model, device, dtype, self.kv_dtype, *mixed)

@@ -184,7 +184,7 @@ class Scheduler:
     def _decode_step(self) -> Decode:
         """The running rows' step: with query rows for drafts where a row had drafts ready when
         last seen, room for the size that holds twice as many (a row's lookup asks for up to that:
-        speculation.next_draft_counts), up to its limit; a row given fewer verifies its first ones."""
+        speculation.next_draft_count), up to its limit; a row given fewer verifies its first ones."""
         kind, running, sizes = self._kind, self.running, self.engine.draft_sizes
         grown = (grown_draft_count(s.ready_drafts, most_drafts(s.max_drafts, sizes), sizes) for s in running)
         most = max(grown, default=0)

@@ -18,10 +18,11 @@ Pure torch, on the device (no host sync); nothing here knows the engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from minidecode.kernels.lean_attention import tile_rows
+from minidecode.kernels.tiles import tile_rows
 
 from .request import MAX_SPECULATE
 
@@ -31,14 +32,14 @@ FIRST_DRAFTS = 4  # a row's first lookup asks for the draft size that holds this
 def draft_sizes(group: int) -> tuple[int, ...]:
     """The draft counts a step is built for, smallest first, for a model with `group` query heads
     a KV head: each k <= MAX_SPECULATE whose k + 1 query positions fill their tile
-    (lean_attention.tile_rows of group * (k + 1) rows: one more position would need the next),
+    (kernels/tiles.tile_rows of group * (k + 1) rows: one more position would need the next),
     and below the first of those, where every k runs in the smallest tile, 1, 3, 7, 15. A step's
     cost jumps where its rows pass a tile (G = 4, 32k, an H100: k = 7, 32 rows, 1.33x a plain
     step; k = 8, 36 rows in a 64-row tile, 1.51x: bench/results/verify-attention-tiles-h100.md),
     so a count between two sizes would pay the larger tile for fewer drafts than it holds."""
     rows = [tile_rows(group * q) for q in range(MAX_SPECULATE + 3)]  # the tile of q positions' rows
     fills = [k for k in range(1, MAX_SPECULATE + 1) if rows[k + 2] > rows[k + 1]]
-    below = [k for k in (1, 3, 7, 15) if k < fills[0]]
+    below = [k for k in (1, 3, 7, 15) if k < (fills or [MAX_SPECULATE + 1])[0]]
     return tuple(sorted({1, *below, *fills}))
 
 
@@ -58,31 +59,50 @@ def first_draft_count(most: int, sizes: Sequence[int]) -> int:
     return min(size_up(FIRST_DRAFTS, sizes), most)
 
 
+def next_draft_count(count: int, proposed: int, accepted: int, sizes: Sequence[int]) -> int:
+    """How many drafts a row's next lookup asks for after its lookup asked for `count`, its step
+    verified `proposed` and kept `accepted` (before its limit: DraftCounts.next): the size that
+    holds twice as many when every draft was kept, else the largest size up to one more than the
+    kept ones; unchanged where none were verified."""
+    if proposed == 0:
+        return count
+    if accepted >= proposed:
+        return size_up(2 * max(count, proposed), sizes)
+    return most_drafts(accepted + 1, sizes)
+
+
 def grown_draft_count(ready: int, most: int, sizes: Sequence[int]) -> int:
     """The most drafts a row's next lookup can ask for after a step that verified `ready` and
-    kept them all (next_draft_counts' growth; the scheduler sizes the next step by it)."""
-    return min(size_up(2 * ready, sizes), most) if ready else 0
+    kept them all (the scheduler sizes the next step by it)."""
+    return min(next_draft_count(ready, ready, ready, sizes), most)
 
 
-def next_draft_counts(
-    counts: torch.Tensor,  # [B] int64: the drafts each row's lookup asked for (a draft size)
-    proposed: torch.Tensor,  # [B] int64: the drafts its step verified (0: none)
-    accepted: torch.Tensor,  # [B] int64: those kept
-    most: torch.Tensor,  # [B] int64: the row's limit (most_drafts of its setting: a size, or 0)
-    sizes: Sequence[int],  # draft_sizes
-) -> torch.Tensor:  # [B] int64
-    """How many drafts each row's next lookup asks for, always a draft size up to `most`: the
-    size that holds twice as many when every draft was kept, else the largest size up to one more
-    than the kept ones; unchanged where none were verified."""
-    doubled = torch.maximum(counts, proposed) * 2
-    up = torch.full_like(counts, sizes[-1])
-    down = torch.zeros_like(counts)
-    for size in reversed(sizes):
-        up = torch.where(doubled <= size, size, up)
-    for size in sizes:
-        down = torch.where(accepted + 1 >= size, size, down)
-    nxt = torch.minimum(torch.where(accepted >= proposed, up, down), most)
-    return torch.where(proposed > 0, nxt, counts)
+@dataclass(frozen=True)
+class DraftCounts:
+    """next_draft_count on the device, for every row of a step at once: the rule tabulated over
+    (count, proposed, accepted), each in 0..MAX_SPECULATE, so a step with drafts pays a handful of
+    element-wise kernels for it whatever the sizes (the graph's work, not a host sync)."""
+
+    sizes: tuple[int, ...]
+    # [(M + 1) ** 3] int64, M = MAX_SPECULATE: the rule's answer for (count, proposed, accepted)
+    # at (count * (M + 1) + proposed) * (M + 1) + accepted
+    table: torch.Tensor
+
+    @classmethod
+    def make(cls, sizes: Sequence[int], device: torch.device | str) -> DraftCounts:
+        n = range(MAX_SPECULATE + 1)
+        rule = [next_draft_count(c, p, a, sizes) for c in n for p in n for a in n]
+        return cls(tuple(sizes), torch.tensor(rule, dtype=torch.long, device=device))
+
+    def next(
+        self,
+        counts: torch.Tensor,  # [B] int64: the drafts each row's lookup asked for (a draft size, or 0)
+        proposed: torch.Tensor,  # [B] int64: the drafts its step verified (0: none)
+        accepted: torch.Tensor,  # [B] int64: those kept
+        most: torch.Tensor,  # [B] int64: the row's limit (most_drafts of its setting: a size, or 0)
+    ) -> torch.Tensor:  # [B] int64: what each row's next lookup asks for, a draft size up to most
+        side = MAX_SPECULATE + 1
+        return torch.minimum(self.table[(counts * side + proposed) * side + accepted], most)
 
 
 # ---- verification ---------------------------------------------------------------------------

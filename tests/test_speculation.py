@@ -38,19 +38,24 @@ def test_draft_sizes_are_the_counts_that_fill_a_tile(group):
 
 
 def test_draft_count_follows_acceptance():
-    """next_draft_counts against the rule row by row (draft sizes 1, 3, 7, 15, then a group of 5's
-    1, 2, 5, 11): the size that holds twice as many when every draft was kept, up to the limit;
-    else the largest size up to one more than the kept ones; unchanged where none was verified."""
-    cases = [  # (count, proposed, accepted, most) -> next
-        ((3, 3, 3, 15), 7), ((7, 7, 7, 15), 15), ((15, 15, 15, 15), 15), ((7, 7, 3, 15), 3),
-        ((7, 7, 6, 15), 7), ((15, 15, 9, 15), 7), ((7, 7, 0, 15), 1), ((1, 0, 0, 15), 1),
-        ((1, 1, 1, 15), 3), ((7, 2, 2, 15), 15), ((3, 3, 3, 3), 3), ((3, 3, 3, 7), 7),
-    ]  # fmt: skip
-    columns = [torch.tensor(c) for c in zip(*(case for case, _ in cases), strict=True)]
-    assert spec.next_draft_counts(*columns, (1, 3, 7, 15)).tolist() == [want for _, want in cases]
-    cases = [((2, 2, 2, 11), 5), ((5, 5, 5, 11), 11), ((11, 11, 4, 11), 5), ((11, 11, 1, 11), 2)]
-    columns = [torch.tensor(c) for c in zip(*(case for case, _ in cases), strict=True)]
-    assert spec.next_draft_counts(*columns, (1, 2, 5, 11)).tolist() == [want for _, want in cases]
+    """The rule against cases worked by hand (draft sizes 1, 3, 7, 15, then a group of 5's 1, 2, 5,
+    11), on the host (next_draft_count, then the row's limit) and on the device's table, all rows
+    at once (DraftCounts.next): the size that holds twice as many when every draft was kept, up to
+    the limit; else the largest size up to one more than the kept ones; unchanged where none was
+    verified."""
+    cases = {
+        (1, 3, 7, 15): [  # (count, proposed, accepted, most) -> next
+            ((3, 3, 3, 15), 7), ((7, 7, 7, 15), 15), ((15, 15, 15, 15), 15), ((7, 7, 3, 15), 3),
+            ((7, 7, 6, 15), 7), ((15, 15, 9, 15), 7), ((7, 7, 0, 15), 1), ((1, 0, 0, 15), 1),
+            ((1, 1, 1, 15), 3), ((7, 2, 2, 15), 15), ((3, 3, 3, 3), 3), ((3, 3, 3, 7), 7), ((0, 0, 0, 0), 0),
+        ],
+        (1, 2, 5, 11): [((2, 2, 2, 11), 5), ((5, 5, 5, 11), 11), ((11, 11, 4, 11), 5), ((11, 11, 1, 11), 2)],
+    }  # fmt: skip
+    for sizes, rows in cases.items():
+        want = [nxt for _, nxt in rows]
+        assert [min(spec.next_draft_count(c, p, a, sizes), m) for (c, p, a, m), _ in rows] == want
+        columns = [torch.tensor(c) for c in zip(*(case for case, _ in rows), strict=True)]
+        assert spec.DraftCounts.make(sizes, "cpu").next(*columns).tolist() == want
 
 
 def test_a_rows_setting_is_rounded_down_to_a_draft_size():
