@@ -39,7 +39,7 @@ HQ, HKV, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 K = 1024
 LENGTHS = (K, 32 * K, 128 * K, 512 * K)
-DRAFTS = (0, 1, 4, 8, 16)
+DRAFTS = (0, 1, 3, 4, 7, 8, 15, 16)  # the runtime's draft sizes at G = 4 (1, 3, 7, 15), and one past each
 RESULTS = Path(__file__).resolve().parent / "results" / "verify-attention"
 
 

@@ -179,6 +179,21 @@ def recorded_plans(llm: LLM, monkeypatch) -> list[StepPlan]:
     return plans
 
 
+def test_a_step_verifies_at_most_the_draft_size_below_the_setting(llm, monkeypatch):
+    """speculate=8 on the shipped model (4 query heads a KV head: draft sizes 1, 3, 7, 15): every
+    step takes 1, 2, 4 or 8 query rows a sequence, never verifies more than 7 drafts, and gives the
+    plain tokens."""
+    assert llm.engine.draft_sizes == (1, 3, 7, 15)
+    plain = greedy(llm, REPEATS, max_new_tokens=64)
+    plans = recorded_plans(llm, monkeypatch)
+    spec = greedy(llm, REPEATS, max_new_tokens=64, speculate=8)
+    assert spec.token_ids == plain.token_ids
+    steps = [plan.decode.queries for plan in plans if plan.decode is not None]
+    assert set(steps) <= {1, 2, 4, 8} and 8 in steps
+    stats = spec.stats
+    assert stats.proposed_tokens <= 7 * sum(q > 1 for q in steps) and stats.accepted_tokens > 0
+
+
 def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, monkeypatch):
     """The plans' prepare lists hold every (bucket, kind, queries) a later step runs, each added with
     the admission of a sequence that can speculate: no step captures a graph (on the CPU nothing
