@@ -12,7 +12,8 @@ whatever the drafts.
 A lookup asks for one of the model's draft sizes (`draft_sizes`): the counts whose query rows
 fill the decode kernel's tile, since a step costs its tile, not its rows.
 
-Pure torch, on the device (no host sync); nothing here knows the engine.
+The rules are plain Python on the host (the scheduler's and the engine's) and torch on the device
+(the step's, no host sync); nothing here knows the engine.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ class DraftCounts:
     (count, proposed, accepted), each in 0..MAX_SPECULATE, so a step with drafts pays a handful of
     element-wise kernels for it whatever the sizes (the graph's work, not a host sync)."""
 
-    sizes: tuple[int, ...]
     # [(M + 1) ** 3] int64, M = MAX_SPECULATE: the rule's answer for (count, proposed, accepted)
     # at (count * (M + 1) + proposed) * (M + 1) + accepted
     table: torch.Tensor
@@ -92,7 +92,7 @@ class DraftCounts:
     def make(cls, sizes: Sequence[int], device: torch.device | str) -> DraftCounts:
         n = range(MAX_SPECULATE + 1)
         rule = [next_draft_count(c, p, a, sizes) for c in n for p in n for a in n]
-        return cls(tuple(sizes), torch.tensor(rule, dtype=torch.long, device=device))
+        return cls(torch.tensor(rule, dtype=torch.long, device=device))
 
     def next(
         self,
