@@ -31,7 +31,8 @@ many for one CTA to merge from every contributor without holding up the step, so
 fixed tree instead of one ticket a segment: the CTA that finishes last among a node's children
 (up to tree_fan) merges them and climbs, so the last CTA of a segment merges a few partials a
 level, and the tree depends only on the contributors' count (still bitwise reproducible). Q_MAX =
-1 compiles none of it.
+1 compiles none of it; above 1, Q_MAX is a runtime value, so the steps whose rows pad to the same
+tile (2 and 4 positions at G = 4: 16 rows) share one compile.
 
 The schedule is computed inside the kernel from the device tensor of lengths: a growing context
 needs no host sync and no recompilation, and a CUDA graph captured once replays for every later
@@ -635,8 +636,8 @@ def _merge_node(
     kids,  # the node's children: leaves child0, child0 + span, ..
     root,  # the node covers every contributor: write the output, else the node's partial
     b, h, Out, Lse, PartO, PartLse, G, Hkv, stride_ob, stride_oj, stride_oh,
-    G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, TREE_FAN: tl.constexpr,
-    WRITE_LSE: tl.constexpr, Q_MAX: tl.constexpr,
+    q_max, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, TREE_FAN: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows of one tree node: its children's partials (each in the slot of its first leaf's
     CTA, _store_segment's layout) merged at once, in child order, into the output or into the
@@ -664,7 +665,7 @@ def _merge_node(
         o_ptrs = Out + _row_offsets(col_g, b, h, G, stride_ob, stride_oj, stride_oh, True) + cols % HEAD_DIM
         tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=col_ok)
         if WRITE_LSE:  # natural log, once per row: the column holding its d = 0
-            lse_ptrs = Lse + _row_offsets(col_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, True)
+            lse_ptrs = Lse + _row_offsets(col_g, b, h, G, q_max * Hkv * G, Hkv * G, 1, True)
             tl.store(lse_ptrs, lse * 0.6931471805599453, mask=col_ok & (cols % HEAD_DIM == 0))
     else:
         node = tl.where(child0 == 0, first_slot, 2 * (first + child0)) * (G_PAD * HEAD_DIM) + cols
@@ -675,9 +676,9 @@ def _merge_node(
 @triton.jit
 def _tree_merge(
     cta, b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse, TreeCounters,
-    tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh,
+    tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh, q_max,
     G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr, TREE_FAN: tl.constexpr,
-    WRITE_LSE: tl.constexpr, Q_MAX: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Several query positions: our partial of segment (b, h) (written, its stores ordered before
     this by the caller's barrier) climbs a fixed tree over the segment's contributors. Leaf i is
@@ -712,8 +713,8 @@ def _tree_merge(
                 for row0 in range(0, n_rows, MERGE_ROWS):
                     # fmt: off
                     _merge_node(row0, n_rows, first, first_slot, child0, span, kids, root, b, h, Out, Lse,
-                                PartO, PartLse, G, Hkv, stride_ob, stride_oj, stride_oh, G_PAD, HEAD_DIM,
-                                MERGE_ROWS, TREE_FAN, WRITE_LSE, Q_MAX)
+                                PartO, PartLse, G, Hkv, stride_ob, stride_oj, stride_oh, q_max, G_PAD,
+                                HEAD_DIM, MERGE_ROWS, TREE_FAN, WRITE_LSE)
                     # fmt: on
             going = won & (root == 0)
         else:
@@ -725,18 +726,18 @@ def _tree_merge(
 @triton.jit
 def _finish_partial(
     cta, b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse, Counters,
-    TreeCounters, tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh,
+    TreeCounters, tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh, q_max,
     G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, G_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr,
     MERGE_STAGES: tl.constexpr, MERGE_CHUNK: tl.constexpr, COUNTER_STRIDE: tl.constexpr,
-    TREE_FAN: tl.constexpr, WRITE_LSE: tl.constexpr, Q_MAX: tl.constexpr,
+    TREE_FAN: tl.constexpr, WRITE_LSE: tl.constexpr, MULTI_Q: tl.constexpr,
 ):  # fmt: skip
     """Our partial of segment (b, h) is written: its merge, one ticket a segment (one query
     position) or the tree (several)."""
-    if Q_MAX > 1:
+    if MULTI_Q:
         # fmt: off
         _tree_merge(cta, b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse,
-                    TreeCounters, tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh, G_PAD,
-                    HEAD_DIM, MERGE_ROWS, TREE_FAN, WRITE_LSE, Q_MAX)
+                    TreeCounters, tree_levels, QLens, G, Hkv, stride_ob, stride_oj, stride_oh, q_max, G_PAD,
+                    HEAD_DIM, MERGE_ROWS, TREE_FAN, WRITE_LSE)
     else:
         _ticket_and_merge(b, h, seg_lo, seg_hi, per, big, span_ctas, span_tiles, Out, Lse, PartO, PartLse,
                           Counters, G, Hkv, stride_ob, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_STAGES,
@@ -787,30 +788,32 @@ def _store_segment(
         tl.store(PartLse + slot * (G_PAD * HEAD_DIM) + offs_part, lse_row, mask=row_ok[:, None])
 
 
-# B is not specialized on (1, a multiple of 16): batches that share a BLOCK_B share a compile.
-@triton.jit(do_not_specialize=["B"])
+# B and q_max are not specialized on (1, a multiple of 16): batches that share a BLOCK_B, and
+# steps whose query rows share a tile (G_PAD), share a compile.
+@triton.jit(do_not_specialize=["B", "q_max"])
 def _lean_decode_kernel(
-    Q,  # [B, Hq, D]; Q_MAX > 1: [B, Q_MAX, Hq, D]
+    Q,  # [B, Hq, D]; MULTI_Q: [B, q_max, Hq, D]
     K,  # [B, Hkv, S, D], last dim contiguous (FP8: the uint8 view of the e4m3 cache)
     V,  # [B, Hkv, S, D]; V_BLOCK > 0: [B, Hkv, S / V_BLOCK, D, V_BLOCK], positions contiguous
     KVScale,  # FP8: [B, Hkv, S] int32, last dim contiguous: the bf16 K (low half) and V scales
-    Out,  # [B, Hq, D]; Q_MAX > 1: [B, Q_MAX, Hq, D]
-    Lse,  # [B, Hq] ([B, Q_MAX, Hq]) float32, contiguous: log-sum-exp of the scaled scores, natural log
+    Out,  # [B, Hq, D]; MULTI_Q: [B, q_max, Hq, D]
+    Lse,  # [B, Hq] ([B, q_max, Hq]) float32, contiguous: log-sum-exp of the scaled scores, natural log
     Lengths,  # [B] int32
     Starts,  # [B] int64 with HAS_STARTS: sequence b's positions begin at Starts[b] of its cache row
-    QLens,  # Q_MAX > 1: [B] int32, query positions of sequence b (1 <= QLens[b] <= min(Q_MAX, length))
-    Limits,  # HAS_LIMITS: [B, Q_MAX] int32, contiguous: the positions query j of sequence b sees
+    QLens,  # MULTI_Q: [B] int32, query positions of sequence b (1 <= QLens[b] <= min(q_max, length))
+    Limits,  # HAS_LIMITS: [B, q_max] int32, contiguous: the positions query j of sequence b sees
     PartO,  # [2 * grid, G_PAD, D] fp32: a CTA's partials for its first and its last segment
     PartLse,  # [2 * grid, G_PAD, D] fp32: log2-sum-exp of each partial row, once per column
     Counters,  # [B * Hkv * COUNTER_STRIDE] int32 tickets, zero between launches
-    TreeCounters,  # Q_MAX > 1: [2 * grid * tree_levels * TREE_COUNTER_STRIDE] int32, the tree's tickets
-    tree_levels,  # Q_MAX > 1: the tree's levels (TREE_FAN^tree_levels >= grid)
+    TreeCounters,  # MULTI_Q: [2 * grid * tree_levels * TREE_COUNTER_STRIDE] int32, the tree's tickets
+    tree_levels,  # MULTI_Q: the tree's levels (TREE_FAN^tree_levels >= grid)
+    q_max,  # query positions a sequence (q's axis 1): 1 for the single-query decode step
     qk_scale,  # softmax scale * log2(e): scores live in log2 space, so exp2 is exact softmax
     B,
     Hkv,
     G,
     stride_qb,
-    stride_qj,  # Q_MAX > 1: the stride of q's query positions
+    stride_qj,  # MULTI_Q: the stride of q's query positions
     stride_qh,
     stride_kb,
     stride_kh,
@@ -845,7 +848,7 @@ def _lean_decode_kernel(
     E4M3_HW: tl.constexpr,  # DEQUANT 3: round to e4m3 with the hardware cast (else integer ops)
     EARLY_TICKET: tl.constexpr,  # PER_HEAD: draw a partial first segment's ticket on leaving it
     Q_PER_TILE: tl.constexpr,  # fp16 decode: q's operand made in every tile, not once a segment
-    Q_MAX: tl.constexpr,  # query positions a sequence (q's axis 1); 1: the single-query decode step
+    MULTI_Q: tl.constexpr,  # q_max > 1: several query positions a sequence (verifying drafts)
 ):
     cta = tl.program_id(0)
     n_ctas = tl.num_programs(0)
@@ -883,8 +886,7 @@ def _lean_decode_kernel(
     row_ok = offs_g < G  # [G_PAD] rows past the group are padding for the dot's M >= 16
     # Several query positions a sequence (verification of drafts): a tile's rows are the group's
     # heads for each position (_row_offsets), all reading the tile's K/V once; each row's causal
-    # limit masks its scores (_row_limits). Q_MAX 1 compiles none of it.
-    MULTI_Q: tl.constexpr = Q_MAX > 1
+    # limit masks its scores (_row_limits). The single-query step compiles none of it.
     # Loop-invariant int32 offsets inside one block; only the scalar block offset moves.
     offs_k = offs_n[:, None] * stride_kn + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
     if V_BLOCK == 0:
@@ -927,7 +929,7 @@ def _lean_decode_kernel(
             q_len = tl.load(QLens + b)
             row_ok = offs_g < G * q_len
             if HAS_LIMITS:  # padding rows see every position, as _row_limits has them
-                lim = tl.load(Limits + b * Q_MAX + offs_g // G, mask=row_ok, other=length)  # [G_PAD]
+                lim = tl.load(Limits + b * q_max + offs_g // G, mask=row_ok, other=length)  # [G_PAD]
             else:
                 lim = _row_limits(length, q_len, offs_g, G)  # [G_PAD]
         if PER_HEAD:
@@ -986,7 +988,7 @@ def _lean_decode_kernel(
                 whole = (seg_lo >= range_lo) & (seg_stop == seg_lo + n_blk)
                 slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
                 o_offs = _row_offsets(offs_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
-                lse_offs = _row_offsets(offs_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
+                lse_offs = _row_offsets(offs_g, b, h, G, q_max * Hkv * G, Hkv * G, 1, MULTI_Q)
                 # fmt: off
                 _store_segment(o_seg, m_i, l_row, whole, slot, G * q_len if MULTI_Q else G, o_offs, lse_offs,
                                Out, Lse, PartO, PartLse, G_PAD, HEAD_DIM, WRITE_LSE, MULTI_Q)
@@ -995,9 +997,9 @@ def _lean_decode_kernel(
                         tl.debug_barrier()  # the partial's stores precede the ticket (release)
                         _finish_partial(cta, b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles,
                                         Out, Lse, PartO, PartLse, Counters, TreeCounters, tree_levels, QLens,
-                                        G, Hkv, stride_ob, stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE,
-                                        MERGE_ROWS, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, TREE_FAN,
-                                        WRITE_LSE, Q_MAX)
+                                        G, Hkv, stride_ob, stride_oj, stride_oh, q_max, G_PAD, HEAD_DIM,
+                                        G_MERGE, MERGE_ROWS, MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE,
+                                        TREE_FAN, WRITE_LSE, MULTI_Q)
                 # fmt: on
                 tile = seg_stop
         else:
@@ -1046,7 +1048,7 @@ def _lean_decode_kernel(
                     whole = (seg_lo >= range_lo) & (t == seg_hi - 1)
                     slot = 2 * cta + (range_lo < seg_lo).to(tl.int32)  # 0: our first segment, 1: our last
                     o_offs = _row_offsets(offs_g, b, h, G, stride_ob, stride_oj, stride_oh, MULTI_Q)
-                    lse_offs = _row_offsets(offs_g, b, h, G, Q_MAX * Hkv * G, Hkv * G, 1, MULTI_Q)
+                    lse_offs = _row_offsets(offs_g, b, h, G, q_max * Hkv * G, Hkv * G, 1, MULTI_Q)
                     # fmt: off
                     _store_segment(acc / l_i[:, None], m_i, l_i, whole, slot, G, o_offs, lse_offs, Out, Lse,
                                    PartO, PartLse, G_PAD, HEAD_DIM, WRITE_LSE, MULTI_Q)
@@ -1070,8 +1072,8 @@ def _lean_decode_kernel(
                 # fmt: off
                 _finish_partial(cta, b, h, seg_lo, seg_lo + n_blk, per, big, span_ctas, span_tiles, Out, Lse,
                                 PartO, PartLse, Counters, TreeCounters, tree_levels, QLens, G, Hkv, stride_ob,
-                                stride_oj, stride_oh, G_PAD, HEAD_DIM, G_MERGE, MERGE_ROWS, MERGE_STAGES,
-                                MERGE_CHUNK, COUNTER_STRIDE, TREE_FAN, WRITE_LSE, Q_MAX)
+                                stride_oj, stride_oh, q_max, G_PAD, HEAD_DIM, G_MERGE, MERGE_ROWS,
+                                MERGE_STAGES, MERGE_CHUNK, COUNTER_STRIDE, TREE_FAN, WRITE_LSE, MULTI_Q)
                 # fmt: on
 
 
@@ -1264,7 +1266,7 @@ def lean_attention(
     grid = _grid_size(q.device, config, num_ctas)
     # Several query positions: a tree node's merge holds its children's rows x head_dim elements
     # a pass (TREE_MERGE_ELEMENTS), and the tree has the levels of a segment of every CTA.
-    merge_rows = max(1, min(triton.next_power_of_2(G * q_max), TREE_MERGE_ELEMENTS // (fan * D)))
+    merge_rows = max(1, min(g_pad, TREE_MERGE_ELEMENTS // (fan * D)))
     tree_levels = 0
     while q_max > 1 and fan**tree_levels < grid:
         tree_levels += 1
@@ -1304,6 +1306,7 @@ def lean_attention(
         ws.counters,
         ws.counters[B * Hkv * _COUNTER_STRIDE :] if tree_levels else ws.counters,  # the tree's
         tree_levels,
+        q_max,
         scale * LOG2E,
         B,
         Hkv,
@@ -1328,7 +1331,7 @@ def lean_attention(
         HEAD_DIM=D,
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        G_MERGE=triton.next_power_of_2(G * q_max),
+        G_MERGE=triton.next_power_of_2(G),  # the single-query merge's rows
         MERGE_ROWS=merge_rows,
         MERGE_STAGES=config.merge_stages,
         MERGE_CHUNK=config.merge_chunk,
@@ -1344,7 +1347,7 @@ def lean_attention(
         E4M3_HW=q.device.type == "cuda",
         EARLY_TICKET=config.early_ticket,
         Q_PER_TILE=config.q_per_tile,
-        Q_MAX=q_max,
+        MULTI_Q=q_max > 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),

@@ -455,3 +455,19 @@ def test_cuda_graph_replays_for_any_q_lens(fp8):
         err = rel_err(out[rows], ref.cuda()[rows])
         assert err < (MMA_TOL if fp8 else TOL[torch.bfloat16]), f"relative error {err:.2e}"
         assert counters_zero()
+
+
+@pytest.mark.gpu
+def test_steps_whose_rows_share_a_tile_share_a_compile():
+    """Q_MAX is a runtime value: at 4 query heads a KV head, 2 and 4 positions (8 and 16 rows) both
+    run in the 16-row tile and compile the kernel once; 8 positions (32 rows) compile another. Each
+    against float64."""
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kernels = la._lean_decode_kernel.device_caches[torch.cuda.current_device()][0]  # key -> compiled
+    kernels.clear()  # this process's compiles (earlier tests'), so each new key below is counted
+    compiled = []
+    for q_len in (2, 4, 3, 8):
+        check("cuda", [3_000, 77], [q_len, 1], hq=32, hkv=8, head_dim=128, dtype=torch.float16, seed=q_len)
+        compiled.append(len(kernels))
+    assert compiled == [1, 1, 1, 2], compiled
