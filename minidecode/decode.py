@@ -54,13 +54,6 @@ def draft_bucket(k: int, sizes: Sequence[int]) -> int:
     return 1 + size_up(k, sizes)
 
 
-def step_queries(speculate: int, sizes: Sequence[int]) -> list[int]:
-    """The query rows a sequence (1 + draft slots) that a step can take where its rows draft at
-    most `speculate` tokens: 1 (a plain step), then 1 + each draft size up to speculate; each is
-    a graph of its own."""
-    return [1, *(1 + k for k in sizes if k <= speculate)]
-
-
 @dataclass
 class DecodeState:
     """The decode step's device buffers, [B] each unless shown: a captured graph reads and writes

@@ -35,12 +35,12 @@ API's up-front refusal uses too."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from .cache import Regions
 from .cache_file import CacheFile
-from .decode import draft_bucket, step_queries
+from .decode import draft_bucket
 from .engine import Engine
 from .errors import UserError
 from .mixed import chunk_bucket, chunk_end, rows_per_key
@@ -100,11 +100,27 @@ def step_kind(seqs: list[Sequence]) -> DecodeKind:
     )
 
 
-def step_graphs(kind: DecodeKind, speculate: int, sizes: tuple[int, ...]) -> list[tuple[DecodeKind, int]]:
-    """The decode steps (kind, query rows a sequence) that rows of `kind` drafting at most
-    `speculate` tokens may take: each of step_queries(speculate, sizes), and where they look drafts
-    up the plain step without the lookup (once the rows that speculate have ended)."""
-    steps = [(kind, queries) for queries in step_queries(speculate, sizes)]
+def step_queries(limits: Iterable[int], sizes: tuple[int, ...]) -> list[int]:
+    """The query rows a sequence (1 + draft slots) that Scheduler._decode_step can size a step at
+    where its rows' settings are `limits` (their speculate, 0: none): 1 (a plain step, or no row
+    had drafts ready), and the bucket of each count grown_draft_count gives a row that had 1 up to
+    its most drafts ready. A step's count is the largest of its rows', so it is among them. A row
+    that kept all its drafts asks for at least size_up(2) next, so at 4 heads a KV head (sizes 1,
+    3, 7, 15) a step verifies 1 draft only where every row's limit is 1."""
+    counts = set()
+    for speculate in limits:
+        most = most_drafts(speculate, sizes)
+        counts |= {grown_draft_count(ready, most, sizes) for ready in range(1, most + 1)}
+    return [1, *sorted(draft_bucket(k, sizes) for k in counts)]
+
+
+def step_graphs(
+    kind: DecodeKind, limits: Iterable[int], sizes: tuple[int, ...]
+) -> list[tuple[DecodeKind, int]]:
+    """The decode steps (kind, query rows a sequence) that rows of `kind` whose speculate settings
+    are `limits` may take: each of step_queries(limits, sizes), and where they look drafts up the
+    plain step without the lookup (once the rows that speculate have ended)."""
+    steps = [(kind, queries) for queries in step_queries(limits, sizes)]
     if kind.lookup:
         steps.append((replace(kind, lookup=False), 1))
     return steps
@@ -212,8 +228,9 @@ class Scheduler:
             # The step graphs it will decode in (step_graphs), captured before its prefill, not in
             # its decoding.
             rows, together = len(self.running) + 1, [*self.running, seq]
-            most, kind = max(s.max_drafts for s in together), step_kind(together)
-            prepare = [(rows, k, queries) for k, queries in step_graphs(kind, most, self.engine.draft_sizes)]
+            limits, kind = {s.max_drafts for s in together}, step_kind(together)
+            steps = step_graphs(kind, limits, self.engine.draft_sizes)
+            prepare = [(rows, k, queries) for k, queries in steps]
             if self._beside and not self.engine.context_parallel:  # mixed steps: in theirs
                 self._to_prepare, self._last_step = prepare, None
             else:

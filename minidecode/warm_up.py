@@ -82,10 +82,10 @@ def mixed_rows(engine: Engine) -> list[int]:
 def decode_steps(engine: Engine, speculate: int) -> list[tuple[int, DecodeKind, int]]:
     """The decode steps warm_up compiles, (rows, kind, query rows a sequence): each batch bucket's
     plain step, and where requests speculate up to `speculate` drafts the steps the scheduler
-    prepares for them (scheduler.step_graphs: each draft size's with the lookup, and the plain
-    step with and without it)."""
+    prepares for them (scheduler.step_graphs: each step size such rows can take, with the lookup,
+    and the plain step with and without it)."""
     kind = DecodeKind(SamplingParams().mode, lookup=speculate > 0)  # scheduler.step_kind of such rows
-    steps = step_graphs(kind, speculate, engine.draft_sizes)
+    steps = step_graphs(kind, [speculate], engine.draft_sizes)
     return [(rows, step, queries) for rows in batch_buckets(engine) for step, queries in steps]
 
 

@@ -70,6 +70,22 @@ def test_a_rows_setting_is_rounded_down_to_a_draft_size():
     assert spec.grown_draft_count(3, 3, sizes) == 3
 
 
+def test_a_step_is_sized_only_at_the_query_rows_its_rows_settings_can_reach():
+    """step_queries, the graphs an admission and the load prepare, against cases worked by hand:
+    with sizes 1, 3, 7, 15 a row that kept its drafts asks for at least 3 next, so 2 query rows (1
+    draft) are reached only where every row's limit is 1; with sizes 1, 2, 5, 11 (5 heads a KV head)
+    the fewest drafts a row that drafts asks for is 2 (3 rows)."""
+    from minidecode.scheduler import step_queries
+
+    cases = {
+        (1, 3, 7, 15): [([0], [1]), ([1], [1, 2]), ([2], [1, 2]), ([3], [1, 4]), ([8], [1, 4, 8]),
+                        ([16], [1, 4, 8, 16]), ([1, 8], [1, 2, 4, 8]), ([0, 3, 8], [1, 4, 8])],
+        (1, 2, 5, 11): [([8], [1, 3, 6]), ([16], [1, 3, 6, 12]), ([1], [1, 2])],
+    }  # fmt: skip
+    for sizes, rows in cases.items():
+        assert [step_queries(limits, sizes) for limits, _ in rows] == [want for _, want in rows]
+
+
 # ---- verification ---------------------------------------------------------------------------
 
 

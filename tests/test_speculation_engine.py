@@ -181,15 +181,15 @@ def recorded_plans(llm: LLM, monkeypatch) -> list[StepPlan]:
 
 def test_a_step_verifies_at_most_the_draft_size_below_the_setting(llm, monkeypatch):
     """speculate=8 on the shipped model (4 query heads a KV head: draft sizes 1, 3, 7, 15): every
-    step takes 1, 2, 4 or 8 query rows a sequence, never verifies more than 7 drafts, and gives the
-    plain tokens."""
+    step takes 1, 4 or 8 query rows a sequence (a row that kept its drafts asks for at least 3),
+    never verifies more than 7 drafts, and gives the plain tokens."""
     assert llm.engine.draft_sizes == (1, 3, 7, 15)
     plain = greedy(llm, REPEATS, max_new_tokens=64)
     plans = recorded_plans(llm, monkeypatch)
     spec = greedy(llm, REPEATS, max_new_tokens=64, speculate=8)
     assert spec.token_ids == plain.token_ids
     steps = [plan.decode.queries for plan in plans if plan.decode is not None]
-    assert set(steps) <= {1, 2, 4, 8} and 8 in steps
+    assert set(steps) <= {1, 4, 8} and 8 in steps
     stats = spec.stats
     assert stats.proposed_tokens <= 7 * sum(q > 1 for q in steps) and stats.accepted_tokens > 0
 
@@ -203,13 +203,13 @@ def test_every_step_with_drafts_has_its_graph_prepared_before_its_prefill(llm, m
     requests.append(Request(prompt=CLASS))
     llm.generate(requests, temperature=0, max_new_tokens=40, reuse_prefix=False)
     admissions = [plan.prepare for plan in plans if plan.admit is not None]
-    # speculate 16: every draft size (the shipped model's 4 heads a KV head: 1, 3, 7 and 15 drafts,
-    # whose 2 / 4 / 8 / 16 positions fill 16 / 16 / 32 / 64-row tiles), then the plain step without
-    # the lookup (for rows left after it)
-    assert [(q, kind.lookup) for _, kind, q in admissions[0]] == [(q, True) for q in (1, 2, 4, 8, 16)] + [
+    # speculate 16: the draft sizes its steps can take (the shipped model's 4 heads a KV head: 3, 7
+    # and 15 drafts, whose 4 / 8 / 16 positions fill 16 / 32 / 64-row tiles; 1 draft only for rows
+    # whose limit is 1), then the plain step without the lookup (for rows left after it)
+    assert [(q, kind.lookup) for _, kind, q in admissions[0]] == [(q, True) for q in (1, 4, 8, 16)] + [
         (1, False)
     ]
-    assert {rows for rows, _, _ in admissions[1]} == {2} and len(admissions[1]) == 6  # (16 still runs)
+    assert {rows for rows, _, _ in admissions[1]} == {2} and len(admissions[1]) == 5  # (16 still runs)
     prepared, drafted = set(), 0
     for plan in plans:
         prepared |= {(bucket(rows), kind, queries) for rows, kind, queries in plan.prepare}
